@@ -1,0 +1,31 @@
+# Two entry points for a fresh machine: `make demo` and `make test`. Everything they need is installed here.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint install clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/autorepair demo $(DEMO_ARGS)
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy workflows activities worker node_probe
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy workflows activities worker node_probe
+
+clean:
+	rm -rf $(VENV) build *.egg-info .state

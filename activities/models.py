@@ -1,0 +1,143 @@
+"""Inputs and outputs of the activities, and the events they publish."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from workflows.models import RepairInput
+
+
+class EventType(StrEnum):
+    HEALTH_CHANGED = "HealthChanged"
+    REPAIR_STARTED = "RepairStarted"
+    DRAIN_PERMIT_GRANTED = "DrainPermitGranted"
+    DRAINING = "Draining"
+    REPLACEMENT_LAUNCHED = "ReplacementLaunched"
+    REPLACEMENT_LAUNCH_FAILED = "ReplacementLaunchFailed"
+    REPLACEMENT_READY = "ReplacementReady"
+    TASKS_STOPPED = "TasksStopped"
+    TERMINATED = "Terminated"
+    REPAIR_COMPLETED = "RepairCompleted"
+    REPAIR_FAILED = "RepairFailed"
+    DRAIN_PERMIT_RELEASED = "DrainPermitReleased"
+
+
+HEALTH_DETAIL_TYPE = "Instance Health Change"
+REPAIR_DETAIL_TYPE = "Instance Repair Step"
+
+
+class FleetEvent(BaseModel):
+    """One line of the event stream. `fields` holds the type-specific keys (e.g. `replacement_instance_id`)."""
+
+    event_id: str = Field(description="Deterministic per workflow step, so consumers can drop redeliveries")
+    time: datetime
+    type: EventType
+    group: str
+    instance_id: str
+    workflow_id: str = ""
+    fields: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def detail_type(self) -> str:
+        return HEALTH_DETAIL_TYPE if self.type is EventType.HEALTH_CHANGED else REPAIR_DETAIL_TYPE
+
+    def line(self) -> dict[str, Any]:
+        """The flat JSON-lines shape: time, type, group, instance_id, then the type's own keys."""
+        head = {
+            "time": self.time.isoformat().replace("+00:00", "Z"),
+            "type": self.type.value,
+            "group": self.group,
+            "instance_id": self.instance_id,
+            "workflow_id": self.workflow_id,
+            "event_id": self.event_id,
+        }
+        return head | self.fields
+
+
+class GroupRef(BaseModel):
+    group: str
+
+
+class InstanceRef(BaseModel):
+    group: str
+    instance_id: str
+
+
+class DrainResult(BaseModel):
+    container_instance_arn: str
+    availability_zone: str | None = None
+    subnet_id: str | None = None
+
+
+class LaunchRequest(BaseModel):
+    group: str
+    impaired_instance_id: str
+    availability_zone: str | None = None
+    subnet_id: str | None = None
+    # Same token on every retry of one repair's launch: the activity returns the instance it already launched.
+    client_token: str = Field(min_length=1, max_length=64)
+
+
+class LaunchResult(BaseModel):
+    replacement_instance_id: str
+    already_existed: bool = False
+
+
+class ContainerInstanceRef(BaseModel):
+    container_instance_arn: str
+
+
+class TaskInfo(BaseModel):
+    task_arn: str
+    stop_timeout_seconds: int
+
+
+class InstanceTasks(BaseModel):
+    tasks: list[TaskInfo]
+
+
+class StopTasksRequest(BaseModel):
+    group: str
+    task_arns: list[str]
+    reason: str
+
+
+class StopTasksResult(BaseModel):
+    stopped: int
+
+
+class TerminateResult(BaseModel):
+    previous_state: str | None = None
+    already_terminated: bool = False
+
+
+class StartRepairRequest(BaseModel):
+    repair: RepairInput
+    summary: str = Field(description="One line for the Web UI's list view")
+
+
+class StartRepairResult(BaseModel):
+    workflow_id: str
+    already_running: bool
+
+
+class PermitRequestOrder(BaseModel):
+    """Ask the group's drain semaphore for a permit, starting the semaphore if it is not running."""
+
+    group: str
+    holder_workflow_id: str
+    holder_run_id: str
+    instance_id: str
+
+
+class WorkflowRun(BaseModel):
+    workflow_id: str
+    run_id: str | None = None
+
+
+class WorkflowRuns(BaseModel):
+    runs: list[WorkflowRun]

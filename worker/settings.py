@@ -1,0 +1,93 @@
+"""The one typed settings object: environment variables (AUTOREPAIR_...) over an optional TOML file."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field, SecretStr, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from workflows.models import CapacityGroup
+
+CONFIG_ENV = "AUTOREPAIR_CONFIG"
+DEFAULT_TASK_QUEUE = "gpu-autorepair"
+
+
+class TemporalSettings(BaseModel):
+    address: str = "localhost:7233"
+    namespace: str = "default"
+    task_queue: str = DEFAULT_TASK_QUEUE
+    # Temporal Cloud: an API key, or mTLS with a client certificate and key.
+    api_key: SecretStr | None = None
+    tls: bool = False
+    tls_client_cert: Path | None = None
+    tls_client_key: Path | None = None
+    tls_server_ca: Path | None = None
+    ui_url: str = "http://localhost:8233"
+
+    @model_validator(mode="after")
+    def _cert_and_key_together(self) -> TemporalSettings:
+        if (self.tls_client_cert is None) != (self.tls_client_key is None):
+            raise ValueError("temporal.tls_client_cert and temporal.tls_client_key must be set together")
+        return self
+
+
+class AwsSettings(BaseModel):
+    region: str = "us-east-1"
+    # Set for moto (or a VPC endpoint); unset means the real AWS endpoints for the region.
+    endpoint_url: str | None = None
+    max_attempts: int = Field(default=5, ge=1, description="botocore's own retries, before Temporal's")
+
+
+class EventSettings(BaseModel):
+    bus_name: str = "default"
+    source: str = "gpu-autorepair"
+    eventbridge: bool = True
+    jsonl_path: Path | None = Field(default=None, description="Also append each event to this JSON-lines file")
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="AUTOREPAIR_", env_nested_delimiter="__", extra="forbid")
+
+    temporal: TemporalSettings = Field(default_factory=TemporalSettings)
+    aws: AwsSettings = Field(default_factory=AwsSettings)
+    events: EventSettings = Field(default_factory=EventSettings)
+    groups: list[CapacityGroup] = Field(default_factory=list)
+    log_format: str = Field(default="auto", pattern="^(auto|json|console)$")
+    metrics_bind_address: str | None = None
+    otlp_endpoint: str | None = None
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        config_path = os.environ.get(CONFIG_ENV)
+        if config_path:
+            if not Path(config_path).is_file():
+                raise FileNotFoundError(f"{CONFIG_ENV}={config_path}: no such file")
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=config_path))
+        return tuple(sources)
+
+    def group(self, name: str) -> CapacityGroup:
+        for group in self.groups:
+            if group.name == name:
+                return group
+        known = ", ".join(g.name for g in self.groups) or "none"
+        raise KeyError(f"unknown capacity group {name!r} (configured: {known})")
+
+    @classmethod
+    def load(cls, **overrides: Any) -> Settings:
+        return cls(**overrides)

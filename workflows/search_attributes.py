@@ -1,0 +1,11 @@
+"""Custom search attributes: what an operator filters repairs by in the Web UI and `temporal workflow list`."""
+
+from temporalio.common import SearchAttributeKey
+
+REPAIR_PHASE = SearchAttributeKey.for_keyword("RepairPhase")
+INSTANCE_ID = SearchAttributeKey.for_keyword("InstanceId")
+CAPACITY_GROUP = SearchAttributeKey.for_keyword("CapacityGroup")
+XID = SearchAttributeKey.for_int("Xid")
+OUTCOME = SearchAttributeKey.for_keyword("Outcome")
+
+ALL = [REPAIR_PHASE, INSTANCE_ID, CAPACITY_GROUP, XID, OUTCOME]
