@@ -2,6 +2,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+# The venv ships the temporal CLI and moto_server; tests and the demo find them here.
+export PATH := $(abspath $(BIN)):$(PATH)
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint install clean

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import time
@@ -15,6 +14,7 @@ from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
+from tests.harness import tool_path
 from workflows import search_attributes
 
 
@@ -24,18 +24,11 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _bin(name: str) -> str:
-    found = shutil.which(name) or shutil.which(name, path=os.path.dirname(os.sys.executable))
-    if not found:
-        raise RuntimeError(f"{name} not found: run the tests through `make test`, which installs it")
-    return found
-
-
 @pytest.fixture(scope="session")
 def moto_endpoint() -> Iterator[str]:
     port = free_port()
     proc = subprocess.Popen(
-        [_bin("moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+        [tool_path("moto_server"), "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -71,7 +64,7 @@ def aws_env(moto_endpoint: str) -> Iterator[str]:
 @pytest.fixture(scope="session")
 async def temporal_env() -> AsyncIterator[WorkflowEnvironment]:
     env = await WorkflowEnvironment.start_local(
-        dev_server_existing_path=_bin("temporal"),
+        dev_server_existing_path=tool_path("temporal"),
         data_converter=pydantic_data_converter,
         search_attributes=search_attributes.ALL,
         dev_server_extra_args=[

@@ -1,0 +1,113 @@
+"""Publish fleet events to Amazon EventBridge (ECS's own channel for health changes) and/or a JSON-lines file.
+
+Delivery is at least once: a retried activity may publish an event twice. Every event carries a deterministic
+`event_id`, so consumers drop the duplicates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from datetime import UTC, date, datetime
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from activities.aws import AwsClients, aws_call
+from activities.models import EventType, FleetEvent
+from worker.settings import EventSettings
+
+# Entry error codes that a retry cannot fix (a malformed event or a missing permission); anything else
+# (InternalFailure, ThrottlingException, ...) is retried.
+PERMANENT_ENTRY_ERRORS = frozenset({"InvalidArgument", "MalformedDetail", "AccessDeniedException"})
+
+
+def _json_default(value: Any) -> Any:
+    # `fields` may hold datetimes and enums when a caller did not dump its model in JSON mode.
+    if isinstance(value, datetime):
+        if value.tzinfo is not None:
+            value = value.astimezone(UTC)
+        return value.isoformat().replace("+00:00", "Z")
+    if isinstance(value, date):
+        return value.isoformat()
+    if isinstance(value, Enum):
+        return value.value
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def event_body(event: FleetEvent) -> dict[str, Any]:
+    """The event's flat line, plus ECS's `healthChecks` name for a HealthChanged event's health details."""
+    body = event.line()
+    details = event.fields.get("details")
+    if (
+        event.type is EventType.HEALTH_CHANGED
+        and isinstance(details, list)
+        and all(isinstance(d, dict) and "type" in d and "status" in d for d in details)
+    ):
+        # ECS's "Container Instance Health Change" event says healthChecks where the API says details;
+        # consumers written for ECS's event then read ours unchanged.
+        body["healthChecks"] = details
+    return body
+
+
+def _append_line(path: Path, line: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = line.encode()
+    # One write on an O_APPEND descriptor: concurrent writers (threads, or several workers on one host) never
+    # interleave within a line of this size.
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        written = os.write(fd, data)
+        while written < len(data):  # short writes only happen on full disks or signals; finish the line
+            written += os.write(fd, data[written:])
+    finally:
+        os.close(fd)
+
+
+class EventActivities:
+    def __init__(self, aws: AwsClients, settings: EventSettings) -> None:
+        self._aws = aws
+        self._settings = settings
+
+    def activities(self) -> list[Any]:
+        return [self.publish_event]
+
+    @activity.defn(name="publish_event")
+    async def publish_event(self, event: FleetEvent) -> None:
+        body = event_body(event)
+        text = json.dumps(body, default=_json_default)
+        # EventBridge first: its transient failures are the common retry, and retrying before the file is
+        # written keeps the file free of duplicates from them.
+        if self._settings.eventbridge:
+            await self._put(event, text)
+        if self._settings.jsonl_path is not None:
+            await asyncio.to_thread(_append_line, self._settings.jsonl_path, text + "\n")
+
+    async def _put(self, event: FleetEvent, detail: str) -> None:
+        bus = self._settings.bus_name
+        resp = await aws_call(
+            f"event bus {bus}",
+            self._aws.events.put_events,
+            Entries=[
+                {
+                    "EventBusName": bus,
+                    "Source": self._settings.source,
+                    "DetailType": event.detail_type,
+                    "Detail": detail,
+                    "Time": event.time,
+                }
+            ],
+        )
+        if resp.get("FailedEntryCount", 0) > 0:
+            entry = (resp.get("Entries") or [{}])[0]
+            code = entry.get("ErrorCode") or "PutEventsFailed"
+            raise ApplicationError(
+                f"events:PutEvents on event bus {bus} failed for {event.type.value} event {event.event_id}: "
+                f"{code}: {entry.get('ErrorMessage', 'no message')}",
+                type=code,
+                non_retryable=code in PERMANENT_ENTRY_ERRORS,
+            )

@@ -1,0 +1,635 @@
+"""Fleet activities: the ECS and EC2 steps of a start-before-stop repair.
+
+Every activity is idempotent, because Temporal may run it again after a timeout or a worker crash: each one
+first looks at what AWS already has (the instance already DRAINING, a replacement already tagged for this
+impaired instance, the instance already terminated) and treats "already done" as success.
+
+Instances belong to a capacity group when their EC2 tag `gpu-autorepair:group` names the group, or when they
+are members of the group's Auto Scaling group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from activities.aws import AwsClients, aws_call
+from activities.models import (
+    ContainerInstanceRef,
+    DrainResult,
+    GroupRef,
+    InstanceRef,
+    InstanceTasks,
+    LaunchRequest,
+    LaunchResult,
+    StopTasksRequest,
+    StopTasksResult,
+    TaskInfo,
+    TerminateResult,
+)
+from workflows.models import CapacityGroup, GroupCapacity
+
+if TYPE_CHECKING:
+    from mypy_boto3_autoscaling.type_defs import AutoScalingGroupTypeDef
+    from mypy_boto3_ec2.type_defs import InstanceTypeDef, LaunchTemplateSpecificationTypeDef, TagTypeDef
+    from mypy_boto3_ecs.type_defs import ContainerInstanceTypeDef
+
+GROUP_TAG = "gpu-autorepair:group"
+REPLACES_TAG = "gpu-autorepair:replaces"
+# Auto Scaling mode: when the impaired instance was detached (AWS clock), so the instance the group launched
+# after it can be told from the ones it already had, even on a retry that lost everything in memory.
+DETACHED_AT_TAG = "gpu-autorepair:detached-at"
+
+LIVE_EC2_STATES = ["pending", "running", "stopping", "stopped"]
+GONE_EC2_STATES = frozenset({"shutting-down", "terminated"})
+REGISTERED_STATUSES = ("ACTIVE", "DRAINING")
+# The ECS agent's default (ECS_CONTAINER_STOP_TIMEOUT) for a container without stopTimeout, on EC2.
+ECS_DEFAULT_STOP_TIMEOUT = 30
+ECS_REASON_MAX = 255
+# API batch limits.
+ECS_DESCRIBE_BATCH = 100
+EC2_FILTER_VALUES_MAX = 200
+# While waiting for ECS registration, look at the EC2 instance itself every this many polls (not every poll,
+# to stay far from the EC2 API rate limits with many repairs waiting at once).
+EC2_CHECK_EVERY_POLLS = 15
+
+INSTANCE_ID = re.compile(r"^i-[0-9a-f]{8,17}$")
+# A name may start with "lt-" too; an id is exactly this shape.
+LAUNCH_TEMPLATE_ID = re.compile(r"^lt-[0-9a-f]{17}$")
+
+T = TypeVar("T")
+
+
+def _chunks(items: Sequence[T], size: int) -> Iterator[list[T]]:
+    for start in range(0, len(items), size):
+        yield list(items[start : start + size])
+
+
+def _tags(tags: Iterable[TagTypeDef] | None) -> dict[str, str]:
+    return {t.get("Key", ""): t.get("Value", "") for t in tags or ()}
+
+
+def _is_not_found(err: ApplicationError) -> bool:
+    """ECS says "not found" with InvalidParameterException / ClientException; EC2 with a *.NotFound code."""
+    return (err.type or "").endswith("NotFound") or "not found" in err.message.lower()
+
+
+class FleetActivities:
+    def __init__(
+        self,
+        aws: AwsClients,
+        groups: Callable[[str], CapacityGroup],
+        *,
+        poll_interval: timedelta = timedelta(seconds=2),
+        task_definition_cache_size: int = 256,
+    ) -> None:
+        self._aws = aws
+        self._groups = groups
+        self._poll_seconds = poll_interval.total_seconds()
+        # Task definition revisions are immutable, so their stop timeouts never go stale; bounded (LRU)
+        # because a long-running worker sees every revision ever deployed.
+        self._stop_timeouts: OrderedDict[str, int] = OrderedDict()
+        self._cache_size = task_definition_cache_size
+
+    def activities(self) -> list[Callable[..., Any]]:
+        """The bound activity methods, for `Worker(activities=...)`."""
+        return [
+            self.describe_group_capacity,
+            self.get_group_config,
+            self.set_draining,
+            self.launch_replacement,
+            self.await_container_instance_active,
+            self.list_instance_tasks,
+            self.stop_tasks,
+            self.terminate_instance,
+        ]
+
+    # --- activities ---------------------------------------------------------------------------------------
+
+    @activity.defn(name="describe_group_capacity")
+    async def describe_group_capacity(self, ref: GroupRef) -> GroupCapacity:
+        """How many instances the group has in ECS now, and the drain cap that follows from it."""
+        group = self._group(ref.group)
+        arns: list[str] = []
+        for status in REGISTERED_STATUSES:
+            arns += await self._list_container_instance_arns(group.cluster, status=status)
+        container_instances = await self._describe_container_instances(group.cluster, arns)
+        ec2_ids = {ci["ec2InstanceId"] for ci in container_instances if ci.get("ec2InstanceId")}
+        members = await self._members(group, ec2_ids)
+        return GroupCapacity(
+            group=group.name, instance_count=len(members), max_draining=group.max_draining(len(members))
+        )
+
+    @activity.defn(name="get_group_config")
+    async def get_group_config(self, ref: GroupRef) -> CapacityGroup:
+        # An activity, not a workflow constant: the configuration can change between worker deploys, and the
+        # workflow must see it through history to stay deterministic.
+        return self._group(ref.group)
+
+    @activity.defn(name="set_draining")
+    async def set_draining(self, ref: InstanceRef) -> DrainResult:
+        """Stop ECS placing tasks on the instance. Already DRAINING is success."""
+        group = self._group(ref.group)
+        ci = await self._find_container_instance(group, ref.instance_id)
+        if ci is None:
+            raise ApplicationError(
+                f"ecs:ListContainerInstances: EC2 instance {ref.instance_id} is not registered in ECS "
+                f"cluster {group.cluster} (capacity group {group.name})",
+                type="ContainerInstanceNotFound",
+                non_retryable=True,
+            )
+        arn = ci["containerInstanceArn"]
+        if ci.get("status") != "DRAINING":
+            resp = await aws_call(
+                f"container instance {arn}",
+                self._aws.ecs.update_container_instances_state,
+                cluster=group.cluster,
+                containerInstances=[arn],
+                status="DRAINING",
+            )
+            for failure in resp.get("failures", []):
+                reason = failure.get("reason", "unknown")
+                missing = reason == "MISSING"
+                raise ApplicationError(
+                    f"ecs:UpdateContainerInstancesState on container instance {arn} failed: {reason}",
+                    type="ContainerInstanceNotFound" if missing else "UpdateContainerInstancesStateFailed",
+                    non_retryable=missing,
+                )
+        instance = await self._ec2_instance(ref.instance_id)
+        return DrainResult(
+            container_instance_arn=arn,
+            availability_zone=(instance or {}).get("Placement", {}).get("AvailabilityZone"),
+            subnet_id=(instance or {}).get("SubnetId"),
+        )
+
+    @activity.defn(name="launch_replacement")
+    async def launch_replacement(self, request: LaunchRequest) -> LaunchResult:
+        """Start the replacement before anything is stopped. Idempotent through the `replaces` tag."""
+        group = self._group(request.group)
+        _check_instance_id(request.impaired_instance_id)
+        existing = await self._find_replacement(request.impaired_instance_id)
+        if existing is not None:
+            return LaunchResult(replacement_instance_id=existing, already_existed=True)
+        if group.launch_template:
+            return await self._launch_from_template(group, request)
+        if group.auto_scaling_group:
+            return await self._replace_in_auto_scaling_group(group, request)
+        raise ApplicationError(
+            f"capacity group {group.name} has neither launch_template nor auto_scaling_group: "
+            "cannot launch a replacement",
+            type="GroupNotLaunchable",
+            non_retryable=True,
+        )
+
+    @activity.defn(name="await_container_instance_active")
+    async def await_container_instance_active(self, ref: InstanceRef) -> ContainerInstanceRef:
+        """Wait until the instance's ECS agent has registered it ACTIVE in the group's cluster.
+
+        Runs under the workflow's start_to_close and heartbeat timeouts. Cancellation arrives as
+        CancelledError at the next await (a heartbeat is what lets the server deliver it) and propagates.
+        """
+        group = self._group(ref.group)
+        polls = 0
+        while True:
+            ci = await self._find_container_instance(group, ref.instance_id)
+            status = ci.get("status", "UNKNOWN") if ci else "NOT_REGISTERED"
+            if ci is not None and status == "ACTIVE":
+                return ContainerInstanceRef(container_instance_arn=ci["containerInstanceArn"])
+            if polls % EC2_CHECK_EVERY_POLLS == 0:
+                instance = await self._ec2_instance(ref.instance_id)
+                state = (instance or {}).get("State", {}).get("Name")
+                # Waiting for an instance that is gone would only end at the timeout; fail now so the workflow
+                # can launch another. (Not found just after launch is normal: EC2 is eventually consistent.)
+                if state in GONE_EC2_STATES:
+                    raise ApplicationError(
+                        f"EC2 instance {ref.instance_id} is {state}: it will never register in ECS cluster "
+                        f"{group.cluster}",
+                        type="InstanceTerminated",
+                        non_retryable=True,
+                    )
+            activity.heartbeat(status)
+            polls += 1
+            await asyncio.sleep(self._poll_seconds)
+
+    @activity.defn(name="list_instance_tasks")
+    async def list_instance_tasks(self, ref: InstanceRef) -> InstanceTasks:
+        """Tasks still meant to run on the instance, each with how long ECS gives it to stop."""
+        group = self._group(ref.group)
+        ci = await self._find_container_instance(group, ref.instance_id)
+        if ci is None:
+            return InstanceTasks(tasks=[])  # deregistered: its tasks are gone with it
+        instance = await self._ec2_instance(ref.instance_id)
+        if instance is None or instance.get("State", {}).get("Name") in GONE_EC2_STATES:
+            return InstanceTasks(tasks=[])
+        arn = ci["containerInstanceArn"]
+        task_arns: list[str] = []
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"nextToken": token} if token else {}
+            page = await aws_call(
+                f"container instance {arn}",
+                self._aws.ecs.list_tasks,
+                cluster=group.cluster,
+                containerInstance=arn,
+                desiredStatus="RUNNING",
+                **kwargs,
+            )
+            task_arns += page.get("taskArns", [])
+            token = page.get("nextToken")
+            if not token:
+                break
+        tasks: list[TaskInfo] = []
+        for task in await self._describe_tasks(group.cluster, task_arns):
+            timeout = await self._stop_timeout(task["taskDefinitionArn"])
+            tasks.append(TaskInfo(task_arn=task["taskArn"], stop_timeout_seconds=timeout))
+        return InstanceTasks(tasks=tasks)
+
+    @activity.defn(name="stop_tasks")
+    async def stop_tasks(self, request: StopTasksRequest) -> StopTasksResult:
+        """Ask ECS to stop each task (SIGTERM, SIGKILL after its stop timeout). Already stopped is success."""
+        group = self._group(request.group)
+        if not request.task_arns:
+            return StopTasksResult(stopped=0)
+        current = {t["taskArn"]: t for t in await self._describe_tasks(group.cluster, request.task_arns)}
+        stopped = 0
+        for arn in request.task_arns:
+            task = current.get(arn)
+            # Missing (long gone) or already on its way down: nothing to ask, and it counts as stopped.
+            if task is None or task.get("desiredStatus") == "STOPPED" or task.get("lastStatus") == "STOPPED":
+                stopped += 1
+                continue
+            try:
+                await aws_call(
+                    f"task {arn} in cluster {group.cluster}",
+                    self._aws.ecs.stop_task,
+                    cluster=group.cluster,
+                    task=arn,
+                    reason=request.reason[:ECS_REASON_MAX],
+                )
+            except ApplicationError as err:
+                if not _is_not_found(err):
+                    raise
+            stopped += 1
+        return StopTasksResult(stopped=stopped)
+
+    @activity.defn(name="terminate_instance")
+    async def terminate_instance(self, ref: InstanceRef) -> TerminateResult:
+        """Deregister from ECS, then terminate the EC2 instance. Already gone is success."""
+        group = self._group(ref.group)
+        _check_instance_id(ref.instance_id)
+        ci = await self._find_container_instance(group, ref.instance_id)
+        if ci is not None:
+            arn = ci["containerInstanceArn"]
+            try:
+                # force: the tasks had their stop timeouts already; what is left must not block the repair.
+                await aws_call(
+                    f"container instance {arn}",
+                    self._aws.ecs.deregister_container_instance,
+                    cluster=group.cluster,
+                    containerInstance=arn,
+                    force=True,
+                )
+            except ApplicationError as err:
+                if not _is_not_found(err):
+                    raise
+        try:
+            resp = await aws_call(
+                f"EC2 instance {ref.instance_id}",
+                self._aws.ec2.terminate_instances,
+                InstanceIds=[ref.instance_id],
+            )
+        except ApplicationError as err:
+            if err.type == "InvalidInstanceID.NotFound":
+                return TerminateResult(previous_state=None, already_terminated=True)
+            raise
+        previous = resp.get("TerminatingInstances", [{}])[0].get("PreviousState", {}).get("Name")
+        return TerminateResult(previous_state=previous, already_terminated=previous in GONE_EC2_STATES)
+
+    # --- launch modes -------------------------------------------------------------------------------------
+
+    async def _launch_from_template(self, group: CapacityGroup, request: LaunchRequest) -> LaunchResult:
+        template = group.launch_template or ""
+        version = group.launch_template_version
+        by_id = LAUNCH_TEMPLATE_ID.match(template) is not None
+        resource = f"launch template {template} version {version} (capacity group {group.name})"
+        # Look the template up first: a missing one is a configuration error that no retry fixes, and
+        # DescribeLaunchTemplates names it plainly (moto also answers RunInstances with a 500 for it).
+        describe = self._aws.ec2.describe_launch_templates
+        found = await (
+            aws_call(resource, describe, LaunchTemplateIds=[template])
+            if by_id
+            else aws_call(resource, describe, LaunchTemplateNames=[template])
+        )
+        if not found.get("LaunchTemplates"):
+            raise ApplicationError(
+                f"ec2:DescribeLaunchTemplates on {resource} failed: no such launch template",
+                type="InvalidLaunchTemplateId.NotFound"
+                if by_id
+                else "InvalidLaunchTemplateName.NotFoundException",
+                non_retryable=True,
+            )
+        spec: LaunchTemplateSpecificationTypeDef = (
+            {"LaunchTemplateId": template, "Version": version}
+            if by_id
+            else {"LaunchTemplateName": template, "Version": version}
+        )
+        kwargs: dict[str, Any] = {}
+        # Same subnet (hence AZ) as the impaired instance: its tasks' placement constraints stay valid.
+        if request.subnet_id:
+            kwargs["SubnetId"] = request.subnet_id
+        elif request.availability_zone:
+            kwargs["Placement"] = {"AvailabilityZone": request.availability_zone}
+        resp = await aws_call(
+            resource,
+            self._aws.ec2.run_instances,
+            LaunchTemplate=spec,
+            MinCount=1,
+            MaxCount=1,
+            # AWS returns the first launch for a repeated token; the `replaces` tag covers moto (ignores it).
+            ClientToken=request.client_token,
+            TagSpecifications=[
+                {
+                    "ResourceType": "instance",
+                    "Tags": [
+                        {"Key": GROUP_TAG, "Value": group.name},
+                        {"Key": REPLACES_TAG, "Value": request.impaired_instance_id},
+                        {"Key": "Name", "Value": f"{group.name} (replaces {request.impaired_instance_id})"},
+                    ],
+                }
+            ],
+            **kwargs,
+        )
+        return LaunchResult(replacement_instance_id=resp["Instances"][0]["InstanceId"])
+
+    async def _replace_in_auto_scaling_group(
+        self, group: CapacityGroup, request: LaunchRequest
+    ) -> LaunchResult:
+        """Detach-and-replace: detach without decrementing desired capacity; the group launches a new one."""
+        asg_name = group.auto_scaling_group or ""
+        impaired = request.impaired_instance_id
+        resource = f"EC2 instance {impaired} in Auto Scaling group {asg_name}"
+        instance = await self._ec2_instance(impaired)
+        tags = _tags((instance or {}).get("Tags"))
+        membership = await aws_call(
+            resource, self._aws.autoscaling.describe_auto_scaling_instances, InstanceIds=[impaired]
+        )
+        in_group = any(
+            m.get("AutoScalingGroupName") == asg_name for m in membership.get("AutoScalingInstances", [])
+        )
+        if in_group:
+            if DETACHED_AT_TAG not in tags:
+                # Written before detaching (worker clock): a crash right after the detach leaves a cutoff.
+                # The group tag keeps the detached instance counted in the group while it drains.
+                now = datetime.now(UTC).isoformat()
+                await self._tag(impaired, {DETACHED_AT_TAG: now, GROUP_TAG: group.name})
+                tags[DETACHED_AT_TAG] = now
+            detached_at = await self._detach(asg_name, impaired, resource)
+            if detached_at is not None:
+                # The AWS clock is the one the new instance's LaunchTime is on: prefer it to ours.
+                tags[DETACHED_AT_TAG] = detached_at.isoformat()
+                await self._tag(impaired, {DETACHED_AT_TAG: tags[DETACHED_AT_TAG]})
+        elif DETACHED_AT_TAG not in tags:
+            raise ApplicationError(
+                f"autoscaling:DetachInstances: EC2 instance {impaired} is not in Auto Scaling group "
+                f"{asg_name} (capacity group {group.name}), so detaching it would launch nothing",
+                type="NotInAutoScalingGroup",
+                non_retryable=True,
+            )
+        cutoff = datetime.fromisoformat(tags[DETACHED_AT_TAG]).astimezone(UTC).replace(microsecond=0)
+
+        asg = await self._auto_scaling_group(group)
+        in_service = [
+            i["InstanceId"]
+            for i in asg.get("Instances", [])
+            if i.get("LifecycleState") == "InService" and i["InstanceId"] != impaired
+        ]
+        candidates = [
+            inst
+            for inst in (await self._ec2_instances(in_service)).values()
+            if REPLACES_TAG not in _tags(inst.get("Tags"))
+            and inst.get("State", {}).get("Name") in LIVE_EC2_STATES
+            # LaunchTime has whole seconds, hence the cutoff rounded down.
+            and inst["LaunchTime"] >= cutoff
+        ]
+        if not candidates:
+            raise ApplicationError(
+                f"Auto Scaling group {asg_name} has not yet launched an in-service replacement for "
+                f"{impaired}",
+                type="ReplacementNotYetLaunched",
+            )
+        # The first launched after the detach is most likely the one the detach caused.
+        chosen = min(candidates, key=lambda i: (i["LaunchTime"], i["InstanceId"]))["InstanceId"]
+        await self._tag(chosen, {REPLACES_TAG: impaired, GROUP_TAG: group.name})
+        # Two repairs in one group may pick the same new instance: the tag's last writer owns it, the
+        # other retries.
+        owner = _tags(((await self._ec2_instance(chosen)) or {}).get("Tags")).get(REPLACES_TAG)
+        if owner != impaired:
+            raise ApplicationError(
+                f"new instance {chosen} of Auto Scaling group {asg_name} was claimed by the repair of "
+                f"{owner}",
+                type="ReplacementClaimConflict",
+            )
+        return LaunchResult(replacement_instance_id=chosen)
+
+    async def _detach(self, asg_name: str, instance_id: str, resource: str) -> datetime | None:
+        """Detach; returns the detach activity's start time (AWS clock), or None if already detached."""
+        try:
+            resp = await aws_call(
+                resource,
+                self._aws.autoscaling.detach_instances,
+                AutoScalingGroupName=asg_name,
+                InstanceIds=[instance_id],
+                ShouldDecrementDesiredCapacity=False,
+            )
+        except ApplicationError as err:
+            if err.type == "ValidationError" and "not part of" in err.message:
+                return None  # detached between our membership check and the call
+            raise
+        activities = resp.get("Activities", [])
+        start = activities[0].get("StartTime") if activities else None
+        return start.astimezone(UTC) if start is not None else None
+
+    # --- lookups ------------------------------------------------------------------------------------------
+
+    def _group(self, name: str) -> CapacityGroup:
+        try:
+            return self._groups(name)
+        except KeyError as err:
+            message = str(err.args[0]) if err.args else f"unknown capacity group {name!r}"
+            raise ApplicationError(message, type="UnknownCapacityGroup", non_retryable=True) from err
+
+    async def _list_container_instance_arns(
+        self, cluster: str, *, status: str | None = None, query: str | None = None
+    ) -> list[str]:
+        arns: list[str] = []
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"cluster": cluster}
+            if status:
+                kwargs["status"] = status
+            if query:
+                kwargs["filter"] = query
+            if token:
+                kwargs["nextToken"] = token
+            page = await aws_call(f"ECS cluster {cluster}", self._aws.ecs.list_container_instances, **kwargs)
+            arns += page.get("containerInstanceArns", [])
+            token = page.get("nextToken")
+            if not token:
+                return arns
+
+    async def _describe_container_instances(
+        self, cluster: str, arns: Sequence[str]
+    ) -> list[ContainerInstanceTypeDef]:
+        found: list[ContainerInstanceTypeDef] = []
+        for chunk in _chunks(arns, ECS_DESCRIBE_BATCH):
+            resp = await aws_call(
+                f"ECS cluster {cluster}",
+                self._aws.ecs.describe_container_instances,
+                cluster=cluster,
+                containerInstances=chunk,
+            )
+            found += resp.get("containerInstances", [])
+        return found
+
+    async def _find_container_instance(
+        self, group: CapacityGroup, instance_id: str
+    ) -> ContainerInstanceTypeDef | None:
+        """The ACTIVE or DRAINING container instance of an EC2 instance in the group's cluster, if any."""
+        _check_instance_id(instance_id)
+        # Real ECS narrows the list with the cluster query; moto ignores `filter` and lists the whole cluster.
+        # Matching ec2InstanceId below as well keeps one code path that is right on both.
+        arns = await self._list_container_instance_arns(
+            group.cluster, query=f"ec2InstanceId == {instance_id}"
+        )
+        matches = [
+            ci
+            for ci in await self._describe_container_instances(group.cluster, arns)
+            if ci.get("ec2InstanceId") == instance_id and ci.get("status") in REGISTERED_STATUSES
+        ]
+        if not matches:
+            return None
+        # A re-registered instance (agent state reset) has two; the newest is the live one.
+        return max(matches, key=lambda ci: ci.get("registeredAt") or datetime.min.replace(tzinfo=UTC))
+
+    async def _ec2_instances(self, instance_ids: Iterable[str]) -> dict[str, InstanceTypeDef]:
+        """Instances by id. A filter, not InstanceIds=, so an id that no longer exists is skipped."""
+        ids = sorted(set(instance_ids))
+        found: dict[str, InstanceTypeDef] = {}
+        for chunk in _chunks(ids, EC2_FILTER_VALUES_MAX):
+            token: str | None = None
+            while True:
+                kwargs: dict[str, Any] = {"NextToken": token} if token else {}
+                page = await aws_call(
+                    f"EC2 instances {', '.join(chunk[:3])}{'...' if len(chunk) > 3 else ''}",
+                    self._aws.ec2.describe_instances,
+                    Filters=[{"Name": "instance-id", "Values": chunk}],
+                    **kwargs,
+                )
+                for reservation in page.get("Reservations", []):
+                    for inst in reservation.get("Instances", []):
+                        found[inst["InstanceId"]] = inst
+                token = page.get("NextToken")
+                if not token:
+                    break
+        return found
+
+    async def _ec2_instance(self, instance_id: str) -> InstanceTypeDef | None:
+        return (await self._ec2_instances([instance_id])).get(instance_id)
+
+    async def _find_replacement(self, impaired_instance_id: str) -> str | None:
+        """A live instance already launched (or claimed) for this impaired instance: the idempotency key."""
+        resp = await aws_call(
+            f"replacement of EC2 instance {impaired_instance_id}",
+            self._aws.ec2.describe_instances,
+            Filters=[
+                {"Name": f"tag:{REPLACES_TAG}", "Values": [impaired_instance_id]},
+                {"Name": "instance-state-name", "Values": LIVE_EC2_STATES},
+            ],
+        )
+        instances = [i for r in resp.get("Reservations", []) for i in r.get("Instances", [])]
+        if not instances:
+            return None
+        return min(instances, key=lambda i: (i["LaunchTime"], i["InstanceId"]))["InstanceId"]
+
+    async def _auto_scaling_group(self, group: CapacityGroup) -> AutoScalingGroupTypeDef:
+        name = group.auto_scaling_group or ""
+        resp = await aws_call(
+            f"Auto Scaling group {name}",
+            self._aws.autoscaling.describe_auto_scaling_groups,
+            AutoScalingGroupNames=[name],
+        )
+        groups = resp.get("AutoScalingGroups", [])
+        if not groups:
+            raise ApplicationError(
+                f"autoscaling:DescribeAutoScalingGroups: Auto Scaling group {name} of capacity group "
+                f"{group.name} does not exist",
+                type="AutoScalingGroupNotFound",
+                non_retryable=True,
+            )
+        return groups[0]
+
+    async def _members(self, group: CapacityGroup, instance_ids: Iterable[str]) -> set[str]:
+        """The live instances among `instance_ids` in the group (by tag or Auto Scaling membership)."""
+        asg_ids: set[str] = set()
+        if group.auto_scaling_group:
+            asg = await self._auto_scaling_group(group)
+            asg_ids = {i["InstanceId"] for i in asg.get("Instances", [])}
+        return {
+            iid
+            for iid, inst in (await self._ec2_instances(instance_ids)).items()
+            if inst.get("State", {}).get("Name") in LIVE_EC2_STATES
+            and (_tags(inst.get("Tags")).get(GROUP_TAG) == group.name or iid in asg_ids)
+        }
+
+    async def _tag(self, instance_id: str, tags: dict[str, str]) -> None:
+        await aws_call(
+            f"EC2 instance {instance_id}",
+            self._aws.ec2.create_tags,
+            Resources=[instance_id],
+            Tags=[{"Key": k, "Value": v} for k, v in tags.items()],
+        )
+
+    async def _describe_tasks(self, cluster: str, task_arns: Sequence[str]) -> list[Any]:
+        tasks: list[Any] = []
+        for chunk in _chunks(task_arns, ECS_DESCRIBE_BATCH):
+            resp = await aws_call(
+                f"tasks in ECS cluster {cluster}", self._aws.ecs.describe_tasks, cluster=cluster, tasks=chunk
+            )
+            tasks += resp.get("tasks", [])  # tasks ECS no longer knows come back under `failures`
+        return tasks
+
+    async def _stop_timeout(self, task_definition_arn: str) -> int:
+        """Longest container stop timeout of a task definition; a container without one: agent default."""
+        cached = self._stop_timeouts.get(task_definition_arn)
+        if cached is not None:
+            self._stop_timeouts.move_to_end(task_definition_arn)
+            return cached
+        resp = await aws_call(
+            f"task definition {task_definition_arn}",
+            self._aws.ecs.describe_task_definition,
+            taskDefinition=task_definition_arn,
+        )
+        containers = resp.get("taskDefinition", {}).get("containerDefinitions", [])
+        timeout = max(
+            (c.get("stopTimeout") or ECS_DEFAULT_STOP_TIMEOUT for c in containers),
+            default=ECS_DEFAULT_STOP_TIMEOUT,
+        )
+        self._stop_timeouts[task_definition_arn] = timeout
+        while len(self._stop_timeouts) > self._cache_size:
+            self._stop_timeouts.popitem(last=False)
+        return timeout
+
+
+def _check_instance_id(instance_id: str) -> None:
+    # The id goes into a cluster query expression; anything that is not an instance id is a caller bug.
+    if not INSTANCE_ID.match(instance_id):
+        raise ApplicationError(
+            f"{instance_id!r} is not an EC2 instance id", type="InvalidInstanceId", non_retryable=True
+        )

@@ -1,0 +1,93 @@
+"""Activities that talk to Temporal itself: what a workflow cannot do from inside (start an unrelated workflow,
+signal-with-start, look at another workflow's status)."""
+
+from __future__ import annotations
+
+from temporalio import activity
+from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
+from temporalio.exceptions import WorkflowAlreadyStartedError
+from temporalio.service import RPCError, RPCStatusCode
+
+from activities.models import (
+    PermitRequestOrder,
+    StartRepairRequest,
+    StartRepairResult,
+    WorkflowRuns,
+)
+from workflows import search_attributes as sa
+from workflows.ids import repair_workflow_id, semaphore_workflow_id
+from workflows.models import PermitRequest, SemaphoreInput
+from temporalio.common import TypedSearchAttributes, SearchAttributePair
+
+
+class WorkflowOps:
+    def __init__(self, client: Client, task_queue: str) -> None:
+        self._client = client
+        self._task_queue = task_queue
+
+    @activity.defn
+    async def start_repair(self, request: StartRepairRequest) -> StartRepairResult:
+        """Start the instance's repair workflow once: a second start while one runs (or after one completed,
+        for the same instance) is "already done", never a second repair."""
+        repair = request.repair
+        workflow_id = repair_workflow_id(repair.instance_id)
+        attributes = [
+            SearchAttributePair(sa.INSTANCE_ID, repair.instance_id),
+            SearchAttributePair(sa.CAPACITY_GROUP, repair.group),
+            SearchAttributePair(sa.REPAIR_PHASE, "WaitingForPermit"),
+        ]
+        if repair.finding is not None and repair.finding.code is not None:
+            attributes.append(SearchAttributePair(sa.XID, repair.finding.code))
+        try:
+            await self._client.start_workflow(
+                "InstanceRepairWorkflow",
+                repair,
+                id=workflow_id,
+                task_queue=self._task_queue,
+                id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+                # A terminated instance is never repaired twice, even by a late duplicate start.
+                id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+                search_attributes=TypedSearchAttributes(attributes),
+                static_summary=request.summary,
+            )
+        except WorkflowAlreadyStartedError:
+            return StartRepairResult(workflow_id=workflow_id, already_running=True)
+        return StartRepairResult(workflow_id=workflow_id, already_running=False)
+
+    @activity.defn
+    async def request_drain_permit(self, order: PermitRequestOrder) -> None:
+        """Signal-with-start the group's drain semaphore; the semaphore treats a repeated request as one."""
+        await self._client.start_workflow(
+            "DrainSemaphoreWorkflow",
+            SemaphoreInput(group=order.group),
+            id=semaphore_workflow_id(order.group),
+            task_queue=self._task_queue,
+            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+            start_signal="request",
+            start_signal_args=[
+                PermitRequest(
+                    holder_workflow_id=order.holder_workflow_id,
+                    holder_run_id=order.holder_run_id,
+                    instance_id=order.instance_id,
+                )
+            ],
+            static_summary=f"drain cap for capacity group {order.group}",
+        )
+
+    @activity.defn
+    async def find_closed_workflows(self, runs: WorkflowRuns) -> WorkflowRuns:
+        """Which of these runs have closed (completed, failed, terminated by an operator, timed out)."""
+        closed = []
+        for run in runs.runs:
+            handle = self._client.get_workflow_handle(run.workflow_id, run_id=run.run_id)
+            try:
+                description = await handle.describe()
+            except RPCError as err:
+                if err.status == RPCStatusCode.NOT_FOUND:
+                    closed.append(run)
+                    continue
+                raise
+            if description.status != WorkflowExecutionStatus.RUNNING:
+                closed.append(run)
+        return WorkflowRuns(runs=closed)

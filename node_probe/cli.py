@@ -1,0 +1,253 @@
+"""`autorepair classify` and `autorepair probe`; worker/cli.py wires them into the `autorepair` command."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any, TextIO
+
+from pydantic import ValidationError
+from rich.console import Console
+from rich.table import Table
+from temporalio.client import Client
+from temporalio.contrib.pydantic import pydantic_data_converter
+
+from node_probe.imds import ImdsError, imds_instance_id
+from node_probe.kernel_log import KernelRecord, parse_lines
+from node_probe.policy import POLICY_ECS, POLICY_NAMES, Policy, PolicyConfig, Verdict
+from node_probe.probe import DEFAULT_TASK_QUEUE, Probe, ProbeConfig
+from node_probe.reporter import Reporter
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SPOOL_DIR = Path("/var/lib/gpu-autorepair/spool")
+# Columns every JSON line starts with; other record fields follow when set.
+_LEADING = ("line", "kind", "code", "pci", "impairs", "reason", "rule", "message")
+
+
+class CliError(Exception):
+    """A problem the user can fix: printed as one line on stderr, exit status 2."""
+
+
+def _fail(command: str, error: CliError) -> int:
+    print(f"autorepair {command}: {error}", file=sys.stderr)
+    return 2
+
+
+def _add_policy_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--policy", choices=POLICY_NAMES, default=POLICY_ECS, help="base policy (default: ecs)"
+    )
+    parser.add_argument(
+        "--policy-config",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="JSON file with operator overrides: add_xids, remove_xids, add_sxids, repeat",
+    )
+
+
+def _load_policy_config(path: Path | None) -> PolicyConfig:
+    if path is None:
+        return PolicyConfig()
+    try:
+        return PolicyConfig.model_validate_json(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise CliError(f"{path}: {exc.strerror or exc}") from exc
+    except ValidationError as exc:
+        raise CliError(f"{path}: invalid policy config: {exc.errors()[0]['msg']}") from exc
+
+
+# --- classify -----------------------------------------------------------------------------------------------
+
+
+def add_classify_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "file", nargs="?", default=None, metavar="FILE", help="kernel log text (default: stdin)"
+    )
+    _add_policy_arguments(parser)
+    parser.add_argument(
+        "--format", choices=("json", "table"), default="table", help="output (default: table)"
+    )
+
+
+@contextlib.contextmanager
+def _open_input(file: str | os.PathLike[str] | None) -> Iterator[TextIO]:
+    if file is None or str(file) == "-":
+        yield sys.stdin
+        return
+    try:
+        # Kernel logs can hold bytes that are not UTF-8 (firmware strings); never fail on them.
+        handle = open(file, encoding="utf-8", errors="replace")  # noqa: SIM115 - closed below
+    except FileNotFoundError as exc:
+        raise CliError(f"{file}: no such file") from exc
+    except OSError as exc:
+        raise CliError(f"{file}: {exc.strerror or exc}") from exc
+    with handle:
+        yield handle
+
+
+def classification_row(record: KernelRecord, verdict: Verdict) -> dict[str, Any]:
+    fields = record.to_dict()
+    row: dict[str, Any] = {
+        "line": record.line,
+        "kind": record.kind,
+        "code": record.code,
+        "pci": record.pci,
+        "impairs": verdict.impairs,
+        "reason": verdict.reason,
+        "rule": verdict.rule,
+        "message": record.message,
+    }
+    row.update({k: v for k, v in fields.items() if k not in _LEADING and v is not None})
+    return row
+
+
+def run_classify(args: argparse.Namespace) -> int:
+    """Print one line per fault record, in input order, without de-duplication (a burst shows in full)."""
+    try:
+        policy = Policy(
+            getattr(args, "policy", POLICY_ECS), _load_policy_config(getattr(args, "policy_config", None))
+        )
+        with _open_input(getattr(args, "file", None)) as handle:
+            now = datetime.now(UTC)
+            rows = (classification_row(r, policy.classify(r, now)) for r in parse_lines(handle))
+            if getattr(args, "format", "table") == "json":
+                for row in rows:
+                    sys.stdout.write(json.dumps(row) + "\n")
+            else:
+                _print_table(list(rows))
+    except CliError as exc:
+        return _fail("classify", exc)
+    return 0
+
+
+def _print_table(rows: list[dict[str, Any]]) -> None:
+    table = Table(title="GPU fault records", show_lines=False)
+    # Fold rather than cut: on a narrow terminal a truncated PCI address or rule name would mislead.
+    for column in ("line", "kind", "code", "pci", "impairs", "reason", "rule", "message"):
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        style = "bold red" if row["impairs"] else None
+        table.add_row(
+            *("" if row[c] is None else str(row[c]) for c in ("line", "kind", "code", "pci")),
+            "yes" if row["impairs"] else "no",
+            row["reason"],
+            row["rule"],
+            row["message"],
+            style=style,
+        )
+    impairing = sum(1 for row in rows if row["impairs"])
+    table.caption = f"{len(rows)} records, {impairing} impairing"
+    # Created here, not at import, so it writes to whatever sys.stdout is now (tests capture it).
+    Console(file=sys.stdout).print(table)
+
+
+# --- probe --------------------------------------------------------------------------------------------------
+
+
+def add_probe_arguments(parser: argparse.ArgumentParser) -> None:
+    env = os.environ.get
+    parser.add_argument("--instance-id", default=None, help="default: this EC2 instance's id, from IMDSv2")
+    parser.add_argument("--group", required=True, help="capacity group of this instance")
+    sources = parser.add_mutually_exclusive_group()
+    sources.add_argument(
+        "--kernel-log", type=Path, default=None, metavar="FILE", help="follow this file (tail -F)"
+    )
+    sources.add_argument("--kmsg", action="store_true", help="follow /dev/kmsg (the default)")
+    parser.add_argument("--temporal-address", default=env("AUTOREPAIR_TEMPORAL__ADDRESS", "localhost:7233"))
+    parser.add_argument("--namespace", default=env("AUTOREPAIR_TEMPORAL__NAMESPACE", "default"))
+    parser.add_argument("--task-queue", default=env("AUTOREPAIR_TEMPORAL__TASK_QUEUE", DEFAULT_TASK_QUEUE))
+    parser.add_argument("--heartbeat-interval", type=float, default=60.0, metavar="SECONDS")
+    parser.add_argument("--dedupe-window", type=float, default=300.0, metavar="SECONDS")
+    parser.add_argument(
+        "--spool-dir",
+        type=Path,
+        default=None,
+        help=f"where undelivered findings wait (default: {DEFAULT_SPOOL_DIR}, or memory if not writable)",
+    )
+    _add_policy_arguments(parser)
+
+
+async def _resolve_instance_id(given: str | None) -> str:
+    if given:
+        return given
+    try:
+        return await asyncio.to_thread(imds_instance_id)
+    except ImdsError as exc:
+        raise CliError(f"no --instance-id given and none found: {exc}") from exc
+
+
+def _resolve_spool_dir(given: Path | None) -> Path | None:
+    if given is not None:
+        try:
+            given.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CliError(f"--spool-dir {given}: {exc.strerror or exc}") from exc
+        return given
+    try:
+        DEFAULT_SPOOL_DIR.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        log.warning(
+            "%s not usable (%s): undelivered findings will wait in memory only", DEFAULT_SPOOL_DIR, exc
+        )
+        return None
+    return DEFAULT_SPOOL_DIR if os.access(DEFAULT_SPOOL_DIR, os.W_OK) else None
+
+
+async def build_probe(args: argparse.Namespace) -> Probe:
+    try:
+        config = ProbeConfig(
+            instance_id=await _resolve_instance_id(args.instance_id),
+            group=args.group,
+            kernel_log=args.kernel_log,
+            kmsg=args.kernel_log is None,
+            policy=args.policy,
+            policy_config=_load_policy_config(args.policy_config),
+            heartbeat_interval=timedelta(seconds=args.heartbeat_interval),
+            dedupe_window=timedelta(seconds=args.dedupe_window),
+            task_queue=args.task_queue,
+            spool_dir=_resolve_spool_dir(args.spool_dir),
+        )
+    except ValidationError as exc:
+        raise CliError(f"invalid arguments: {exc.errors()[0]['msg']}") from exc
+    # Lazy: the probe must start (and spool) even while Temporal is down; calls connect when they can.
+    client = await Client.connect(
+        args.temporal_address, namespace=args.namespace, data_converter=pydantic_data_converter, lazy=True
+    )
+    return Probe(config, Reporter(client))
+
+
+async def run_probe_command(args: argparse.Namespace) -> int:
+    """Run the probe until SIGTERM/SIGINT; 0 on a clean stop, 2 on a usage error."""
+    try:
+        probe = await build_probe(args)
+    except CliError as exc:
+        return _fail("probe", exc)
+    loop = asyncio.get_running_loop()
+    task = asyncio.create_task(probe.run())
+    handled: list[signal.Signals] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, task.cancel)
+            handled.append(sig)
+    log.info("probe for %s (%s) running", probe.config.instance_id, probe.config.group)
+    try:
+        await task
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            raise  # our caller cancelled us, not a signal
+    finally:
+        for sig in handled:
+            loop.remove_signal_handler(sig)
+    return 0

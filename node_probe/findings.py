@@ -1,0 +1,85 @@
+"""Turn a parsed record and its verdict into the `GpuFinding` the health workflow receives.
+
+A finding id is a hash of where the record sits in its source and of its raw text, so a probe that restarts
+and re-reads the same log sends the same ids and the workflow drops them as redeliveries.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from datetime import datetime
+
+from node_probe.kernel_log import KernelRecord
+from node_probe.policy import Verdict
+from workflows.models import GpuFinding, GpuRef
+
+# Signals are stored in workflow history: cap what a pathological line can put there.
+MAX_RAW_CHARS = 4096
+MAX_MESSAGE_CHARS = 1024
+
+DedupeKey = tuple[str, str | None, int | None, int | None, bool]
+
+
+def record_position(record: KernelRecord) -> str:
+    """Where the record sits in its source: kmsg's sequence number when there is one, else its line number."""
+    return f"seq:{record.kmsg_seq}" if record.kmsg_seq is not None else f"line:{record.line}"
+
+
+def finding_id(source: str, position: str, raw: str) -> str:
+    digest = hashlib.sha256(f"{source}\n{position}\n{raw}".encode("utf-8", "replace"))
+    return digest.hexdigest()[:32]
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def make_finding(
+    record: KernelRecord,
+    verdict: Verdict,
+    *,
+    instance_id: str,
+    group: str,
+    source: str,
+    observed_at: datetime,
+    position: str | None = None,
+) -> GpuFinding:
+    """`position` overrides `record_position(record)` where the source knows more (the file generation)."""
+    return GpuFinding(
+        finding_id=finding_id(source, position or record_position(record), record.raw),
+        instance_id=instance_id,
+        group=group,
+        kind=record.kind,
+        code=record.code,
+        reason=verdict.reason,
+        impairs=verdict.impairs,
+        rule=verdict.rule,
+        source=source,
+        gpu=GpuRef(
+            pci=record.pci,
+            mig_gpu_instance=record.mig_gpu_instance,
+            mig_compute_instance=record.mig_compute_instance,
+        ),
+        message=_clip(record.message, MAX_MESSAGE_CHARS),
+        raw=_clip(record.raw, MAX_RAW_CHARS),
+        observed_at=observed_at,
+    )
+
+
+def dedupe_key(record: KernelRecord, verdict: Verdict) -> DedupeKey:
+    """Same reason on the same GPU is one burst. `impairs` is part of the key so that a repeat rule firing on
+    the third Xid 13 is not swallowed by the burst the first two (warnings) opened."""
+    return (verdict.reason, record.pci, record.mig_gpu_instance, record.mig_compute_instance, verdict.impairs)
+
+
+def burst_rollup(first: GpuFinding, last: GpuFinding, suppressed: int, observed_at: datetime) -> GpuFinding:
+    """One finding for the records a burst suppressed; its count is only those (the first went out alone)."""
+    return last.model_copy(
+        update={
+            "finding_id": hashlib.sha256(
+                f"{first.finding_id}\nburst\n{last.finding_id}".encode()
+            ).hexdigest()[:32],
+            "count": suppressed,
+            "observed_at": observed_at,
+        }
+    )

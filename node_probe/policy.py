@@ -1,0 +1,197 @@
+"""Which fault records impair an instance (and so start a repair), and which are only warnings.
+
+Two base policies:
+  * `ecs` (default): exactly what Amazon ECS Managed Instances replaces an instance on, its 18 Xids, plus a
+    GPU that fell off the bus or failed to initialise. Conservative: a false impair costs a whole instance.
+  * `nvidia-catalog`: NVIDIA's resolution buckets; anything NVIDIA sends to the hardware side impairs.
+Operator overrides (`PolicyConfig`) go on top: extra impairing codes, codes never to impair, and repeat rules.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from datetime import datetime, timedelta
+from typing import Literal, NamedTuple
+
+from pydantic import BaseModel, Field
+
+from node_probe.catalog import XidCatalog, default_catalog
+from node_probe.kernel_log import KernelRecord
+
+POLICY_ECS = "ecs"
+POLICY_NVIDIA_CATALOG = "nvidia-catalog"
+POLICY_NAMES = (POLICY_ECS, POLICY_NVIDIA_CATALOG)
+
+# NVIDIA buckets whose resolution is on the hardware/node side (see the reference's section 4).
+HARDWARE_BUCKETS = frozenset(
+    {
+        "RESET_GPU",
+        "RESTART_BM",
+        "RESTART_VM",
+        "CONTACT_SUPPORT",
+        "CHECK_MECHANICALS",
+        "WORKFLOW_XID_48",
+        "WORKFLOW_NVLINK_ERR",
+        "WORKFLOW_NVLINK5_ERR",
+    }
+)
+# Buckets that mean "the application" or "nothing": never a reason to replace an instance.
+APPLICATION_BUCKETS = frozenset({"RESTART_APP", "IGNORE"})
+# Recovery actions Xid 154 can announce that need the node taken out of service.
+_NODE_ACTION_WORDS = ("reset", "reboot", "drain", "flr")
+# Bounds the repeat-rule memory when a log names many GPUs (or garbage addresses).
+_MAX_REPEAT_KEYS = 1024
+
+
+class Verdict(NamedTuple):
+    impairs: bool
+    reason: str  # ECS-style status reason: XID_79, SXID_20034, GPU_FALLEN_OFF_BUS, GPU_INIT_FAILED
+    rule: str  # which rule decided, e.g. "ecs:xid-list", "override:repeat xid13 3/600s"
+
+
+class RepeatRule(BaseModel):
+    """`count` records of this code on the same GPU within `within` impair, even if one alone does not."""
+
+    kind: Literal["xid", "sxid"] = "xid"
+    code: int = Field(ge=0)
+    count: int = Field(ge=2)
+    within: timedelta
+
+    @property
+    def name(self) -> str:
+        return f"override:repeat {self.kind}{self.code} {self.count}/{int(self.within.total_seconds())}s"
+
+
+class PolicyConfig(BaseModel):
+    add_xids: set[int] = Field(
+        default_factory=set, description="Xids that impair whatever the base policy says"
+    )
+    remove_xids: set[int] = Field(default_factory=set, description="Xids that never impair")
+    add_sxids: set[int] = Field(default_factory=set, description="NVSwitch SXids that impair")
+    repeat: list[RepeatRule] = Field(default_factory=list)
+
+
+def reason_for(record: KernelRecord) -> str:
+    if record.kind == "xid":
+        return f"XID_{record.code}"
+    if record.kind == "sxid":
+        return f"SXID_{record.code:05d}" if record.code is not None else "SXID"
+    if record.kind == "gpu_fallen_off_bus":
+        return "GPU_FALLEN_OFF_BUS"
+    return "GPU_INIT_FAILED"
+
+
+def _ecs(record: KernelRecord, catalog: XidCatalog) -> tuple[bool, str]:
+    assert record.code is not None  # only Xid records come here
+    if record.code in catalog.ecs_codes:
+        return True, "ecs:xid-list"
+    if record.code not in catalog:
+        return False, "ecs:unknown-xid"
+    return False, "ecs:not-in-xid-list"
+
+
+def _recovery_action_impairs(action: str | None) -> tuple[bool, str]:
+    if action is None:
+        return False, "nvidia-catalog:xid154-unparsed"
+    lowered = action.lower()
+    if lowered == "none":
+        return False, "nvidia-catalog:xid154-action-none"
+    if any(word in lowered for word in _NODE_ACTION_WORDS):
+        return True, "nvidia-catalog:xid154-action-node"
+    # "Recover IMEX Domain", "Unknown", names of future drivers: not a proven node fault, so only a warning.
+    return False, "nvidia-catalog:xid154-action-other"
+
+
+def _nvidia(record: KernelRecord, catalog: XidCatalog) -> tuple[bool, str]:
+    code = record.code
+    assert code is not None
+    if code == 154:
+        return _recovery_action_impairs(record.recovery_action_to)
+    if code == 45:
+        # Xid 45 is cleanup after another fault; bursts of it at job teardown are normal (NVSentinel#1629).
+        cause = record.caused_by_xid
+        if cause is None or cause in (45, 154):
+            return False, "nvidia-catalog:xid45-no-cause"
+        impairs, _ = _nvidia(record._replace(code=cause, caused_by_xid=None), catalog)
+        return impairs, f"nvidia-catalog:xid45-follows-xid{cause}"
+    if code == 94 and (record.rst or record.d_rst):
+        # A contained error is the application's, unless the driver itself says the GPU needs a reset.
+        return True, "nvidia-catalog:xid94-reset-required"
+    info = catalog.get(code)
+    if info is None:
+        return False, "nvidia-catalog:unknown-xid"
+    bucket = info.immediate_bucket
+    if not bucket:
+        return False, "nvidia-catalog:bucket-unassigned"
+    return bucket in HARDWARE_BUCKETS, f"nvidia-catalog:bucket-{bucket}"
+
+
+class _RepeatTracker:
+    """Times of recent matching records per (rule, GPU): `count` each, _MAX_REPEAT_KEYS keys, at most."""
+
+    def __init__(self) -> None:
+        self._seen: OrderedDict[tuple[int, str | None, int | None, int | None], deque[float]] = OrderedDict()
+
+    def fires(self, index: int, rule: RepeatRule, record: KernelRecord, at: float) -> bool:
+        key = (index, record.pci, record.mig_gpu_instance, record.mig_compute_instance)
+        times = self._seen.get(key)
+        if times is None:
+            times = deque(maxlen=rule.count)
+            self._seen[key] = times
+            if len(self._seen) > _MAX_REPEAT_KEYS:
+                self._seen.popitem(last=False)
+        else:
+            self._seen.move_to_end(key)
+        times.append(at)
+        return len(times) == rule.count and times[-1] - times[0] <= rule.within.total_seconds()
+
+
+class Policy:
+    """Classifies records. Holds the repeat-rule state, so use one instance per stream of records."""
+
+    def __init__(
+        self, name: str = POLICY_ECS, config: PolicyConfig | None = None, catalog: XidCatalog | None = None
+    ) -> None:
+        if name not in POLICY_NAMES:
+            raise ValueError(f"unknown policy {name!r} (choose from {', '.join(POLICY_NAMES)})")
+        self.name = name
+        self.config = config or PolicyConfig()
+        self._catalog = catalog or default_catalog()
+        self._repeats = _RepeatTracker()
+
+    def classify(self, record: KernelRecord, now: datetime) -> Verdict:
+        reason = reason_for(record)
+        impairs, rule = self._decide(record, now)
+        return Verdict(impairs=impairs, reason=reason, rule=rule)
+
+    def _decide(self, record: KernelRecord, now: datetime) -> tuple[bool, str]:
+        if record.kind == "gpu_fallen_off_bus":
+            return True, f"{self.name}:gpu-fallen-off-bus"
+        if record.kind == "gpu_init_failed":
+            return True, f"{self.name}:gpu-init-failed"
+        fired = self._repeat_rule_fired(record, now)
+        if fired is not None:
+            return True, fired
+        code = record.code
+        if record.kind == "sxid":
+            if code in self.config.add_sxids:
+                return True, f"override:add sxid{code}"
+            return False, f"{self.name}:sxid-warning"
+        if code in self.config.remove_xids:
+            return False, f"override:remove xid{code}"
+        if code in self.config.add_xids:
+            return True, f"override:add xid{code}"
+        if self.name == POLICY_ECS:
+            return _ecs(record, self._catalog)
+        return _nvidia(record, self._catalog)
+
+    def _repeat_rule_fired(self, record: KernelRecord, now: datetime) -> str | None:
+        # Uptime stamps, when the log has them, keep old history re-read at start-up from counting as a burst.
+        at = record.uptime_s if record.uptime_s is not None else now.timestamp()
+        fired: str | None = None
+        for index, rule in enumerate(self.config.repeat):
+            # Every matching rule records the time, even after one fired, so each keeps its own count.
+            matches = rule.kind == record.kind and rule.code == record.code
+            if matches and self._repeats.fires(index, rule, record, at) and fired is None:
+                fired = rule.name
+        return fired

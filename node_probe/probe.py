@@ -1,0 +1,226 @@
+"""The node probe: follow GPU fault sources, classify, collapse bursts, deliver findings at once, heartbeat.
+
+Runs on real hosts (kernel log / kmsg) and in the demo, where each simulated instance follows a kernel-log
+file that the fault injector appends real-format lines to. Pipeline per record:
+    source -> policy verdict -> burst collapse -> spool (durable when a spool dir is set) -> reporter
+Heartbeats run on their own timer and never wait behind findings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from pydantic import BaseModel, Field, field_validator
+
+from node_probe.dedupe import Burst, BurstCollapser
+from node_probe.file_follow import KernelLogFileSource
+from node_probe.findings import DedupeKey, burst_rollup, dedupe_key, make_finding
+from node_probe.kmsg import KMSG_PATH, KmsgSource
+from node_probe.policy import POLICY_NAMES, Policy, PolicyConfig, Verdict
+from node_probe.reporter import ReporterProtocol
+from node_probe.source import Observation, RecordSource
+from node_probe.spool import DEFAULT_MAX_BYTES, open_spool
+from workflows.models import GpuFinding, HealthState, Heartbeat
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TASK_QUEUE = "gpu-autorepair"
+
+
+class ProbeConfig(BaseModel):
+    instance_id: str = Field(min_length=1)
+    group: str = Field(min_length=1)
+    kernel_log: Path | None = None  # followed like tail -F: existing history first, then new lines
+    kmsg: bool = False  # follow /dev/kmsg (the ring buffer's history first)
+    kmsg_path: Path = KMSG_PATH  # a file in kmsg format stands in for the device in tests and replays
+    policy: str = "ecs"
+    policy_config: PolicyConfig = Field(default_factory=PolicyConfig)
+    heartbeat_interval: timedelta = timedelta(seconds=60)
+    poll_interval: timedelta = timedelta(seconds=0.5)
+    dedupe_window: timedelta = timedelta(minutes=5)
+    task_queue: str = DEFAULT_TASK_QUEUE
+    spool_dir: Path | None = None  # None: findings wait in memory only (bounded), lost if the probe dies
+    spool_max_bytes: int = Field(default=DEFAULT_MAX_BYTES, gt=0)
+    retry_max_backoff: timedelta = timedelta(seconds=30)
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, value: str) -> str:
+        if value not in POLICY_NAMES:
+            raise ValueError(f"unknown policy {value!r} (choose from {', '.join(POLICY_NAMES)})")
+        return value
+
+
+@dataclass(slots=True)
+class ProbeStats:
+    records: int = 0
+    suppressed: int = 0  # records folded into a burst
+    delivered: int = 0
+    dropped: int = 0  # warnings dropped because the spool was full
+    delivery_failures: int = 0
+    heartbeats_sent: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Seen:
+    observation: Observation
+    verdict: Verdict
+    at: datetime
+
+
+def build_sources(config: ProbeConfig) -> list[RecordSource]:
+    poll = config.poll_interval.total_seconds()
+    sources: list[RecordSource] = []
+    if config.kernel_log is not None:
+        sources.append(KernelLogFileSource(config.kernel_log, poll))
+    if config.kmsg:
+        sources.append(KmsgSource(config.kmsg_path, poll))
+    return sources
+
+
+def _utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Probe:
+    def __init__(
+        self,
+        config: ProbeConfig,
+        reporter: ReporterProtocol,
+        *,
+        sources: Sequence[RecordSource] | None = None,
+        clock: Callable[[], datetime] = _utcnow,
+    ) -> None:
+        self.config = config
+        self.stats = ProbeStats()
+        self._reporter = reporter
+        self._clock = clock
+        self._sources = list(sources) if sources is not None else build_sources(config)
+        self._policy = Policy(config.policy, config.policy_config)
+        self._bursts: BurstCollapser[DedupeKey, _Seen] = BurstCollapser(config.dedupe_window)
+        self._spool = open_spool(config.spool_dir, config.instance_id, config.spool_max_bytes)
+        self._pending = asyncio.Event()
+
+    @property
+    def pending(self) -> int:
+        """Findings not yet delivered."""
+        return len(self._spool)
+
+    def gpu_health(self) -> tuple[HealthState, str | None]:
+        """OK while any source can see the GPUs; INSUFFICIENT_DATA (never IMPAIRED) when none can."""
+        if not self._sources:
+            return HealthState.INSUFFICIENT_DATA, "no GPU source configured"
+        statuses = [source.status for source in self._sources]
+        if any(status.is_ok for status in statuses):
+            return HealthState.OK, None
+        return HealthState.INSUFFICIENT_DATA, "; ".join(s.reason or "unavailable" for s in statuses)
+
+    def heartbeat(self) -> Heartbeat:
+        state, reason = self.gpu_health()
+        return Heartbeat(
+            instance_id=self.config.instance_id,
+            group=self.config.group,
+            sent_at=self._clock(),
+            gpu_health=state,
+            gpu_health_reason=reason,
+        )
+
+    async def run(self) -> None:
+        """Until cancelled. The first heartbeat goes out at once and says whether the sources can be read."""
+        for source in self._sources:
+            source.check()
+        if self.pending:
+            log.info("%d findings from an earlier run wait in the spool", self.pending)
+            self._pending.set()
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(self._heartbeats())
+                tasks.create_task(self._deliver())
+                tasks.create_task(self._expire_bursts())
+                for source in self._sources:
+                    tasks.create_task(self._consume(source))
+        finally:
+            # Open bursts' counts would be lost on shutdown; with a file spool they are delivered next run.
+            self._enqueue_rollups(self._bursts.flush())
+
+    async def _consume(self, source: RecordSource) -> None:
+        async for observation in source.observations():
+            now = self._clock()
+            verdict = self._policy.classify(observation.record, now)
+            self.stats.records += 1
+            seen = _Seen(observation, verdict, now)
+            # Only the first of a burst becomes a finding here: building one per line of an 800K-line flood
+            # would cost more than parsing it.
+            if self._bursts.offer(dedupe_key(observation.record, verdict), seen, now):
+                self._enqueue(self._finding(seen))
+            else:
+                self.stats.suppressed += 1
+
+    def _finding(self, seen: _Seen) -> GpuFinding:
+        obs = seen.observation
+        return make_finding(
+            obs.record,
+            seen.verdict,
+            instance_id=self.config.instance_id,
+            group=self.config.group,
+            source=obs.source,
+            observed_at=seen.at,
+            position=obs.position,
+        )
+
+    def _enqueue(self, finding: GpuFinding) -> None:
+        if self._spool.append(finding):
+            self._pending.set()
+        else:
+            self.stats.dropped += 1
+
+    def _enqueue_rollups(self, bursts: Sequence[Burst[_Seen]]) -> None:
+        now = self._clock()
+        for burst in bursts:
+            first, last = self._finding(burst.first), self._finding(burst.last)
+            self._enqueue(burst_rollup(first, last, burst.suppressed, now))
+
+    async def _expire_bursts(self) -> None:
+        window = self.config.dedupe_window.total_seconds()
+        tick = max(0.05, min(1.0, window / 4))
+        while True:
+            await asyncio.sleep(tick)
+            self._enqueue_rollups(self._bursts.expire(self._clock()))
+
+    async def _deliver(self) -> None:
+        """Oldest first; a finding leaves the spool only once delivered, so order survives outages."""
+        initial = min(0.5, self.config.retry_max_backoff.total_seconds())
+        backoff = initial
+        while True:
+            finding = self._spool.peek()
+            if finding is None:
+                self._pending.clear()
+                await self._pending.wait()
+                continue
+            try:
+                await self._reporter.send_finding(finding, self.config.task_queue)
+            except Exception as exc:  # unreachable server, timeouts: all mean "try again later"
+                self.stats.delivery_failures += 1
+                log.warning("finding %s not delivered (%s); retrying in %.1fs", finding.reason, exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.config.retry_max_backoff.total_seconds())
+                continue
+            self._spool.pop()
+            self.stats.delivered += 1
+            backoff = initial
+
+    async def _heartbeats(self) -> None:
+        interval = self.config.heartbeat_interval.total_seconds()
+        while True:
+            heartbeat = self.heartbeat()
+            try:
+                await self._reporter.send_heartbeat(heartbeat, self.config.task_queue)
+                self.stats.heartbeats_sent += 1
+            except Exception as exc:  # a lost heartbeat is replaced by the next one; nothing to retry
+                log.warning("heartbeat not delivered: %s", exc)
+            await asyncio.sleep(interval)

@@ -1,0 +1,65 @@
+"""Deliver findings and heartbeats to the instance's health workflow by signal-with-start.
+
+Signal-with-start (USE_EXISTING) means the probe never needs to know whether the workflow exists yet: the
+first signal of a new instance starts it, later ones land on the running one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+from typing import Protocol
+
+from temporalio.client import Client
+from temporalio.common import WorkflowIDConflictPolicy
+
+from workflows.ids import health_workflow_id
+from workflows.models import GpuFinding, HealthInput, Heartbeat
+
+HEALTH_WORKFLOW = "InstanceHealthWorkflow"
+SIGNAL_GPU_FINDING = "gpu_finding"
+SIGNAL_HEARTBEAT = "heartbeat"
+
+
+class ReporterProtocol(Protocol):
+    """What the probe needs; tests pass a recording fake."""
+
+    async def send_finding(self, finding: GpuFinding, task_queue: str) -> None: ...
+
+    async def send_heartbeat(self, heartbeat: Heartbeat, task_queue: str) -> None: ...
+
+
+class Reporter:
+    """Wraps a client made with `data_converter=pydantic_data_converter`. Raises when delivery fails; the
+    probe keeps the finding spooled and retries."""
+
+    def __init__(self, client: Client, rpc_timeout: timedelta = timedelta(seconds=10)) -> None:
+        self._client = client
+        self._rpc_timeout = rpc_timeout
+
+    async def send_finding(self, finding: GpuFinding, task_queue: str) -> None:
+        await self._signal_with_start(
+            finding.instance_id, finding.group, task_queue, SIGNAL_GPU_FINDING, finding
+        )
+
+    async def send_heartbeat(self, heartbeat: Heartbeat, task_queue: str) -> None:
+        await self._signal_with_start(
+            heartbeat.instance_id, heartbeat.group, task_queue, SIGNAL_HEARTBEAT, heartbeat
+        )
+
+    async def _signal_with_start(
+        self, instance_id: str, group: str, task_queue: str, signal: str, payload: GpuFinding | Heartbeat
+    ) -> None:
+        # The RPC timeout does not cover a lazy client's first connect; bound the whole call, so a black-holed
+        # server cannot stall delivery (a retry after a late success is dropped by the finding id).
+        call = self._client.start_workflow(
+            HEALTH_WORKFLOW,
+            HealthInput(instance_id=instance_id, group=group),
+            id=health_workflow_id(instance_id),
+            task_queue=task_queue,
+            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+            start_signal=signal,
+            start_signal_args=[payload],
+            rpc_timeout=self._rpc_timeout,
+        )
+        await asyncio.wait_for(call, timeout=2 * self._rpc_timeout.total_seconds())

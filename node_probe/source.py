@@ -1,0 +1,75 @@
+"""What every record source of the probe looks like (kernel log file, /dev/kmsg; NVML and DCGM later).
+
+A source says whether it can currently see the GPUs (`status`) and yields records as they appear. The probe
+reports INSUFFICIENT_DATA only when every configured source is down: we cannot tell, so we must not impair.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from node_probe.kernel_log import KernelLogParser, KernelRecord
+from workflows.models import HealthState
+
+# A line without a newline this long is cut, so a writer that never ends its line cannot grow memory.
+MAX_LINE_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class SourceStatus:
+    state: HealthState
+    reason: str | None = None
+
+    @classmethod
+    def ok(cls) -> SourceStatus:
+        return cls(HealthState.OK)
+
+    @classmethod
+    def down(cls, reason: str) -> SourceStatus:
+        return cls(HealthState.INSUFFICIENT_DATA, reason)
+
+    @property
+    def is_ok(self) -> bool:
+        return self.state == HealthState.OK
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    record: KernelRecord
+    source: str  # e.g. "kernel_log:/var/log/kern.log", "kmsg"
+    position: str  # stable place of the record within the source, for the finding id
+
+
+class RecordSource(Protocol):
+    name: str
+
+    @property
+    def status(self) -> SourceStatus: ...
+
+    def check(self) -> SourceStatus:
+        """Look at the source now (cheaply) and update `status`; used before the first heartbeat."""
+        ...
+
+    def observations(self) -> AsyncIterator[Observation]: ...
+
+
+class LineAssembler:
+    """Bytes in, complete lines out, parsed; keeps the partial last line between chunks."""
+
+    def __init__(self) -> None:
+        self.parser = KernelLogParser()
+        self._partial = b""
+
+    def feed(self, chunk: bytes) -> list[KernelRecord]:
+        data = self._partial + chunk
+        lines = data.split(b"\n")
+        self._partial = lines.pop()
+        if len(self._partial) > MAX_LINE_BYTES:
+            lines.append(self._partial)
+            self._partial = b""
+        records: list[KernelRecord] = []
+        for line in lines:
+            records.extend(self.parser.feed(line.decode("utf-8", "replace")))
+        return records

@@ -1,0 +1,101 @@
+"""Shared test set-up: settings pointing at the test servers, an in-process worker, waiting for conditions."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import sys
+import json
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, TypeVar
+
+from temporalio.client import Client
+
+from worker.main import build_worker
+from worker.settings import AwsSettings, EventSettings, Settings, TemporalSettings
+from workflows.models import AutoRepair, CapacityGroup
+
+T = TypeVar("T")
+
+
+def tool_path(name: str) -> str:
+    """A command installed in this virtual environment (temporal, moto_server), even when it is not on PATH."""
+    found = shutil.which(name, path=os.path.dirname(sys.executable)) or shutil.which(name)
+    if not found:
+        raise RuntimeError(f"{name} not found: run the tests through `make test`, which installs it")
+    return found
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def make_settings(
+    client: Client,
+    moto_endpoint: str,
+    events_path: Path,
+    *,
+    group: str,
+    cluster: str,
+    launch_template: str | None = None,
+    auto_repair: AutoRepair = AutoRepair.ENABLED,
+    heartbeat_loss_threshold: timedelta = timedelta(seconds=6),
+    task_queue: str | None = None,
+) -> Settings:
+    return Settings(
+        temporal=TemporalSettings(
+            address=client.service_client.config.target_host,
+            namespace=client.namespace,
+            task_queue=task_queue or unique("tq"),
+        ),
+        aws=AwsSettings(endpoint_url=moto_endpoint, region="us-east-1"),
+        events=EventSettings(jsonl_path=events_path),
+        groups=[
+            CapacityGroup(
+                name=group,
+                cluster=cluster,
+                launch_template=launch_template,
+                auto_repair=auto_repair,
+                heartbeat_loss_threshold=heartbeat_loss_threshold,
+                task_poll_interval=timedelta(seconds=1),
+                permit_reclaim_interval=timedelta(seconds=2),
+                replacement_ready_timeout=timedelta(seconds=60),
+            )
+        ],
+    )
+
+
+@asynccontextmanager
+async def running_worker(settings: Settings, client: Client) -> AsyncIterator[None]:
+    async with build_worker(settings, client):
+        yield
+
+
+async def eventually(
+    probe: Callable[[], Awaitable[T]], accept: Callable[[T], bool], *, within: float = 120, every: float = 0.5
+) -> T:
+    """Poll until `accept(await probe())`; the bound is generous because this asserts behaviour, not speed."""
+    deadline = asyncio.get_running_loop().time() + within
+    while True:
+        try:
+            value = await probe()
+        except Exception:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+        else:
+            if accept(value):
+                return value
+            if asyncio.get_running_loop().time() > deadline:
+                raise AssertionError(f"condition not met within {within}s; last value: {value!r}")
+        await asyncio.sleep(every)
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,199 @@
+"""publish_event against a real moto server: EventBridge (routed to SQS to read back) and JSON lines."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+from botocore.stub import Stubber
+from temporalio.exceptions import ApplicationError
+from temporalio.testing import ActivityEnvironment
+
+from activities.aws import AwsClients
+from activities.events import EventActivities
+from activities.models import HEALTH_DETAIL_TYPE, REPAIR_DETAIL_TYPE, EventType, FleetEvent
+from worker.settings import AwsSettings, EventSettings
+
+REQUIRED_KEYS = {"time", "type", "group", "instance_id", "workflow_id", "event_id"}
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture(scope="module")
+def aws(aws_env: str) -> AwsClients:
+    return AwsClients(AwsSettings(endpoint_url=aws_env, max_attempts=2))
+
+
+@pytest.fixture
+def bus(aws: AwsClients, aws_env: str) -> tuple[str, str, Any, str]:
+    """A new bus whose events from a new source land in an SQS queue: (bus, source, sqs client, queue url)."""
+    name, source = unique("bus"), unique("gpu-autorepair")
+    aws.events.create_event_bus(Name=name)
+    sqs = boto3.client("sqs", region_name="us-east-1", endpoint_url=aws_env)
+    queue_url = sqs.create_queue(QueueName=unique("events"))["QueueUrl"]
+    queue_arn = sqs.get_queue_attributes(QueueUrl=queue_url, AttributeNames=["QueueArn"])["Attributes"][
+        "QueueArn"
+    ]
+    aws.events.put_rule(Name="all", EventBusName=name, EventPattern=json.dumps({"source": [source]}))
+    aws.events.put_targets(Rule="all", EventBusName=name, Targets=[{"Id": "queue", "Arn": queue_arn}])
+    return name, source, sqs, queue_url
+
+
+def received(sqs: Any, queue_url: str) -> list[dict[str, Any]]:
+    messages = sqs.receive_message(QueueUrl=queue_url, MaxNumberOfMessages=10, WaitTimeSeconds=1).get(
+        "Messages", []
+    )
+    return [json.loads(m["Body"]) for m in messages]
+
+
+def health_event(**fields: Any) -> FleetEvent:
+    return FleetEvent(
+        event_id=unique("evt"),
+        time=datetime(2026, 3, 1, 12, 30, 5, tzinfo=UTC),
+        type=EventType.HEALTH_CHANGED,
+        group="gpu-a",
+        instance_id="i-0123456789abcdef0",
+        workflow_id="health/i-0123456789abcdef0",
+        fields=fields,
+    )
+
+
+def repair_event(event_type: EventType = EventType.REPLACEMENT_LAUNCHED) -> FleetEvent:
+    return FleetEvent(
+        event_id=unique("evt"),
+        time=datetime.now(UTC),
+        type=event_type,
+        group="gpu-a",
+        instance_id="i-0123456789abcdef0",
+        workflow_id="repair/i-0123456789abcdef0",
+        fields={"replacement_instance_id": "i-0fedcba9876543210"},
+    )
+
+
+DETAILS = [
+    {
+        "type": "ACCELERATED_COMPUTE",
+        "status": "IMPAIRED",
+        "statusReason": "XID_79",
+        "lastUpdated": datetime(2026, 3, 1, 12, 30, 5, tzinfo=UTC),
+        "lastStatusChange": "2026-03-01T12:30:05Z",
+    }
+]
+
+
+async def test_put_to_event_bus(aws: AwsClients, bus: tuple[str, str, Any, str]) -> None:
+    name, source, sqs, queue_url = bus
+    acts = EventActivities(aws, EventSettings(bus_name=name, source=source))
+    event = health_event(overallStatus="IMPAIRED", details=DETAILS, xid=79, gpu_pci="0000:10:1c")
+
+    await ActivityEnvironment().run(acts.publish_event, event)
+
+    [envelope] = received(sqs, queue_url)
+    assert envelope["source"] == source
+    assert envelope["detail-type"] == HEALTH_DETAIL_TYPE
+    assert envelope["time"].startswith("2026-03-01T12:30:05")
+    detail = envelope["detail"]
+    assert detail.keys() >= REQUIRED_KEYS
+    assert detail["time"] == "2026-03-01T12:30:05Z"
+    assert (detail["type"], detail["group"], detail["instance_id"]) == (
+        "HealthChanged",
+        "gpu-a",
+        event.instance_id,
+    )
+    assert detail["event_id"] == event.event_id and detail["xid"] == 79
+    # ECS's event name for the API's `details`, both present and identical.
+    assert detail["healthChecks"] == detail["details"]
+    assert detail["healthChecks"][0]["lastUpdated"] == "2026-03-01T12:30:05Z"
+
+
+async def test_repair_event_detail_type_and_no_health_checks(
+    aws: AwsClients, bus: tuple[str, str, Any, str]
+) -> None:
+    name, source, sqs, queue_url = bus
+    acts = EventActivities(aws, EventSettings(bus_name=name, source=source))
+
+    await ActivityEnvironment().run(acts.publish_event, repair_event())
+
+    [envelope] = received(sqs, queue_url)
+    assert envelope["detail-type"] == REPAIR_DETAIL_TYPE
+    assert envelope["detail"]["replacement_instance_id"] == "i-0fedcba9876543210"
+    assert "healthChecks" not in envelope["detail"]
+
+
+async def test_put_to_default_bus(aws: AwsClients) -> None:
+    acts = EventActivities(aws, EventSettings())
+    await ActivityEnvironment().run(acts.publish_event, repair_event(EventType.TERMINATED))
+
+
+async def test_jsonl_lines(aws: AwsClients, tmp_path: Path) -> None:
+    path = tmp_path / "nested" / "dir" / "events.jsonl"
+    acts = EventActivities(aws, EventSettings(eventbridge=False, jsonl_path=path))
+    events = [health_event(overallStatus="IMPAIRED", details=DETAILS), repair_event(), repair_event()]
+
+    for event in events:
+        await ActivityEnvironment().run(acts.publish_event, event)
+
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(lines) == 3
+    for line, event in zip(lines, events, strict=True):
+        assert line.keys() >= REQUIRED_KEYS
+        assert line["time"].endswith("Z")
+        assert datetime.fromisoformat(line["time"]).utcoffset() is not None
+        assert datetime.fromisoformat(line["time"]) == event.time
+        assert (line["type"], line["group"], line["instance_id"]) == (
+            event.type.value,
+            event.group,
+            event.instance_id,
+        )
+        assert list(line)[:4] == ["time", "type", "group", "instance_id"]
+    assert lines[0]["healthChecks"] == lines[0]["details"]
+    assert lines[1]["replacement_instance_id"] == "i-0fedcba9876543210"
+
+
+async def test_both_sinks(aws: AwsClients, bus: tuple[str, str, Any, str], tmp_path: Path) -> None:
+    name, source, sqs, queue_url = bus
+    path = tmp_path / "events.jsonl"
+    acts = EventActivities(aws, EventSettings(bus_name=name, source=source, jsonl_path=path))
+    event = repair_event()
+
+    await ActivityEnvironment().run(acts.publish_event, event)
+
+    [envelope] = received(sqs, queue_url)
+    assert envelope["detail"] == json.loads(path.read_text())
+
+
+async def test_missing_bus_is_permanent(aws: AwsClients, tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    acts = EventActivities(aws, EventSettings(bus_name=unique("no-such-bus"), jsonl_path=path))
+    with pytest.raises(ApplicationError) as exc:
+        await ActivityEnvironment().run(acts.publish_event, repair_event())
+    assert exc.value.type == "ResourceNotFoundException" and exc.value.non_retryable
+    assert exc.value.message.startswith("events:PutEvents on event bus no-such-bus")
+    assert not path.exists()  # EventBridge first: a failed put writes no line, so retries add no duplicates
+
+
+@pytest.mark.parametrize(
+    ("code", "retryable"),
+    [("ThrottlingException", True), ("InternalFailure", True), ("MalformedDetail", False)],
+)
+async def test_failed_entry_raises(aws_env: str, code: str, retryable: bool) -> None:
+    # moto never fails an entry for a well-formed event, so the answer is stubbed here.
+    aws = AwsClients(AwsSettings(endpoint_url=aws_env))
+    acts = EventActivities(aws, EventSettings())
+    event = repair_event()
+    with Stubber(aws.events) as stub:
+        stub.add_response(
+            "put_events", {"FailedEntryCount": 1, "Entries": [{"ErrorCode": code, "ErrorMessage": "boom"}]}
+        )
+        with pytest.raises(ApplicationError) as exc:
+            await ActivityEnvironment().run(acts.publish_event, event)
+    assert exc.value.type == code
+    assert exc.value.non_retryable is not retryable
+    assert event.event_id in exc.value.message

@@ -1,0 +1,537 @@
+"""Fleet activities against a real moto server over HTTP (state shared by the session: unique names)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import pytest
+from botocore.exceptions import ClientError
+from temporalio.exceptions import ApplicationError
+from temporalio.testing import ActivityEnvironment
+
+from activities.aws import AwsClients, aws_call
+from activities.errors import aws_errors, is_retryable
+from activities.fleet import DETACHED_AT_TAG, GROUP_TAG, REPLACES_TAG, FleetActivities
+from activities.models import GroupRef, InstanceRef, LaunchRequest, StopTasksRequest
+from worker.settings import AwsSettings
+from workflows.models import CapacityGroup
+
+if TYPE_CHECKING:
+    from mypy_boto3_ec2.type_defs import TagTypeDef
+
+AMI = "ami-12c6146b"  # one of moto's built-in AMIs
+T = TypeVar("T")
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+async def run(fn: Callable[[Any], Awaitable[T]], arg: Any) -> T:
+    """Run an activity method in an activity context (heartbeat, cancellation), as a worker would."""
+    return await ActivityEnvironment().run(fn, arg)
+
+
+@pytest.fixture(scope="module")
+def aws(aws_env: str) -> AwsClients:
+    return AwsClients(AwsSettings(endpoint_url=aws_env, max_attempts=2))
+
+
+@dataclass
+class Fleet:
+    """One capacity group of its own in moto: cluster, launch template, activities, and helpers."""
+
+    aws: AwsClients
+    group: CapacityGroup
+    groups: dict[str, CapacityGroup] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.add(self.group)
+        self.aws.ecs.create_cluster(clusterName=self.group.cluster)
+        self.acts = FleetActivities(self.aws, self.groups.__getitem__, poll_interval=timedelta(seconds=0.05))
+
+    def add(self, group: CapacityGroup) -> None:
+        self.groups[group.name] = group
+
+    def launch(self, count: int = 1, az: str = "us-east-1a", tagged: bool = True) -> list[str]:
+        tags: list[TagTypeDef] = [{"Key": GROUP_TAG if tagged else "other", "Value": self.group.name}]
+        resp = self.aws.ec2.run_instances(
+            ImageId=AMI,
+            InstanceType="p4d.24xlarge",
+            MinCount=count,
+            MaxCount=count,
+            Placement={"AvailabilityZone": az},
+            TagSpecifications=[{"ResourceType": "instance", "Tags": tags}],
+        )
+        return [i["InstanceId"] for i in resp["Instances"]]
+
+    def register(self, instance_id: str, az: str = "us-east-1a") -> str:
+        doc = json.dumps({"instanceId": instance_id, "availabilityZone": az})
+        resp = self.aws.ecs.register_container_instance(
+            cluster=self.group.cluster, instanceIdentityDocument=doc
+        )
+        return resp["containerInstance"]["containerInstanceArn"]
+
+    def status(self, arn: str) -> str:
+        resp = self.aws.ecs.describe_container_instances(cluster=self.group.cluster, containerInstances=[arn])
+        return resp["containerInstances"][0]["status"]
+
+    def replacements_of(self, impaired: str) -> list[dict[str, Any]]:
+        resp = self.aws.ec2.describe_instances(
+            Filters=[
+                {"Name": f"tag:{REPLACES_TAG}", "Values": [impaired]},
+                {"Name": "instance-state-name", "Values": ["pending", "running"]},
+            ]
+        )
+        return [dict(i) for r in resp["Reservations"] for i in r["Instances"]]
+
+
+def make_template(aws: AwsClients) -> tuple[str, str]:
+    name = unique("lt")  # an "lt-" name that is not an id shape
+    resp = aws.ec2.create_launch_template(
+        LaunchTemplateName=name, LaunchTemplateData={"ImageId": AMI, "InstanceType": "p4d.24xlarge"}
+    )
+    return name, resp["LaunchTemplate"]["LaunchTemplateId"]
+
+
+@pytest.fixture
+def fleet(aws: AwsClients) -> Fleet:
+    template, _ = make_template(aws)
+    return Fleet(
+        aws, CapacityGroup(name=unique("group"), cluster=unique("cluster"), launch_template=template)
+    )
+
+
+def permanent(exc: pytest.ExceptionInfo[ApplicationError], type_: str) -> str:
+    assert exc.value.type == type_, str(exc.value)
+    assert exc.value.non_retryable, str(exc.value)
+    return exc.value.message
+
+
+# --- capacity and config ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("count", "cap"), [(20, 4), (6, 1), (9, 1), (10, 2)])
+async def test_capacity_counts_group_instances_and_caps_draining(fleet: Fleet, count: int, cap: int) -> None:
+    for instance_id in fleet.launch(count):
+        fleet.register(instance_id)
+    # Not counted: an instance of another group in the same cluster, and one launched but never registered.
+    fleet.register(fleet.launch(tagged=False)[0])
+    fleet.launch()
+
+    result = await run(fleet.acts.describe_group_capacity, GroupRef(group=fleet.group.name))
+
+    assert (result.group, result.instance_count, result.max_draining) == (fleet.group.name, count, cap)
+
+
+async def test_capacity_counts_draining_and_drops_deregistered(fleet: Fleet) -> None:
+    ids = fleet.launch(3)
+    arns = [fleet.register(i) for i in ids]
+    await run(fleet.acts.set_draining, InstanceRef(group=fleet.group.name, instance_id=ids[0]))
+    fleet.aws.ecs.deregister_container_instance(
+        cluster=fleet.group.cluster, containerInstance=arns[1], force=True
+    )
+
+    result = await run(fleet.acts.describe_group_capacity, GroupRef(group=fleet.group.name))
+
+    assert (result.instance_count, result.max_draining) == (2, 1)
+
+
+async def test_get_group_config_and_unknown_group(fleet: Fleet) -> None:
+    assert await run(fleet.acts.get_group_config, GroupRef(group=fleet.group.name)) == fleet.group
+    with pytest.raises(ApplicationError) as exc:
+        await run(fleet.acts.describe_group_capacity, GroupRef(group="no-such-group"))
+    assert "no-such-group" in permanent(exc, "UnknownCapacityGroup")
+
+
+# --- draining -----------------------------------------------------------------------------------------------
+
+
+async def test_set_draining_is_idempotent_and_reports_placement(fleet: Fleet) -> None:
+    [instance_id] = fleet.launch(az="us-east-1b")
+    arn = fleet.register(instance_id, az="us-east-1b")
+    ref = InstanceRef(group=fleet.group.name, instance_id=instance_id)
+
+    first = await run(fleet.acts.set_draining, ref)
+    second = await run(fleet.acts.set_draining, ref)
+
+    assert first == second
+    assert first.container_instance_arn == arn
+    assert first.availability_zone == "us-east-1b"
+    assert first.subnet_id and first.subnet_id.startswith("subnet-")
+    assert fleet.status(arn) == "DRAINING"
+
+
+async def test_set_draining_of_unregistered_instance_is_permanent(fleet: Fleet) -> None:
+    [instance_id] = fleet.launch()
+    with pytest.raises(ApplicationError) as exc:
+        await run(fleet.acts.set_draining, InstanceRef(group=fleet.group.name, instance_id=instance_id))
+    message = permanent(exc, "ContainerInstanceNotFound")
+    assert instance_id in message and fleet.group.cluster in message
+
+
+# --- launching ----------------------------------------------------------------------------------------------
+
+
+async def test_launch_replacement_is_idempotent_and_in_the_impaired_az(fleet: Fleet) -> None:
+    [impaired] = fleet.launch(az="us-east-1c")
+    fleet.register(impaired, az="us-east-1c")
+    drained = await run(fleet.acts.set_draining, InstanceRef(group=fleet.group.name, instance_id=impaired))
+    request = LaunchRequest(
+        group=fleet.group.name,
+        impaired_instance_id=impaired,
+        availability_zone=drained.availability_zone,
+        client_token=f"repair-{impaired}",
+    )
+
+    first = await run(fleet.acts.launch_replacement, request)
+    second = await run(fleet.acts.launch_replacement, request)
+
+    assert not first.already_existed
+    assert second.already_existed
+    assert second.replacement_instance_id == first.replacement_instance_id != impaired
+    [replacement] = fleet.replacements_of(impaired)  # exactly one instance in moto
+    assert replacement["InstanceId"] == first.replacement_instance_id
+    assert replacement["Placement"]["AvailabilityZone"] == "us-east-1c"
+    tags = {t["Key"]: t["Value"] for t in replacement["Tags"]}
+    assert tags[GROUP_TAG] == fleet.group.name and tags[REPLACES_TAG] == impaired and tags["Name"]
+
+
+async def test_launch_replacement_by_template_id_into_the_subnet(aws: AwsClients) -> None:
+    _, template_id = make_template(aws)
+    fleet = Fleet(
+        aws, CapacityGroup(name=unique("group"), cluster=unique("cluster"), launch_template=template_id)
+    )
+    [impaired] = fleet.launch(az="us-east-1b")
+    fleet.register(impaired, az="us-east-1b")
+    drained = await run(fleet.acts.set_draining, InstanceRef(group=fleet.group.name, instance_id=impaired))
+
+    result = await run(
+        fleet.acts.launch_replacement,
+        LaunchRequest(
+            group=fleet.group.name,
+            impaired_instance_id=impaired,
+            subnet_id=drained.subnet_id,
+            client_token="t-1",
+        ),
+    )
+
+    [replacement] = fleet.replacements_of(impaired)
+    assert replacement["InstanceId"] == result.replacement_instance_id
+    assert replacement["SubnetId"] == drained.subnet_id
+    assert (
+        replacement["Tags"]
+        and {"Key": "aws:ec2launchtemplate:id", "Value": template_id} in replacement["Tags"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("template", "code"),
+    [
+        ("no-such-template", "InvalidLaunchTemplateName.NotFoundException"),
+        ("lt-0123456789abcdef0", "InvalidLaunchTemplateId.NotFound"),
+    ],
+)
+async def test_launch_from_missing_template_is_permanent_with_clear_message(
+    aws: AwsClients, template: str, code: str
+) -> None:
+    fleet = Fleet(
+        aws, CapacityGroup(name=unique("group"), cluster=unique("cluster"), launch_template=template)
+    )
+    [impaired] = fleet.launch()
+    request = LaunchRequest(group=fleet.group.name, impaired_instance_id=impaired, client_token="t-1")
+
+    with pytest.raises(ApplicationError) as exc:
+        await run(fleet.acts.launch_replacement, request)
+
+    message = permanent(exc, code)
+    assert "ec2:DescribeLaunchTemplates" in message and template in message and fleet.group.name in message
+    assert "\n" not in message
+    assert fleet.replacements_of(impaired) == []
+
+
+@dataclass
+class AsgFleet:
+    fleet: Fleet
+    asg: str
+    original: list[str]
+
+    def members(self) -> dict[str, Any]:
+        resp = self.fleet.aws.autoscaling.describe_auto_scaling_groups(AutoScalingGroupNames=[self.asg])
+        return dict(resp["AutoScalingGroups"][0])
+
+
+@pytest.fixture
+def asg_fleet(aws: AwsClients) -> AsgFleet:
+    template, _ = make_template(aws)
+    subnet = aws.ec2.describe_subnets(Filters=[{"Name": "availability-zone", "Values": ["us-east-1a"]}])
+    asg = unique("asg")
+    aws.autoscaling.create_auto_scaling_group(
+        AutoScalingGroupName=asg,
+        LaunchTemplate={"LaunchTemplateName": template, "Version": "$Latest"},
+        MinSize=0,
+        MaxSize=5,
+        DesiredCapacity=2,
+        VPCZoneIdentifier=subnet["Subnets"][0]["SubnetId"],
+    )
+    fleet = Fleet(aws, CapacityGroup(name=unique("group"), cluster=unique("cluster"), auto_scaling_group=asg))
+    resp = aws.autoscaling.describe_auto_scaling_groups(AutoScalingGroupNames=[asg])
+    original = sorted(i["InstanceId"] for i in resp["AutoScalingGroups"][0]["Instances"])
+    # EC2 LaunchTime has whole seconds: let them tick so the replacement is told from the originals.
+    time.sleep(1.1)
+    return AsgFleet(fleet, asg, original)
+
+
+async def test_launch_in_auto_scaling_group_detaches_and_returns_the_new_instance(
+    asg_fleet: AsgFleet,
+) -> None:
+    fleet = asg_fleet.fleet
+    impaired, healthy = asg_fleet.original
+    for instance_id in asg_fleet.original:
+        fleet.register(instance_id)
+    request = LaunchRequest(group=fleet.group.name, impaired_instance_id=impaired, client_token="t-1")
+
+    first = await run(fleet.acts.launch_replacement, request)
+    second = await run(fleet.acts.launch_replacement, request)
+
+    assert not first.already_existed and second.already_existed
+    assert second.replacement_instance_id == first.replacement_instance_id
+    assert first.replacement_instance_id not in asg_fleet.original
+    asg = asg_fleet.members()
+    assert asg["DesiredCapacity"] == 2
+    assert sorted(i["InstanceId"] for i in asg["Instances"]) == sorted(
+        [healthy, first.replacement_instance_id]
+    )
+    [replacement] = fleet.replacements_of(impaired)
+    assert replacement["InstanceId"] == first.replacement_instance_id
+    # The detached instance is still counted (group tag) until it is terminated; the replacement is not
+    # registered in ECS yet.
+    capacity = await run(fleet.acts.describe_group_capacity, GroupRef(group=fleet.group.name))
+    assert capacity.instance_count == 2
+    fleet.register(first.replacement_instance_id)
+    capacity = await run(fleet.acts.describe_group_capacity, GroupRef(group=fleet.group.name))
+    assert capacity.instance_count == 3
+
+
+async def test_launch_in_auto_scaling_group_waits_for_the_group_to_launch(asg_fleet: AsgFleet) -> None:
+    fleet = asg_fleet.fleet
+    # An instance detached (by an earlier attempt) after every instance the group has was launched.
+    [detached] = fleet.launch(tagged=False)
+    fleet.aws.ec2.create_tags(
+        Resources=[detached], Tags=[{"Key": DETACHED_AT_TAG, "Value": datetime.now(UTC).isoformat()}]
+    )
+    request = LaunchRequest(group=fleet.group.name, impaired_instance_id=detached, client_token="t-1")
+
+    with pytest.raises(ApplicationError) as exc:
+        await run(fleet.acts.launch_replacement, request)
+
+    assert exc.value.type == "ReplacementNotYetLaunched" and not exc.value.non_retryable
+    assert fleet.replacements_of(detached) == []
+
+
+async def test_launch_in_auto_scaling_group_of_a_non_member_is_permanent(asg_fleet: AsgFleet) -> None:
+    fleet = asg_fleet.fleet
+    [stranger] = fleet.launch(tagged=False)
+    request = LaunchRequest(group=fleet.group.name, impaired_instance_id=stranger, client_token="t-1")
+    with pytest.raises(ApplicationError) as exc:
+        await run(fleet.acts.launch_replacement, request)
+    assert asg_fleet.asg in permanent(exc, "NotInAutoScalingGroup")
+
+
+# --- waiting for the replacement ----------------------------------------------------------------------------
+
+
+async def test_await_active_returns_once_registered(fleet: Fleet) -> None:
+    [instance_id] = fleet.launch()
+    ref = InstanceRef(group=fleet.group.name, instance_id=instance_id)
+    waiting = asyncio.create_task(run(fleet.acts.await_container_instance_active, ref))
+    await asyncio.sleep(0.3)
+    assert not waiting.done()
+
+    arn = fleet.register(instance_id)
+
+    result = await asyncio.wait_for(waiting, timeout=10)
+    assert result.container_instance_arn == arn
+
+
+async def test_await_active_honours_cancellation(fleet: Fleet) -> None:
+    [instance_id] = fleet.launch()
+    env = ActivityEnvironment()
+    waiting = asyncio.create_task(
+        env.run(
+            fleet.acts.await_container_instance_active,
+            InstanceRef(group=fleet.group.name, instance_id=instance_id),
+        )
+    )
+    await asyncio.sleep(0.3)
+    env.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(waiting, timeout=10)
+
+
+async def test_await_active_of_terminated_instance_is_permanent(fleet: Fleet) -> None:
+    [instance_id] = fleet.launch()
+    fleet.aws.ec2.terminate_instances(InstanceIds=[instance_id])
+    with pytest.raises(ApplicationError) as exc:
+        await run(
+            fleet.acts.await_container_instance_active,
+            InstanceRef(group=fleet.group.name, instance_id=instance_id),
+        )
+    assert instance_id in permanent(exc, "InstanceTerminated")
+
+
+# --- tasks --------------------------------------------------------------------------------------------------
+
+
+def start_tasks(fleet: Fleet, container_instance_arn: str) -> dict[str, int]:
+    """Two tasks: one with containers of 90 s and 10 s stop timeouts, one with none set (ECS default 30 s)."""
+    family = unique("family")
+    expected: dict[str, int] = {}
+    for suffix, timeouts in (("slow", [90, 10]), ("default", [None, None])):
+        containers: list[Any] = []
+        for n, timeout in enumerate(timeouts):
+            container: dict[str, Any] = {"name": f"c{n}", "image": "nvidia/cuda", "memory": 64}
+            if timeout is not None:
+                container["stopTimeout"] = timeout
+            containers.append(container)
+        fleet.aws.ecs.register_task_definition(family=f"{family}-{suffix}", containerDefinitions=containers)
+        resp = fleet.aws.ecs.start_task(
+            cluster=fleet.group.cluster,
+            taskDefinition=f"{family}-{suffix}",
+            containerInstances=[container_instance_arn],
+        )
+        expected[resp["tasks"][0]["taskArn"]] = 90 if suffix == "slow" else 30
+    return expected
+
+
+async def test_list_tasks_stop_timeouts_and_stop_tasks_twice(fleet: Fleet) -> None:
+    [instance_id] = fleet.launch()
+    arn = fleet.register(instance_id)
+    expected = start_tasks(fleet, arn)
+    ref = InstanceRef(group=fleet.group.name, instance_id=instance_id)
+
+    listed = await run(fleet.acts.list_instance_tasks, ref)
+    assert {t.task_arn: t.stop_timeout_seconds for t in listed.tasks} == expected
+
+    stop = StopTasksRequest(
+        group=fleet.group.name, task_arns=sorted(expected), reason="gpu-autorepair: XID_79"
+    )
+    assert (await run(fleet.acts.stop_tasks, stop)).stopped == 2
+    assert (await run(fleet.acts.stop_tasks, stop)).stopped == 2
+    assert (await run(fleet.acts.list_instance_tasks, ref)).tasks == []
+    for task in fleet.aws.ecs.describe_tasks(cluster=fleet.group.cluster, tasks=sorted(expected))["tasks"]:
+        assert task["lastStatus"] == "STOPPED"
+
+
+async def test_stop_tasks_of_unknown_task_is_success(fleet: Fleet) -> None:
+    gone = f"arn:aws:ecs:us-east-1:123456789012:task/{fleet.group.cluster}/{uuid.uuid4().hex}"
+    stop = StopTasksRequest(group=fleet.group.name, task_arns=[gone], reason="r")
+    assert (await run(fleet.acts.stop_tasks, stop)).stopped == 1
+
+
+async def test_list_tasks_of_deregistered_or_terminated_instance_is_empty(fleet: Fleet) -> None:
+    deregistered, terminated = fleet.launch(2)
+    arn = fleet.register(deregistered)
+    start_tasks(fleet, arn)
+    fleet.aws.ecs.deregister_container_instance(
+        cluster=fleet.group.cluster, containerInstance=arn, force=True
+    )
+    start_tasks(fleet, fleet.register(terminated))
+    fleet.aws.ec2.terminate_instances(InstanceIds=[terminated])
+
+    for instance_id in (deregistered, terminated):
+        ref = InstanceRef(group=fleet.group.name, instance_id=instance_id)
+        assert (await run(fleet.acts.list_instance_tasks, ref)).tasks == []
+
+
+# --- terminating --------------------------------------------------------------------------------------------
+
+
+async def test_terminate_twice(fleet: Fleet) -> None:
+    [instance_id] = fleet.launch()
+    arn = fleet.register(instance_id)
+    ref = InstanceRef(group=fleet.group.name, instance_id=instance_id)
+
+    first = await run(fleet.acts.terminate_instance, ref)
+    second = await run(fleet.acts.terminate_instance, ref)
+
+    assert (first.previous_state, first.already_terminated) == ("running", False)
+    assert second.already_terminated
+    assert (
+        arn
+        not in fleet.aws.ecs.list_container_instances(cluster=fleet.group.cluster)["containerInstanceArns"]
+    )
+
+
+async def test_terminate_unknown_instance_is_already_terminated(fleet: Fleet) -> None:
+    ref = InstanceRef(group=fleet.group.name, instance_id="i-0123456789abcdef0")
+    result = await run(fleet.acts.terminate_instance, ref)
+    assert result.already_terminated and result.previous_state is None
+
+
+async def test_malformed_instance_id_is_permanent(fleet: Fleet) -> None:
+    ref = InstanceRef(group=fleet.group.name, instance_id="i-1 or ec2InstanceId exists")
+    with pytest.raises(ApplicationError) as exc:
+        await run(fleet.acts.terminate_instance, ref)
+    permanent(exc, "InvalidInstanceId")
+
+
+# --- error classification -----------------------------------------------------------------------------------
+
+
+def client_error(code: str, status: int = 400) -> ClientError:
+    response: Any = {
+        "Error": {"Code": code, "Message": f"{code} happened\nsecond line"},
+        "ResponseMetadata": {"HTTPStatusCode": status},
+    }
+    return ClientError(response, "RunInstances")
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "retryable"),
+    [
+        ("Throttling", 400, True),
+        ("ThrottlingException", 400, True),
+        ("RequestLimitExceeded", 503, True),
+        ("TooManyRequestsException", 429, True),
+        ("InsufficientInstanceCapacity", 500, True),
+        ("InsufficientCapacity", 400, True),
+        ("ServerInternal", 500, True),
+        ("ServiceUnavailable", 503, True),
+        ("Unavailable", 503, True),
+        ("SomethingNew", 500, True),
+        ("ValidationError", 400, False),
+        ("AccessDenied", 403, False),
+        ("UnauthorizedOperation", 403, False),
+        ("InvalidParameterValue", 400, False),
+        ("InvalidParameterException", 400, False),
+        ("InvalidLaunchTemplateName.NotFoundException", 400, False),
+        ("SomethingElseNew", 400, False),
+    ],
+)
+def test_classification(code: str, status: int, retryable: bool) -> None:
+    assert is_retryable(code, status) is retryable
+    with pytest.raises(ApplicationError) as exc, aws_errors("ec2:RunInstances", "launch template lt-1"):
+        raise client_error(code, status)
+    assert exc.value.type == code
+    assert exc.value.non_retryable is not retryable
+    assert (
+        exc.value.message
+        == f"ec2:RunInstances on launch template lt-1 failed: {code}: {code} happened second line"
+    )
+
+
+async def test_aws_call_names_the_operation(aws: AwsClients) -> None:
+    with pytest.raises(ApplicationError) as exc:
+        await aws_call(
+            "EC2 instance i-0123456789abcdef0", aws.ec2.stop_instances, InstanceIds=["i-0123456789abcdef0"]
+        )
+    message = permanent(exc, "InvalidInstanceID.NotFound")
+    assert message.startswith("ec2:StopInstances on EC2 instance i-0123456789abcdef0 failed:")

@@ -1,0 +1,170 @@
+"""The health workflow against a real Temporal dev server: bad input is dropped, liveness is measured."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
+from temporalio.common import WorkflowIDConflictPolicy
+
+from tests.harness import eventually, make_settings, read_events, running_worker, tool_path, unique
+from worker.settings import Settings
+from workflows.ids import health_workflow_id
+from workflows.models import (
+    AutoRepair,
+    CheckType,
+    GpuFinding,
+    GpuRef,
+    HealthInput,
+    HealthState,
+    Heartbeat,
+    InstanceHealthView,
+)
+
+
+def heartbeat(instance: str, group: str) -> Heartbeat:
+    return Heartbeat(instance_id=instance, group=group, sent_at=datetime.now(UTC))
+
+
+def finding(instance: str, group: str, finding_id: str, *, code: int = 79, impairs: bool = True) -> GpuFinding:
+    return GpuFinding(
+        finding_id=finding_id,
+        instance_id=instance,
+        group=group,
+        kind="xid",
+        code=code,
+        reason=f"XID_{code}",
+        impairs=impairs,
+        gpu=GpuRef(pci="0000:9b:00"),
+        raw=f"NVRM: Xid (PCI:0000:9b:00): {code}, pid=1, name=python3, test",
+        observed_at=datetime.now(UTC),
+    )
+
+
+async def start_health(client: Client, settings: Settings, instance: str) -> WorkflowHandle:
+    group = settings.groups[0].name
+    return await client.start_workflow(
+        "InstanceHealthWorkflow",
+        HealthInput(instance_id=instance, group=group),
+        id=health_workflow_id(instance),
+        task_queue=settings.temporal.task_queue,
+        id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+        start_signal="heartbeat",
+        start_signal_args=[heartbeat(instance, group)],
+    )
+
+
+async def health_of(handle: WorkflowHandle) -> InstanceHealthView:
+    return await handle.query("health", result_type=InstanceHealthView)
+
+
+def check(view: InstanceHealthView, kind: CheckType) -> HealthState:
+    return next(d.status for d in view.healthStatus.details if d.type is kind)
+
+
+async def temporal_cli(client: Client, *args: str) -> int:
+    # Not subprocess.run: a blocking call here would stall the worker running on this event loop.
+    proc = await asyncio.create_subprocess_exec(
+        tool_path("temporal"),
+        *args,
+        "--address",
+        client.service_client.config.target_host,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    _, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    return proc.returncode
+
+
+async def test_malformed_empty_and_duplicate_signals_are_counted_and_dropped(
+    client: Client, aws_env: str, tmp_path: Path
+) -> None:
+    group = unique("g")
+    settings = make_settings(
+        client, aws_env, tmp_path / "events.jsonl", group=group, cluster=group, auto_repair=AutoRepair.DISABLED
+    )
+    instance = unique("i")
+    async with running_worker(settings, client):
+        handle = await start_health(client, settings, instance)
+        await eventually(lambda: health_of(handle), lambda v: v.healthStatus.overallStatus is HealthState.OK)
+
+        wid = health_workflow_id(instance)
+        await temporal_cli(client, "workflow", "signal", "--workflow-id", wid, "--name", "gpu_finding")
+        await temporal_cli(client, "workflow", "signal", "--workflow-id", wid, "--name", "gpu_finding",
+                           "--input", '{"reason": 79}')
+        await temporal_cli(client, "workflow", "signal", "--workflow-id", wid, "--name", "heartbeat",
+                           "--input", '"not a heartbeat"')
+        await temporal_cli(client, "workflow", "signal", "--workflow-id", wid, "--name", "gpu_finding",
+                           "--input", "{}", "--input", "{}")
+        await temporal_cli(client, "workflow", "signal", "--workflow-id", wid, "--name", "no_such_signal")
+        await handle.signal("gpu_finding", finding(instance, group, "f-1", code=13, impairs=False))
+        await handle.signal("gpu_finding", finding(instance, group, "f-1", code=13, impairs=False))
+
+        view = await eventually(lambda: health_of(handle), lambda v: v.rejected_signals >= 6)
+        assert view.rejected_signals == 6
+        assert view.healthStatus.overallStatus is HealthState.OK
+        assert view.warning_counts == {"0000:9b:00/XID_13": 1}
+        assert (await handle.describe()).status == WorkflowExecutionStatus.RUNNING
+
+        # Still fully alive: a real critical finding impairs it, and DISABLED starts no repair.
+        await handle.signal("gpu_finding", finding(instance, group, "f-2", code=79))
+        view = await eventually(lambda: health_of(handle), lambda v: v.healthStatus.overallStatus is HealthState.IMPAIRED)
+        accelerated = next(d for d in view.healthStatus.details if d.type is CheckType.ACCELERATED_COMPUTE)
+        assert accelerated.statusReason == "XID_79"
+        assert view.repair is None
+        events = await eventually(
+            lambda: asyncio.sleep(0, read_events(tmp_path / "events.jsonl")),
+            lambda events: any(e.get("overall_status") == "IMPAIRED" for e in events),
+        )
+        impaired = next(e for e in events if e.get("overall_status") == "IMPAIRED")
+        assert impaired["type"] == "HealthChanged" and impaired["instance_id"] == instance
+        assert {d["type"]: d["status"] for d in impaired["details"]}["ACCELERATED_COMPUTE"] == "IMPAIRED"
+        assert not [e for e in events if e["type"] != "HealthChanged"]
+        await handle.terminate("test over")
+
+
+async def test_heartbeat_blip_changes_nothing_and_sustained_loss_impairs(
+    client: Client, aws_env: str, tmp_path: Path
+) -> None:
+    group = unique("g")
+    events_path = tmp_path / "events.jsonl"
+    settings = make_settings(
+        client,
+        aws_env,
+        events_path,
+        group=group,
+        cluster=group,
+        auto_repair=AutoRepair.DISABLED,
+        heartbeat_loss_threshold=timedelta(seconds=4),
+    )
+    blip, lost = unique("i-blip"), unique("i-lost")
+    async with running_worker(settings, client):
+        blip_handle = await start_health(client, settings, blip)
+        lost_handle = await start_health(client, settings, lost)
+        for handle in (blip_handle, lost_handle):
+            await eventually(lambda h=handle: health_of(h), lambda v: v.healthStatus.overallStatus is HealthState.OK)
+
+        # The blip instance pauses 2 s (half the threshold) between heartbeats; the lost one never beats again.
+        for _ in range(4):
+            await asyncio.sleep(2)
+            await blip_handle.signal("heartbeat", heartbeat(blip, group))
+        view = await eventually(
+            lambda: health_of(lost_handle),
+            lambda v: check(v, CheckType.AGENT_CONNECTIVITY) is HealthState.IMPAIRED,
+        )
+        reason = next(d.statusReason for d in view.healthStatus.details if d.type is CheckType.AGENT_CONNECTIVITY)
+        assert reason is not None and reason.startswith("Agent disconnected since ")
+
+        blip_view = await health_of(blip_handle)
+        assert blip_view.healthStatus.overallStatus is HealthState.OK
+        blip_changes = [e for e in read_events(events_path) if e["instance_id"] == blip]
+        assert [e["overall_status"] for e in blip_changes] == ["OK"]  # INITIALIZING -> OK, nothing after
+
+        # A heartbeat after the loss reconnects the agent.
+        await lost_handle.signal("heartbeat", heartbeat(lost, group))
+        await eventually(lambda: health_of(lost_handle), lambda v: v.healthStatus.overallStatus is HealthState.OK)
+        for handle in (blip_handle, lost_handle):
+            await handle.terminate("test over")

@@ -1,0 +1,243 @@
+"""Repair policies: which records impair, which are warnings, and which rule said so."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from node_probe.catalog import default_catalog
+from node_probe.kernel_log import KernelRecord, parse_lines
+from node_probe.policy import Policy, PolicyConfig, RepeatRule, Verdict
+
+NOW = datetime(2025, 1, 21, 4, 41, 44, tzinfo=UTC)
+ECS_XIDS = {46, 48, 54, 62, 64, 74, 79, 95, 109, 110, 136, 140, 142, 143, 151, 155, 156, 158}
+
+
+def xid(code: int, pci: str = "0000:3b:00", message: str = "something", line: int = 1) -> KernelRecord:
+    return KernelRecord(
+        line=line,
+        raw=f"NVRM: Xid (PCI:{pci}): {code}, {message}",
+        kind="xid",
+        code=code,
+        pci=pci,
+        message=message,
+    )
+
+
+def record(text: str) -> KernelRecord:
+    (parsed,) = parse_lines([text])
+    return parsed
+
+
+def test_catalog_has_the_18_ecs_xids() -> None:
+    assert default_catalog().ecs_codes == ECS_XIDS
+    info = default_catalog().get(79)
+    assert info is not None and info.mnemonic == "ROBUST_CHANNEL_GPU_HAS_FALLEN_OFF_THE_BUS"
+    assert default_catalog().get(173) is None
+
+
+def test_ecs_impairs_on_exactly_its_18_xids_over_codes_1_to_200() -> None:
+    policy = Policy("ecs")
+    impairing = {code for code in range(1, 201) if policy.classify(xid(code), NOW).impairs}
+    assert impairing == ECS_XIDS
+
+
+@pytest.mark.parametrize("code", sorted(ECS_XIDS))
+def test_ecs_verdict_names_the_xid_and_rule(code: int) -> None:
+    assert Policy().classify(xid(code), NOW) == Verdict(True, f"XID_{code}", "ecs:xid-list")
+
+
+@pytest.mark.parametrize(
+    ("code", "rule"),
+    [
+        (13, "ecs:not-in-xid-list"),
+        (63, "ecs:not-in-xid-list"),
+        (173, "ecs:unknown-xid"),
+        (999, "ecs:unknown-xid"),
+    ],
+)
+def test_ecs_warnings(code: int, rule: str) -> None:
+    assert Policy("ecs").classify(xid(code), NOW) == Verdict(False, f"XID_{code}", rule)
+
+
+@pytest.mark.parametrize("policy", ["ecs", "nvidia-catalog"])
+def test_bus_and_init_failures_impair_under_both_policies(policy: str) -> None:
+    fallen = record("NVRM: GPU 0000:01:00.0: GPU has fallen off the bus.")
+    init = record("NVRM: GPU 0000:09:00.0: RmInitAdapter failed! (0x26:0x65:1239)")
+    assert Policy(policy).classify(fallen, NOW) == Verdict(
+        True, "GPU_FALLEN_OFF_BUS", f"{policy}:gpu-fallen-off-bus"
+    )
+    assert Policy(policy).classify(init, NOW) == Verdict(True, "GPU_INIT_FAILED", f"{policy}:gpu-init-failed")
+
+
+def test_sxid_is_a_warning_under_ecs() -> None:
+    sxid = record("nvidia-nvswitch3: SXid (PCI:0000:c5:00.0): 20034, Fatal, Link 30 LTSSM Fault Up")
+    assert Policy("ecs").classify(sxid, NOW) == Verdict(False, "SXID_20034", "ecs:sxid-warning")
+    padded = record("nvidia-nvswitch0: SXid (PCI:0000:05:00.0): 01004, Non-fatal, Link 02")
+    assert Policy("ecs").classify(padded, NOW).reason == "SXID_01004"
+
+
+@pytest.mark.parametrize(
+    ("code", "impairs", "rule"),
+    [
+        (13, False, "nvidia-catalog:bucket-RESTART_APP"),
+        (31, False, "nvidia-catalog:bucket-RESTART_APP"),
+        (43, False, "nvidia-catalog:bucket-IGNORE"),
+        (63, False, "nvidia-catalog:bucket-IGNORE"),
+        (94, False, "nvidia-catalog:bucket-RESTART_APP"),
+        (48, True, "nvidia-catalog:bucket-WORKFLOW_XID_48"),
+        (54, True, "nvidia-catalog:bucket-CHECK_MECHANICALS"),
+        (74, True, "nvidia-catalog:bucket-WORKFLOW_NVLINK_ERR"),
+        (79, True, "nvidia-catalog:bucket-RESTART_BM"),
+        (95, True, "nvidia-catalog:bucket-RESET_GPU"),
+        (119, True, "nvidia-catalog:bucket-RESET_GPU"),
+        (149, True, "nvidia-catalog:bucket-WORKFLOW_NVLINK5_ERR"),
+        (151, True, "nvidia-catalog:bucket-RESTART_VM"),
+        (142, True, "nvidia-catalog:bucket-CONTACT_SUPPORT"),
+        (78, False, "nvidia-catalog:bucket-UPDATE_SWFW"),
+        (167, False, "nvidia-catalog:bucket-unassigned"),
+        (173, False, "nvidia-catalog:unknown-xid"),
+    ],
+)
+def test_nvidia_catalog_buckets(code: int, impairs: bool, rule: str) -> None:
+    assert Policy("nvidia-catalog").classify(xid(code), NOW) == Verdict(impairs, f"XID_{code}", rule)
+
+
+def test_nvidia_catalog_never_impairs_on_application_buckets() -> None:
+    policy = Policy("nvidia-catalog")
+    for info in default_catalog():
+        if info.immediate_bucket in ("RESTART_APP", "IGNORE") and info.code != 94:
+            assert not policy.classify(xid(info.code), NOW).impairs, info
+
+
+@pytest.mark.parametrize(
+    ("action", "impairs"),
+    [
+        ("0x0 (None)", False),
+        ("0x1 (GPU Reset Required)", True),
+        ("0x2 (Node Reboot Required)", True),
+        ("0x3 (Drain P2P)", True),
+        ("0x4 (Drain and Reset)", True),
+        ("0x5 (Recover IMEX Domain)", False),
+        ("0x6 (Unknown)", False),
+        ("0x2 (OS Reboot)", True),
+        ("0x1 (PF FLR)", True),
+    ],
+)
+def test_xid_154_follows_the_announced_action(action: str, impairs: bool) -> None:
+    line = f"NVRM: Xid (PCI:0018:01:00): 154, GPU recovery action changed from 0x0 (None) to {action}"
+    verdict = Policy("nvidia-catalog").classify(record(line), NOW)
+    assert verdict.impairs is impairs
+    assert verdict.reason == "XID_154" and verdict.rule.startswith("nvidia-catalog:xid154")
+    assert not Policy("ecs").classify(record(line), NOW).impairs
+
+
+def test_xid_154_without_a_parsable_action_is_a_warning() -> None:
+    verdict = Policy("nvidia-catalog").classify(xid(154, message="GPU recovery action changed"), NOW)
+    assert verdict == Verdict(False, "XID_154", "nvidia-catalog:xid154-unparsed")
+
+
+@pytest.mark.parametrize(
+    ("tail", "impairs", "rule"),
+    [
+        ("Ch 00000010, caused by previous Xid 48", True, "nvidia-catalog:xid45-follows-xid48"),
+        ("Ch 00000010, caused by previous Xid 79", True, "nvidia-catalog:xid45-follows-xid79"),
+        ("Ch 00000010, caused by previous Xid 13", False, "nvidia-catalog:xid45-follows-xid13"),
+        ("Ch 00000010, caused by previous Xid 45", False, "nvidia-catalog:xid45-no-cause"),
+        ("Ch 00000010", False, "nvidia-catalog:xid45-no-cause"),
+    ],
+)
+def test_xid_45_follows_its_cause(tail: str, impairs: bool, rule: str) -> None:
+    rec = record(f"NVRM: Xid (PCI:0000:01:00): 45, pid=1, name=x, {tail}")
+    assert Policy("nvidia-catalog").classify(rec, NOW) == Verdict(impairs, "XID_45", rule)
+
+
+def test_xid_94_impairs_under_nvidia_catalog_only_when_the_driver_asks_for_a_reset() -> None:
+    policy = Policy("nvidia-catalog")
+    base = "NVRM: Xid (PCI:0000:c1:00): 94, pid=31, name=a.out, Contained: SM (0x1). "
+    assert not policy.classify(record(base + "RST: No, D-RST: No"), NOW).impairs
+    assert policy.classify(record(base + "RST: Yes, D-RST: No"), NOW) == Verdict(
+        True, "XID_94", "nvidia-catalog:xid94-reset-required"
+    )
+    assert not Policy("ecs").classify(record(base + "RST: Yes, D-RST: No"), NOW).impairs
+
+
+def test_override_add_and_remove() -> None:
+    config = PolicyConfig(add_xids={13}, remove_xids={79}, add_sxids={20034})
+    policy = Policy("ecs", config)
+    assert policy.classify(xid(13), NOW) == Verdict(True, "XID_13", "override:add xid13")
+    assert policy.classify(xid(79), NOW) == Verdict(False, "XID_79", "override:remove xid79")
+    assert policy.classify(xid(48), NOW) == Verdict(True, "XID_48", "ecs:xid-list")
+    assert policy.classify(xid(999), NOW) == Verdict(False, "XID_999", "ecs:unknown-xid")
+    sxid = record("nvidia-nvswitch3: SXid (PCI:0000:c5:00.0): 20034, Fatal, Link 30 LTSSM Fault Up")
+    assert policy.classify(sxid, NOW) == Verdict(True, "SXID_20034", "override:add sxid20034")
+    # A GPU that left the bus is never a matter of opinion.
+    assert (
+        Policy("ecs", PolicyConfig(remove_xids={79}))
+        .classify(record("NVRM: GPU 0000:01:00.0: GPU has fallen off the bus."), NOW)
+        .impairs
+    )
+
+
+def test_override_add_works_for_codes_missing_from_the_catalog() -> None:
+    assert Policy("nvidia-catalog", PolicyConfig(add_xids={175})).classify(xid(175), NOW).impairs
+
+
+def test_repeat_rule_fires_on_the_third_within_the_window_on_the_same_gpu() -> None:
+    rule = RepeatRule(code=13, count=3, within=timedelta(minutes=10))
+    assert rule.name == "override:repeat xid13 3/600s"
+    policy = Policy("ecs", PolicyConfig(repeat=[rule]))
+    verdicts = [policy.classify(xid(13), NOW + timedelta(minutes=m)) for m in (0, 4, 8)]
+    assert [v.impairs for v in verdicts] == [False, False, True]
+    assert verdicts[-1] == Verdict(True, "XID_13", "override:repeat xid13 3/600s")
+    assert verdicts[0].rule == "ecs:not-in-xid-list"
+
+
+def test_repeat_rule_does_not_fire_when_spread_out_or_on_other_gpus() -> None:
+    rule = RepeatRule(code=13, count=3, within=timedelta(minutes=10))
+    policy = Policy("ecs", PolicyConfig(repeat=[rule]))
+    spread = [policy.classify(xid(13), NOW + timedelta(minutes=m)) for m in (0, 6, 12, 18)]
+    assert not any(v.impairs for v in spread)
+    other = Policy("ecs", PolicyConfig(repeat=[rule]))
+    gpus = ["0000:3b:00", "0000:5e:00", "0000:3b:00", "0000:86:00"]
+    assert not any(other.classify(xid(13, pci=p), NOW).impairs for p in gpus)
+    sliding = [policy.classify(xid(13), NOW + timedelta(minutes=m)) for m in (25, 27)]
+    assert [v.impairs for v in sliding] == [False, True]  # 18, 25, 27: three within 10 minutes
+
+
+def test_repeat_rule_uses_uptime_stamps_so_old_history_read_at_once_does_not_fire() -> None:
+    rule = RepeatRule(code=13, count=3, within=timedelta(minutes=10))
+    policy = Policy("ecs", PolicyConfig(repeat=[rule]))
+    lines = [
+        f"[{t:>12.6f}] NVRM: Xid (PCI:0000:3b:00): 13, pid=1, name=x, Graphics Exception"
+        for t in (10, 3000, 9000)
+    ]
+    assert not any(policy.classify(r, NOW).impairs for r in parse_lines(lines))
+    burst = [
+        f"[{t:>12.6f}] NVRM: Xid (PCI:0000:3b:00): 13, pid=1, name=x, Graphics Exception"
+        for t in (9001, 9002)
+    ]
+    assert [policy.classify(r, NOW).impairs for r in parse_lines(burst)] == [False, True]
+
+
+def test_repeat_rule_for_sxid() -> None:
+    policy = Policy(
+        "ecs",
+        PolicyConfig(repeat=[RepeatRule(kind="sxid", code=20034, count=2, within=timedelta(seconds=60))]),
+    )
+    sxid = record("nvidia-nvswitch3: SXid (PCI:0000:c5:00.0): 20034, Fatal, Link 30 LTSSM Fault Up")
+    assert [policy.classify(sxid, NOW).impairs for _ in range(2)] == [False, True]
+
+
+def test_policy_config_from_json() -> None:
+    config = PolicyConfig.model_validate_json(
+        '{"add_xids": [13], "remove_xids": [], "repeat": [{"code": 31, "count": 3, "within": "PT10M"}]}'
+    )
+    assert config.repeat[0].within == timedelta(minutes=10)
+    assert config.add_xids == {13}
+
+
+def test_unknown_policy_name_is_rejected() -> None:
+    with pytest.raises(ValueError, match="unknown policy"):
+        Policy("eks")

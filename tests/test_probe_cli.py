@@ -1,0 +1,186 @@
+"""`autorepair classify` and the argument handling of `autorepair probe`."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from node_probe import cli
+from node_probe.imds import ImdsError, imds_instance_id
+
+LOG = "\n".join(
+    [
+        "[ 1843.308145] NVRM: loading NVIDIA UNIX x86_64 Kernel Module  550.54.15",
+        "[ 1843.308145] NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=python3, GPU has fallen off the bus.",
+        "[ 1843.308200] NVRM: GPU 0000:3b:00.0: GPU has fallen off the bus.",
+        "Nov 22 15:39:14 host kernel: NVRM: Xid (PCI:0000:17:00): 13, pid=77, name=train.py, "
+        "Graphics Exception",
+        "[ 1900.000001] NVRM: Xid (PCI:0000:c1:00): 95, pid='<unknown>', name=<unknown>, Uncontained: FBHUB. "
+        "RST: Yes, D-RST: No",
+        "[ 1900.000002] NVRM: Xid (PCI:0000:c1:00): 95, pid='<unknown>', name=<unknown>, Uncontained: FBHUB. "
+        "RST: Yes, D-RST: No",
+        "kernel: nvidia-nvswitch3: SXid (PCI:0000:c5:00.0): 20034, Fatal, Link 30 LTSSM Fault Up",
+        "Nov 22 15:39:14 host python3[99]: NVRM: Xid (PCI:0000:01:00): 79, quoted by an application",
+        "NVRM: Xid (PCI:0018:01:00): 154, GPU recovery action changed from 0x0 (None) to 0x2 (Node "
+        "Reboot Required)",
+    ]
+)
+
+
+def classify_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cli.add_classify_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def json_lines(text: str) -> list[dict[str, object]]:
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def test_classify_json_prints_every_record_without_deduplication(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = tmp_path / "kern.log"
+    log.write_text(LOG)
+    assert cli.run_classify(classify_args(str(log), "--format", "json")) == 0
+    rows = json_lines(capsys.readouterr().out)
+    assert [(r["line"], r["kind"], r["code"], r["pci"], r["impairs"], r["reason"]) for r in rows] == [
+        (2, "xid", 79, "0000:3b:00", True, "XID_79"),
+        (3, "gpu_fallen_off_bus", None, "0000:3b:00", True, "GPU_FALLEN_OFF_BUS"),
+        (4, "xid", 13, "0000:17:00", False, "XID_13"),
+        (5, "xid", 95, "0000:c1:00", True, "XID_95"),
+        (6, "xid", 95, "0000:c1:00", True, "XID_95"),
+        (7, "sxid", 20034, "0000:c5:00.0", False, "SXID_20034"),
+        (9, "xid", 154, "0018:01:00", False, "XID_154"),
+    ]
+    assert rows[0]["message"] == "GPU has fallen off the bus."
+    assert rows[0]["rule"] == "ecs:xid-list"
+    assert rows[0]["pid"] == 1234 and rows[0]["process_name"] == "python3"
+    assert rows[-1]["recovery_action_to"] == "Node Reboot Required"
+
+
+def test_classify_nvidia_catalog_policy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    log = tmp_path / "kern.log"
+    log.write_text(LOG)
+    assert cli.run_classify(classify_args(str(log), "--format", "json", "--policy", "nvidia-catalog")) == 0
+    rows = json_lines(capsys.readouterr().out)
+    by_line = {r["line"]: r for r in rows}
+    assert by_line[9]["impairs"] is True
+    assert by_line[9]["rule"] == "nvidia-catalog:xid154-action-node"
+    assert by_line[4]["rule"] == "nvidia-catalog:bucket-RESTART_APP"
+
+
+def test_classify_reads_stdin(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr("sys.stdin", io.StringIO(LOG))
+    assert cli.run_classify(argparse.Namespace(file=None, policy="ecs", format="json")) == 0
+    assert len(json_lines(capsys.readouterr().out)) == 7
+
+
+def test_classify_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("COLUMNS", "200")
+    log = tmp_path / "kern.log"
+    log.write_text(LOG)
+    assert cli.run_classify(classify_args(str(log))) == 0
+    out = capsys.readouterr().out
+    assert "XID_79" in out and "SXID_20034" in out and "7 records, 4 impairing" in out
+
+
+def test_classify_with_policy_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    log = tmp_path / "kern.log"
+    log.write_text(LOG)
+    overrides = tmp_path / "policy.json"
+    overrides.write_text(json.dumps({"add_xids": [13], "remove_xids": [95]}))
+    args = classify_args(str(log), "--format", "json", "--policy-config", str(overrides))
+    assert cli.run_classify(args) == 0
+    rows = {r["line"]: r for r in json_lines(capsys.readouterr().out)}
+    assert (rows[4]["impairs"], rows[4]["rule"]) == (True, "override:add xid13")
+    assert (rows[5]["impairs"], rows[5]["rule"]) == (False, "override:remove xid95")
+
+
+def test_classify_missing_file_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "nope.log"
+    assert cli.run_classify(classify_args(str(missing), "--format", "json")) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == f"autorepair classify: {missing}: no such file\n"
+
+
+def test_classify_bad_policy_config_is_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    log = tmp_path / "kern.log"
+    log.write_text(LOG)
+    bad = tmp_path / "policy.json"
+    bad.write_text('{"add_xids": "lots"}')
+    assert cli.run_classify(classify_args(str(log), "--policy-config", str(bad))) == 2
+    assert capsys.readouterr().err.startswith(f"autorepair classify: {bad}: invalid policy config")
+
+
+def test_classify_tolerates_invalid_utf8(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    log = tmp_path / "kern.log"
+    log.write_bytes(b"\xff\xfe garbage\nNVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus. \xff\n")
+    assert cli.run_classify(classify_args(str(log), "--format", "json")) == 0
+    assert [r["code"] for r in json_lines(capsys.readouterr().out)] == [79]
+
+
+# --- probe arguments --------------------------------------------------------------------------------
+
+
+def probe_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cli.add_probe_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+async def test_build_probe_from_arguments(tmp_path: Path) -> None:
+    args = probe_args(
+        "--instance-id", "i-0abc", "--group", "gpu-a", "--kernel-log", str(tmp_path / "kern.log"),
+        "--temporal-address", "127.0.0.1:1", "--task-queue", "q2", "--heartbeat-interval", "5",
+        "--spool-dir", str(tmp_path / "spool"), "--policy", "nvidia-catalog",
+    )  # fmt: skip
+    probe = await cli.build_probe(args)
+    config = probe.config
+    assert (config.instance_id, config.group, config.task_queue, config.policy) == (
+        "i-0abc",
+        "gpu-a",
+        "q2",
+        "nvidia-catalog",
+    )
+    assert config.kernel_log == tmp_path / "kern.log" and not config.kmsg
+    assert config.heartbeat_interval == timedelta(seconds=5)
+    assert config.spool_dir == tmp_path / "spool"
+
+
+async def test_probe_defaults_to_kmsg(tmp_path: Path) -> None:
+    args = probe_args("--instance-id", "i-1", "--group", "g", "--spool-dir", str(tmp_path))
+    probe = await cli.build_probe(args)
+    assert probe.config.kmsg and probe.config.kernel_log is None
+
+
+async def test_probe_without_instance_id_uses_imds_or_fails_clearly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def no_imds() -> str:
+        raise ImdsError("EC2 instance metadata (IMDSv2) at http://169.254.169.254 unavailable: timed out")
+
+    monkeypatch.setattr(cli, "imds_instance_id", no_imds)
+    assert await cli.run_probe_command(probe_args("--group", "g")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("autorepair probe: no --instance-id given") and "IMDSv2" in err
+    assert err.count("\n") == 1
+
+    monkeypatch.setattr(cli, "imds_instance_id", lambda: "i-from-imds")
+    probe = await cli.build_probe(probe_args("--group", "g", "--spool-dir", str(tmp_path)))
+    assert probe.config.instance_id == "i-from-imds"
+
+
+def test_imds_lookup_fails_fast_without_a_metadata_service() -> None:
+    with pytest.raises(ImdsError, match="IMDSv2"):
+        imds_instance_id(endpoint="http://127.0.0.1:9", timeout=0.5)

@@ -1,0 +1,235 @@
+"""Findings, burst collapse, the spool and the reporter's signal-with-start call."""
+
+from __future__ import annotations
+
+import tracemalloc
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from temporalio.common import WorkflowIDConflictPolicy
+
+from node_probe.dedupe import BurstCollapser
+from node_probe.findings import burst_rollup, dedupe_key, finding_id, make_finding
+from node_probe.kernel_log import KernelLogParser, KernelRecord, parse_lines
+from node_probe.policy import Policy, Verdict
+from node_probe.reporter import Reporter
+from node_probe.spool import FileSpool, MemorySpool
+from workflows.models import GpuFinding, HealthInput, HealthState, Heartbeat
+
+NOW = datetime(2025, 1, 21, 4, 41, 44, tzinfo=UTC)
+XID_95 = (
+    "[ 1900.000001] NVRM: Xid (PCI:0000:c1:00): 95, pid='<unknown>', name=<unknown>, "
+    "Uncontained: FBHUB. RST: Yes, D-RST: No"
+)
+
+
+def finding(record: KernelRecord, **overrides: Any) -> GpuFinding:
+    values: dict[str, Any] = {
+        "instance_id": "i-1",
+        "group": "g",
+        "source": "kernel_log:/var/log/kern.log",
+        "observed_at": NOW,
+    }
+    values.update(overrides)
+    return make_finding(record, Policy().classify(record, NOW), **values)
+
+
+def test_finding_fields_and_stable_ids() -> None:
+    lines = ["NVRM: Xid (PCI:0000:3b:00 GPU-I:02 GPU-CI:01): 79, pid=1, name=x, GPU has fallen off the bus."]
+    (record,) = parse_lines(lines)
+    first = finding(record)
+    again = finding(next(iter(parse_lines(lines))), observed_at=NOW + timedelta(hours=1))
+    assert first.finding_id == again.finding_id
+    assert (first.kind, first.code, first.reason, first.impairs, first.rule) == (
+        "xid",
+        79,
+        "XID_79",
+        True,
+        "ecs:xid-list",
+    )
+    assert (first.gpu.pci, first.gpu.mig_gpu_instance, first.gpu.mig_compute_instance) == ("0000:3b:00", 2, 1)
+    assert first.message == "GPU has fallen off the bus." and first.raw == lines[0] and first.count == 1
+    assert first.observed_at == NOW
+    # Another place in the log, or another source, is another finding even with the same text.
+    assert finding(record._replace(line=2)).finding_id != first.finding_id
+    assert finding(record, source="kmsg").finding_id != first.finding_id
+    assert finding(record, position="ino:7:line:1").finding_id != first.finding_id
+    assert finding_id("kmsg", "seq:5", "x") == finding_id("kmsg", "seq:5", "x")
+
+
+def test_kmsg_findings_are_identified_by_sequence_not_line() -> None:
+    (a,) = parse_lines(["6,500,1000,-;NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus."])
+    assert finding(a).finding_id == finding(a._replace(line=99)).finding_id
+
+
+def test_huge_lines_are_clipped_in_findings() -> None:
+    (record,) = parse_lines(["NVRM: Xid (PCI:0000:3b:00): 13, " + "x" * 100_000])
+    clipped = finding(record)
+    assert len(clipped.raw) <= 4096 and len(clipped.message) <= 1024
+
+
+def test_burst_collapser_counts_within_the_window_and_reopens_after() -> None:
+    bursts: BurstCollapser[str, int] = BurstCollapser(timedelta(minutes=5))
+    assert bursts.offer("a", 1, NOW)
+    assert not bursts.offer("a", 2, NOW + timedelta(minutes=1))
+    assert not bursts.offer("a", 3, NOW + timedelta(minutes=2))
+    assert bursts.offer("b", 10, NOW + timedelta(minutes=2))
+    assert bursts.expire(NOW + timedelta(minutes=4)) == []
+    (closed,) = bursts.expire(NOW + timedelta(minutes=5))
+    assert (closed.first, closed.last, closed.count, closed.suppressed) == (1, 3, 3, 2)
+    assert bursts.expire(NOW + timedelta(minutes=8)) == []  # "b" had no repeats: nothing to roll up
+    assert bursts.offer("a", 4, NOW + timedelta(minutes=9))
+    assert len(bursts) == 1
+
+
+def test_burst_reopening_on_offer_reports_the_closed_one() -> None:
+    bursts: BurstCollapser[str, int] = BurstCollapser(timedelta(seconds=10))
+    bursts.offer("a", 1, NOW)
+    bursts.offer("a", 2, NOW)
+    assert bursts.offer("a", 3, NOW + timedelta(seconds=11))
+    (closed,) = bursts.expire(NOW + timedelta(seconds=12))
+    assert closed.count == 2
+    assert [b.count for b in bursts.flush()] == []
+
+
+def test_burst_collapser_is_bounded_in_keys() -> None:
+    bursts: BurstCollapser[int, int] = BurstCollapser(timedelta(hours=1), max_keys=100)
+    for key in range(10_000):
+        bursts.offer(key, key, NOW)
+        bursts.offer(key, key, NOW)
+    assert len(bursts) == 100
+    assert len(bursts.flush()) <= 200
+
+
+def test_flood_of_800k_identical_xid95_lines_is_one_burst_with_flat_memory() -> None:
+    parser = KernelLogParser()
+    policy = Policy()
+    bursts: BurstCollapser[Any, KernelRecord] = BurstCollapser(timedelta(minutes=5))
+    emitted = 0
+
+    def feed(count: int) -> None:
+        nonlocal emitted
+        for _ in range(count):
+            for record in parser.feed(XID_95):
+                verdict = policy.classify(record, NOW)
+                emitted += bursts.offer(dedupe_key(record, verdict), record, NOW)
+
+    feed(10_000)  # warm up caches before measuring
+    tracemalloc.start()
+    try:
+        feed(50_000)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    feed(800_000 - 60_000)
+    assert peak < 256 * 1024
+    assert emitted == 1
+    (burst,) = bursts.flush()
+    assert burst.count == 800_000
+    assert burst.last.line == 800_000
+
+
+def test_burst_rollup_carries_the_suppressed_count() -> None:
+    records = list(parse_lines([XID_95] * 3))
+    first, last = finding(records[0]), finding(records[2])
+    rollup = burst_rollup(first, last, suppressed=2, observed_at=NOW + timedelta(minutes=5))
+    assert (rollup.count, rollup.reason, rollup.impairs, rollup.raw) == (2, "XID_95", True, last.raw)
+    assert rollup.finding_id not in (first.finding_id, last.finding_id)
+    assert rollup.finding_id == burst_rollup(first, last, 2, NOW).finding_id
+
+
+def test_dedupe_key_separates_gpus_mig_instances_and_impairing() -> None:
+    a, b, c = parse_lines(
+        [
+            "NVRM: Xid (PCI:0000:3b:00 GPU-I:01): 13, x",
+            "NVRM: Xid (PCI:0000:3b:00 GPU-I:02): 13, x",
+            "NVRM: Xid (PCI:0000:5e:00): 13, x",
+        ]
+    )
+    warn, impair = Verdict(False, "XID_13", "r"), Verdict(True, "XID_13", "r")
+    keys = {dedupe_key(a, warn), dedupe_key(b, warn), dedupe_key(c, warn), dedupe_key(a, impair)}
+    assert len(keys) == 4
+
+
+# --- spool --------------------------------------------------------------------------------------------------
+
+
+def numbered(n: int, impairs: bool = False) -> GpuFinding:
+    (record,) = parse_lines([f"NVRM: Xid (PCI:0000:3b:00): 13, number {n}"])
+    return finding(record, position=f"line:{n}").model_copy(update={"impairs": impairs})
+
+
+def drain(spool: FileSpool) -> list[str]:
+    messages = []
+    while (head := spool.peek()) is not None:
+        messages.append(head.message)
+        spool.pop()
+    return messages
+
+
+def test_file_spool_keeps_order_across_reopen(tmp_path: Path) -> None:
+    spool = FileSpool(tmp_path, "i-1")
+    for n in range(5):
+        assert spool.append(numbered(n))
+    assert spool.peek() == numbered(0)
+    spool.pop()
+    spool.pop()
+    reopened = FileSpool(tmp_path, "i-1")
+    assert len(reopened) == 3
+    assert drain(reopened) == ["number 2", "number 3", "number 4"]
+    assert reopened.path.stat().st_size == 0  # emptied once everything was delivered
+
+
+def test_file_spool_cuts_a_partial_last_line(tmp_path: Path) -> None:
+    spool = FileSpool(tmp_path, "i-1")
+    spool.append(numbered(1))
+    with open(spool.path, "ab") as handle:
+        handle.write(b'{"finding_id": "half-writ')
+    reopened = FileSpool(tmp_path, "i-1")
+    assert len(reopened) == 1
+    reopened.append(numbered(2))
+    assert drain(reopened) == ["number 1", "number 2"]
+
+
+def test_full_spool_drops_warnings_but_keeps_impairing_findings(tmp_path: Path) -> None:
+    size = len(numbered(0).model_dump_json()) + 1
+    spool = FileSpool(tmp_path, "i-1", max_bytes=size * 3)
+    assert all(spool.append(numbered(n)) for n in range(3))
+    assert not spool.append(numbered(3))
+    assert spool.append(numbered(4, impairs=True))
+    assert len(spool) == 4
+    memory = MemorySpool(max_items=2)
+    assert memory.append(numbered(0)) and memory.append(numbered(1))
+    assert not memory.append(numbered(2))
+    assert memory.append(numbered(3, impairs=True))
+    assert len(memory) == 3
+
+
+# --- reporter -----------------------------------------------------------------------------------------------
+
+
+class FakeClient:
+    def __init__(self) -> None:
+        self.calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    async def start_workflow(self, *args: Any, **kwargs: Any) -> None:
+        self.calls.append((args, kwargs))
+
+
+async def test_reporter_signals_with_start_to_the_health_workflow() -> None:
+    client = FakeClient()
+    reporter = Reporter(client)  # type: ignore[arg-type]
+    (record,) = parse_lines([XID_95])
+    gpu_finding = finding(record, instance_id="i-0abc", group="gpu-a")
+    heartbeat = Heartbeat(instance_id="i-0abc", group="gpu-a", sent_at=NOW, gpu_health=HealthState.OK)
+    await reporter.send_finding(gpu_finding, "q1")
+    await reporter.send_heartbeat(heartbeat, "q1")
+    (args, kwargs), (_, hb_kwargs) = client.calls
+    assert args == ("InstanceHealthWorkflow", HealthInput(instance_id="i-0abc", group="gpu-a"))
+    assert kwargs["id"] == "health/i-0abc"
+    assert kwargs["task_queue"] == "q1"
+    assert kwargs["id_conflict_policy"] == WorkflowIDConflictPolicy.USE_EXISTING
+    assert (kwargs["start_signal"], kwargs["start_signal_args"]) == ("gpu_finding", [gpu_finding])
+    assert (hb_kwargs["start_signal"], hb_kwargs["start_signal_args"]) == ("heartbeat", [heartbeat])
+    assert hb_kwargs["id"] == "health/i-0abc"

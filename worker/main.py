@@ -1,0 +1,56 @@
+"""The worker process: every workflow and activity of gpu-autorepair on one task queue."""
+
+from __future__ import annotations
+
+from temporalio.client import Client
+from temporalio.worker import Worker
+from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
+
+from activities.aws import AwsClients
+from activities.events import EventActivities
+from activities.fleet import FleetActivities
+from activities.workflow_ops import WorkflowOps
+from worker.settings import Settings
+from workflows.drain_semaphore import DrainSemaphoreWorkflow
+from workflows.health import InstanceHealthWorkflow
+from workflows.repair import InstanceRepairWorkflow
+
+WORKFLOWS = [InstanceHealthWorkflow, InstanceRepairWorkflow, DrainSemaphoreWorkflow]
+
+# The models are shared with activities and clients: passing them through keeps one class per model, so a model
+# built in a workflow is an instance of the class an activity's input expects (and the sandbox loads less).
+SANDBOX = SandboxedWorkflowRunner(
+    restrictions=SandboxRestrictions.default.with_passthrough_modules("workflows.models", "activities", "pydantic")
+)
+
+
+def build_worker(settings: Settings, client: Client) -> Worker:
+    aws = AwsClients(settings.aws)
+    fleet = FleetActivities(aws, settings.group)
+    events = EventActivities(aws, settings.events)
+    ops = WorkflowOps(client, settings.temporal.task_queue)
+    return Worker(
+        client,
+        task_queue=settings.temporal.task_queue,
+        workflows=WORKFLOWS,
+        workflow_runner=SANDBOX,
+        activities=[
+            fleet.get_group_config,
+            fleet.describe_group_capacity,
+            fleet.set_draining,
+            fleet.launch_replacement,
+            fleet.await_container_instance_active,
+            fleet.list_instance_tasks,
+            fleet.stop_tasks,
+            fleet.terminate_instance,
+            events.publish_event,
+            ops.start_repair,
+            ops.request_drain_permit,
+            ops.find_closed_workflows,
+        ],
+    )
+
+
+async def run_worker(settings: Settings, client: Client) -> None:
+    """Run until cancelled; in-flight activities are given a chance to finish, workflows simply resume elsewhere."""
+    await build_worker(settings, client).run()

@@ -1,0 +1,319 @@
+"""One health workflow per instance: the ECS container-instance health status, fed by the node probe.
+
+Runbook it automates:
+  1. Until the probe's first heartbeat the instance is INITIALIZING.
+  2. A critical GPU finding makes ACCELERATED_COMPUTE IMPAIRED (the probe's policy decides what is critical).
+  3. No heartbeat for the group's threshold makes AGENT_CONNECTIVITY IMPAIRED; a shorter gap changes nothing.
+  4. The probe saying its GPU sources are down makes ACCELERATED_COMPUTE INSUFFICIENT_DATA, never IMPAIRED.
+  5. Every change of status is published as a HealthChanged event.
+  6. On IMPAIRED, if the group's auto repair is ENABLED, start the instance's repair once; if DISABLED, watch only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+
+from temporalio import workflow
+from temporalio.common import RawValue, RetryPolicy
+
+from workflows.ids import health_workflow_id
+from workflows.models import (
+    SEVERITY,
+    AutoRepair,
+    CapacityGroup,
+    CheckType,
+    ContainerInstanceHealthStatus,
+    GpuFinding,
+    HealthCarry,
+    HealthCheckResult,
+    HealthInput,
+    HealthState,
+    Heartbeat,
+    InstanceHealthView,
+    RepairInput,
+    RepairPhase,
+    RepairProgress,
+    RepairView,
+)
+from workflows.signal_input import Rejected, decode
+
+with workflow.unsafe.imports_passed_through():
+    from activities.events import EventActivities
+    from activities.fleet import FleetActivities
+    from activities.models import EventType, FleetEvent, GroupRef, StartRepairRequest
+    from activities.workflow_ops import WorkflowOps
+
+SIGNAL_GPU_FINDING = "gpu_finding"
+SIGNAL_HEARTBEAT = "heartbeat"
+SIGNAL_REPAIR_PROGRESS = "repair_progress"
+
+RECENT_FINDINGS = 20
+REMEMBERED_FINDING_IDS = 500
+# A run accepts at most 10,000 signals and that limit does not raise the continue-as-new suggestion.
+SIGNALS_PER_RUN = 2_000
+
+QUICK = {
+    "start_to_close_timeout": timedelta(seconds=30),
+    "retry_policy": RetryPolicy(maximum_interval=timedelta(minutes=1)),
+}
+
+
+@workflow.defn
+class InstanceHealthWorkflow:
+    @workflow.init
+    def __init__(self, input: HealthInput) -> None:
+        self._instance_id = input.instance_id
+        self._group = input.group
+        self._state = input.carry or HealthCarry()
+        self._outbox: list[FleetEvent] = []
+        self._signals_this_run = 0
+        self._retired = False
+        # Here, not in run(): with signal-with-start the first signal is handled before run() starts.
+        if self._state.started_at is None:
+            now = workflow.now()
+            self._state.started_at = now
+            for check in (CheckType.ACCELERATED_COMPUTE, CheckType.AGENT_CONNECTIVITY):
+                self._state.checks[check] = HealthCheckResult(
+                    type=check, status=HealthState.INITIALIZING, lastUpdated=now, lastStatusChange=now
+                )
+
+    # --- the runbook ------------------------------------------------------------------------------------------
+
+    @workflow.run
+    async def run(self, input: HealthInput) -> InstanceHealthView:
+        group = await self._group_config()
+        workflow.set_current_details(self._details_markdown())
+        watchdog = asyncio.create_task(self._watch_heartbeats(group.heartbeat_loss_threshold))
+
+        while True:
+            await workflow.wait_condition(
+                lambda: bool(self._outbox) or self._repair_due() or self._retired or self._time_to_continue()
+            )
+            while self._outbox:
+                await workflow.execute_activity_method(
+                    EventActivities.publish_event,
+                    self._outbox.pop(0),
+                    summary="publish health change",
+                    **QUICK,  # type: ignore[arg-type]
+                )
+            if self._repair_due():
+                await self._start_repair()
+            workflow.set_current_details(self._details_markdown())
+            if self._retired:
+                watchdog.cancel()
+                return self._view()
+            if self._time_to_continue():
+                watchdog.cancel()
+                await workflow.wait_condition(workflow.all_handlers_finished)
+                workflow.continue_as_new(
+                    HealthInput(instance_id=self._instance_id, group=self._group, carry=self._state)
+                )
+
+    async def _watch_heartbeats(self, threshold: timedelta) -> None:
+        """One timer at a time, set for when the agent would count as lost; a heartbeat just moves the deadline."""
+        while True:
+            since = self._state.last_heartbeat or self._state.started_at
+            assert since is not None
+            deadline = since + threshold
+            now = workflow.now()
+            if now < deadline:
+                await workflow.sleep(deadline - now, summary="heartbeat deadline")
+                continue
+            self._set_check(
+                CheckType.AGENT_CONNECTIVITY,
+                HealthState.IMPAIRED,
+                f"Agent disconnected since {_iso(since)}",
+                now,
+            )
+            seen = self._state.last_heartbeat
+            await workflow.wait_condition(lambda: self._state.last_heartbeat != seen)
+
+    async def _group_config(self) -> CapacityGroup:
+        return await workflow.execute_activity_method(
+            FleetActivities.get_group_config,
+            GroupRef(group=self._group),
+            summary=f"read capacity group {self._group}",
+            **QUICK,  # type: ignore[arg-type]
+        )
+
+    async def _start_repair(self) -> None:
+        # The switch is read at the moment of the decision, so turning repair off takes effect at once.
+        group = await self._group_config()
+        self._state.repair_requested = True
+        if group.auto_repair is AutoRepair.DISABLED:
+            workflow.logger.info("instance impaired; auto repair DISABLED for group %s, monitoring only", self._group)
+            return
+        reason, finding = self._impairment()
+        gpu = f" on GPU {finding.gpu.pci}" if finding is not None and finding.gpu.pci else ""
+        started = await workflow.execute_activity_method(
+            WorkflowOps.start_repair,
+            StartRepairRequest(
+                repair=RepairInput(instance_id=self._instance_id, group=self._group, reason=reason, finding=finding),
+                summary=f"repair {self._instance_id}: {reason}{gpu}",
+            ),
+            summary=f"start repair of {self._instance_id} ({reason})",
+            **QUICK,  # type: ignore[arg-type]
+        )
+        self._state.repair = RepairView(
+            workflow_id=started.workflow_id,
+            phase=RepairPhase.WAITING_FOR_PERMIT,
+            reason=reason,
+            started_at=workflow.now(),
+        )
+
+    # --- signals and query --------------------------------------------------------------------------------------
+
+    @workflow.signal(dynamic=True)
+    def on_signal(self, name: str, payloads: Sequence[RawValue]) -> None:
+        """Every signal comes through here, so that no input, however malformed, can fail the workflow task."""
+        self._signals_this_run += 1
+        if name == SIGNAL_GPU_FINDING:
+            self._accept(decode(name, payloads, GpuFinding), self._on_finding)
+        elif name == SIGNAL_HEARTBEAT:
+            self._accept(decode(name, payloads, Heartbeat), self._on_heartbeat)
+        elif name == SIGNAL_REPAIR_PROGRESS:
+            self._accept(decode(name, payloads, RepairProgress), self._on_repair_progress)
+        else:
+            self._reject(Rejected(f"unknown signal {name!r}"))
+
+    @workflow.query
+    def health(self) -> InstanceHealthView:
+        return self._view()
+
+    def _accept(self, value: object, handler: object) -> None:
+        if isinstance(value, Rejected):
+            self._reject(value)
+        else:
+            handler(value)  # type: ignore[operator]
+
+    def _reject(self, why: Rejected) -> None:
+        self._state.rejected_signals += 1
+        workflow.logger.warning("dropped signal for %s: %s", self._instance_id, why)
+
+    def _on_finding(self, finding: GpuFinding) -> None:
+        if finding.instance_id != self._instance_id:
+            self._reject(Rejected(f"finding for {finding.instance_id} sent to {self._instance_id}"))
+            return
+        if finding.finding_id in self._state.seen_finding_ids:
+            self._reject(Rejected(f"duplicate finding {finding.finding_id}"))
+            return
+        self._state.seen_finding_ids = [*self._state.seen_finding_ids, finding.finding_id][-REMEMBERED_FINDING_IDS:]
+        self._state.findings = [*self._state.findings, finding][-RECENT_FINDINGS:]
+        now = workflow.now()
+        if finding.impairs:
+            self._set_check(CheckType.ACCELERATED_COMPUTE, HealthState.IMPAIRED, finding.reason, now)
+        else:
+            key = f"{finding.gpu.pci or 'unknown'}/{finding.reason}"
+            self._state.warning_counts[key] = self._state.warning_counts.get(key, 0) + finding.count
+
+    def _on_heartbeat(self, beat: Heartbeat) -> None:
+        if beat.instance_id != self._instance_id:
+            self._reject(Rejected(f"heartbeat for {beat.instance_id} sent to {self._instance_id}"))
+            return
+        now = workflow.now()
+        self._state.last_heartbeat = now
+        self._set_check(CheckType.AGENT_CONNECTIVITY, HealthState.OK, None, now)
+        accelerated = self._state.checks[CheckType.ACCELERATED_COMPUTE]
+        if accelerated.status is HealthState.IMPAIRED:
+            # A critical GPU fault stays until the instance is replaced; the heartbeat only refreshes it.
+            accelerated.lastUpdated = now
+        elif beat.gpu_health is HealthState.INSUFFICIENT_DATA:
+            self._set_check(
+                CheckType.ACCELERATED_COMPUTE,
+                HealthState.INSUFFICIENT_DATA,
+                beat.gpu_health_reason or "GPU monitoring unavailable",
+                now,
+            )
+        else:
+            self._set_check(CheckType.ACCELERATED_COMPUTE, HealthState.OK, None, now)
+
+    def _on_repair_progress(self, progress: RepairProgress) -> None:
+        if self._state.repair is None:
+            self._state.repair = RepairView(
+                workflow_id=progress.workflow_id, phase=progress.phase, reason="", started_at=workflow.now()
+            )
+        repair = self._state.repair
+        repair.phase = progress.phase
+        repair.replacement_instance_id = progress.replacement_instance_id or repair.replacement_instance_id
+        repair.error = progress.error
+        if progress.finished and progress.phase is RepairPhase.COMPLETED:
+            self._retired = True
+
+    # --- status bookkeeping -------------------------------------------------------------------------------------
+
+    def _set_check(self, check: CheckType, status: HealthState, reason: str | None, now: datetime) -> None:
+        current = self._state.checks.get(check)
+        if current is not None and current.status is status and current.statusReason == reason:
+            current.lastUpdated = now
+            return
+        self._state.checks[check] = HealthCheckResult(
+            type=check, status=status, statusReason=reason, lastUpdated=now, lastStatusChange=now
+        )
+        health = self._health_status()
+        self._outbox.append(
+            FleetEvent(
+                event_id=str(workflow.uuid4()),
+                time=now,
+                type=EventType.HEALTH_CHANGED,
+                group=self._group,
+                instance_id=self._instance_id,
+                workflow_id=health_workflow_id(self._instance_id),
+                fields={
+                    "overall_status": health.overallStatus.value,
+                    "details": [d.model_dump(mode="json") for d in health.details],
+                    "finding": self._impairment()[1].model_dump(mode="json") if self._impairment()[1] else None,
+                },
+            )
+        )
+
+    def _health_status(self) -> ContainerInstanceHealthStatus:
+        details = sorted(self._state.checks.values(), key=lambda d: d.type.value)
+        overall = min((d.status for d in details), key=SEVERITY.index, default=HealthState.INITIALIZING)
+        return ContainerInstanceHealthStatus(overallStatus=overall, details=details)
+
+    def _impairment(self) -> tuple[str, GpuFinding | None]:
+        """The reason to repair, preferring the GPU finding that caused it (it names the Xid and the GPU)."""
+        accelerated = self._state.checks.get(CheckType.ACCELERATED_COMPUTE)
+        if accelerated is not None and accelerated.status is HealthState.IMPAIRED:
+            finding = next((f for f in reversed(self._state.findings) if f.impairs), None)
+            return accelerated.statusReason or "ACCELERATED_COMPUTE", finding
+        agent = self._state.checks.get(CheckType.AGENT_CONNECTIVITY)
+        return (agent.statusReason if agent and agent.statusReason else "AGENT_CONNECTIVITY"), None
+
+    def _repair_due(self) -> bool:
+        return not self._state.repair_requested and self._health_status().overallStatus is HealthState.IMPAIRED
+
+    def _time_to_continue(self) -> bool:
+        return workflow.info().is_continue_as_new_suggested() or self._signals_this_run >= SIGNALS_PER_RUN
+
+    def _view(self) -> InstanceHealthView:
+        return InstanceHealthView(
+            instance_id=self._instance_id,
+            group=self._group,
+            healthStatus=self._health_status(),
+            recent_findings=self._state.findings,
+            warning_counts=self._state.warning_counts,
+            repair=self._state.repair,
+            last_heartbeat=self._state.last_heartbeat,
+            rejected_signals=self._state.rejected_signals,
+            retired=self._retired,
+        )
+
+    def _details_markdown(self) -> str:
+        health = self._health_status()
+        lines = [f"**{self._instance_id}** in `{self._group}`: **{health.overallStatus.value}**", ""]
+        lines += ["| check | status | reason | since |", "|---|---|---|---|"]
+        for d in health.details:
+            lines.append(f"| {d.type.value} | {d.status.value} | {d.statusReason or ''} | {_iso(d.lastStatusChange)} |")
+        if self._state.repair is not None:
+            r = self._state.repair
+            lines += ["", f"Repair `{r.workflow_id}`: {r.phase.value}"]
+        if self._state.rejected_signals:
+            lines += ["", f"{self._state.rejected_signals} malformed or duplicate signals dropped"]
+        return "\n".join(lines)
+
+
+def _iso(moment: datetime) -> str:
+    return moment.isoformat().replace("+00:00", "Z")

@@ -1,0 +1,374 @@
+"""One repair per impaired instance, start-before-stop, under the group's drain cap.
+
+Runbook:
+  1. Acquire a drain permit from the group's semaphore.
+  2. Set the container instance DRAINING, so no new task lands on it.
+  3. Launch a replacement in the same group and availability zone (retried with backoff; never skipped).
+  4. Wait until the replacement is registered and ACTIVE.
+  5. Let the instance's tasks stop, each within its own stop timeout (durable timers); stop what is left.
+  6. Terminate the impaired instance. Only now: its replacement is already serving.
+  7. Release the permit, whatever happened above.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+from temporalio import workflow
+from temporalio.common import RawValue, RetryPolicy
+from temporalio.exceptions import ActivityError, ApplicationError, FailureError
+
+from workflows import search_attributes as sa
+from workflows.ids import health_workflow_id, semaphore_workflow_id
+from workflows.models import (
+    CapacityGroup,
+    PermitGrant,
+    PermitRelease,
+    RepairInput,
+    RepairPhase,
+    RepairProgress,
+    RepairResult,
+)
+from workflows.signal_input import Rejected, decode
+
+with workflow.unsafe.imports_passed_through():
+    from activities.events import EventActivities
+    from activities.fleet import FleetActivities
+    from activities.models import (
+        DrainResult,
+        EventType,
+        FleetEvent,
+        GroupRef,
+        InstanceRef,
+        LaunchRequest,
+        PermitRequestOrder,
+        StopTasksRequest,
+    )
+    from activities.workflow_ops import WorkflowOps
+
+SIGNAL_PERMIT_GRANTED = "permit_granted"
+SIGNAL_RELEASE = "release"
+SIGNAL_REPAIR_PROGRESS = "repair_progress"
+
+# Re-ask for the permit now and then: a semaphore that was reset by an operator forgets its waiters.
+PERMIT_REQUEST_REFRESH = timedelta(minutes=5)
+LAUNCH_BACKOFF_FIRST = timedelta(seconds=5)
+LAUNCH_BACKOFF_MAX = timedelta(minutes=10)
+
+AWS_RETRY = RetryPolicy(initial_interval=timedelta(seconds=2), maximum_interval=timedelta(minutes=2))
+QUICK: dict[str, Any] = {"start_to_close_timeout": timedelta(seconds=60), "retry_policy": AWS_RETRY}
+
+RUNBOOK = [
+    (RepairPhase.WAITING_FOR_PERMIT, "Acquire a drain permit"),
+    (RepairPhase.DRAINING, "Set the container instance DRAINING"),
+    (RepairPhase.LAUNCHING_REPLACEMENT, "Launch a replacement in the same AZ"),
+    (RepairPhase.WAITING_FOR_REPLACEMENT, "Wait for the replacement to be ACTIVE"),
+    (RepairPhase.STOPPING_TASKS, "Let tasks stop within their stop timeouts"),
+    (RepairPhase.TERMINATING, "Terminate the impaired instance"),
+]
+
+
+@workflow.defn
+class InstanceRepairWorkflow:
+    @workflow.init
+    def __init__(self, input: RepairInput) -> None:
+        self._input = input
+        self._instance = InstanceRef(group=input.group, instance_id=input.instance_id)
+        self._granted = False
+        self._permit_requested = False
+        self._phase = RepairPhase.WAITING_FOR_PERMIT
+        self._notes: dict[RepairPhase, str] = {}
+        self._replacement: str | None = None
+        self._error: str | None = None
+        self._rejected = 0
+
+    @workflow.run
+    async def run(self, input: RepairInput) -> RepairResult:
+        group = await workflow.execute_activity_method(
+            FleetActivities.get_group_config, GroupRef(group=input.group), summary="read group config", **QUICK
+        )
+        await self._event(EventType.REPAIR_STARTED, reason=input.reason)
+        try:
+            await self._acquire_permit()
+            await self._event(EventType.DRAIN_PERMIT_GRANTED)
+
+            await self._enter(RepairPhase.DRAINING)
+            drained: DrainResult = await workflow.execute_activity_method(
+                FleetActivities.set_draining,
+                self._instance,
+                summary=f"set {input.instance_id} DRAINING in cluster {group.cluster}",
+                **QUICK,
+            )
+            self._notes[RepairPhase.DRAINING] = drained.container_instance_arn.rsplit("/", 1)[-1]
+            await self._event(EventType.DRAINING)
+
+            await self._enter(RepairPhase.LAUNCHING_REPLACEMENT)
+            self._replacement = await self._launch_replacement(drained)
+            self._notes[RepairPhase.LAUNCHING_REPLACEMENT] = self._replacement
+            await self._event(EventType.REPLACEMENT_LAUNCHED, replacement_instance_id=self._replacement)
+
+            await self._enter(RepairPhase.WAITING_FOR_REPLACEMENT)
+            await workflow.execute_activity_method(
+                FleetActivities.await_container_instance_active,
+                InstanceRef(group=input.group, instance_id=self._replacement),
+                summary=f"wait for replacement {self._replacement} to be ACTIVE in ECS",
+                start_to_close_timeout=group.replacement_ready_timeout,
+                heartbeat_timeout=timedelta(seconds=30),
+                retry_policy=AWS_RETRY,
+            )
+            await self._event(EventType.REPLACEMENT_READY, replacement_instance_id=self._replacement)
+
+            await self._enter(RepairPhase.STOPPING_TASKS)
+            stopped, forced = await self._let_tasks_stop(group)
+            self._notes[RepairPhase.STOPPING_TASKS] = f"{stopped} tasks, {forced} stopped at their timeout"
+            await self._event(EventType.TASKS_STOPPED, tasks=stopped, forced=forced)
+
+            await self._enter(RepairPhase.TERMINATING)
+            await workflow.execute_activity_method(
+                FleetActivities.terminate_instance,
+                self._instance,
+                summary=f"terminate impaired instance {input.instance_id}",
+                **QUICK,
+            )
+            await self._event(EventType.TERMINATED)
+
+            await self._enter(RepairPhase.COMPLETED, finished=True)
+            await self._event(EventType.REPAIR_COMPLETED, replacement_instance_id=self._replacement)
+            return RepairResult(
+                instance_id=input.instance_id,
+                replacement_instance_id=self._replacement,
+                tasks_stopped=stopped,
+                tasks_forced=forced,
+            )
+        except asyncio.CancelledError:
+            self._error = "cancelled by an operator"
+            await self._enter(RepairPhase.CANCELLED, finished=True)
+            await self._event(EventType.REPAIR_FAILED, error=self._error)
+            raise
+        except ActivityError as err:
+            self._error = _describe(err)
+            await self._enter(RepairPhase.FAILED, finished=True)
+            await self._event(EventType.REPAIR_FAILED, error=self._error)
+            raise ApplicationError(
+                f"repair of {input.instance_id} failed: {self._error}", type="RepairFailed", non_retryable=True
+            ) from err
+        finally:
+            await self._release_permit()
+
+    # --- steps ------------------------------------------------------------------------------------------------
+
+    async def _acquire_permit(self) -> None:
+        info = workflow.info()
+        order = PermitRequestOrder(
+            group=self._input.group,
+            holder_workflow_id=info.workflow_id,
+            holder_run_id=info.run_id,
+            instance_id=self._input.instance_id,
+        )
+        while not self._granted:
+            await workflow.execute_activity_method(
+                WorkflowOps.request_drain_permit,
+                order,
+                summary=f"ask the drain semaphore of {self._input.group} for a permit",
+                **QUICK,
+            )
+            self._permit_requested = True
+            try:
+                await workflow.wait_condition(
+                    lambda: self._granted,
+                    timeout=PERMIT_REQUEST_REFRESH,
+                    timeout_summary="waiting for a drain permit",
+                )
+            except TimeoutError:
+                continue
+
+    async def _launch_replacement(self, drained: DrainResult) -> str:
+        request = LaunchRequest(
+            group=self._input.group,
+            impaired_instance_id=self._input.instance_id,
+            availability_zone=drained.availability_zone,
+            subnet_id=drained.subnet_id,
+            client_token=f"autorepair-{self._input.instance_id}"[:64],
+        )
+        backoff = LAUNCH_BACKOFF_FIRST
+        attempt = 1
+        while True:
+            try:
+                launched = await workflow.execute_activity_method(
+                    FleetActivities.launch_replacement,
+                    request,
+                    summary=f"launch replacement for {self._input.instance_id} in {drained.availability_zone}"
+                    + (f" (attempt {attempt})" if attempt > 1 else ""),
+                    start_to_close_timeout=timedelta(seconds=60),
+                    retry_policy=RetryPolicy(
+                        initial_interval=timedelta(seconds=2), maximum_interval=timedelta(seconds=30), maximum_attempts=3
+                    ),
+                )
+                return launched.replacement_instance_id
+            except ActivityError as err:
+                if _permanent(err):
+                    raise
+                # Capacity shortages last minutes to hours: keep the instance draining, keep trying, and say so.
+                self._error = _describe(err)
+                self._notes[RepairPhase.LAUNCHING_REPLACEMENT] = f"attempt {attempt} failed: {self._error}"
+                await self._notify_health()
+                await self._event(
+                    EventType.REPLACEMENT_LAUNCH_FAILED,
+                    error=self._error,
+                    attempt=attempt,
+                    retry_in_seconds=int(backoff.total_seconds()),
+                )
+                await workflow.sleep(backoff, summary=f"back off before launch attempt {attempt + 1}")
+                backoff = min(backoff * 2, LAUNCH_BACKOFF_MAX)
+                attempt += 1
+                self._error = None
+
+    async def _let_tasks_stop(self, group: CapacityGroup) -> tuple[int, int]:
+        """Give every task its own stop timeout, counted from the start of this step, then stop what is left."""
+        started = workflow.now()
+        deadlines: dict[str, datetime] = {}
+        forced: set[str] = set()
+        while True:
+            running = await workflow.execute_activity_method(
+                FleetActivities.list_instance_tasks,
+                self._instance,
+                summary=f"list tasks still running on {self._input.instance_id}",
+                **QUICK,
+            )
+            if not running.tasks:
+                return len(deadlines), len(forced)
+            for task in running.tasks:
+                deadlines.setdefault(task.task_arn, started + timedelta(seconds=task.stop_timeout_seconds))
+            now = workflow.now()
+            overdue = [t.task_arn for t in running.tasks if deadlines[t.task_arn] <= now and t.task_arn not in forced]
+            if overdue:
+                await workflow.execute_activity_method(
+                    FleetActivities.stop_tasks,
+                    StopTasksRequest(
+                        group=self._input.group,
+                        task_arns=overdue,
+                        reason=f"gpu-autorepair: stop timeout reached while draining {self._input.instance_id}",
+                    ),
+                    summary=f"stop {len(overdue)} tasks past their stop timeout",
+                    **QUICK,
+                )
+                forced.update(overdue)
+                continue
+            pending = [deadlines[t.task_arn] for t in running.tasks if t.task_arn not in forced]
+            next_deadline = min(pending) if pending else now + group.task_poll_interval
+            wait = max(min(group.task_poll_interval, next_deadline - now), timedelta(seconds=1))
+            await workflow.sleep(
+                wait,
+                summary=f"{len(running.tasks)} tasks draining; next stop timeout at {_iso(next_deadline)}",
+            )
+
+    async def _release_permit(self) -> None:
+        if not self._permit_requested:
+            return
+        handle = workflow.get_external_workflow_handle(semaphore_workflow_id(self._input.group))
+        try:
+            await handle.signal(SIGNAL_RELEASE, PermitRelease(holder_workflow_id=workflow.info().workflow_id))
+        except FailureError as err:
+            # The semaphore is gone (reset by an operator): it holds no permit of ours to release.
+            workflow.logger.warning("could not release drain permit: %s", err)
+        if self._granted:
+            await self._event(EventType.DRAIN_PERMIT_RELEASED)
+
+    # --- bookkeeping ------------------------------------------------------------------------------------------
+
+    async def _enter(self, phase: RepairPhase, finished: bool = False) -> None:
+        self._phase = phase
+        updates = [sa.REPAIR_PHASE.value_set(phase.value)]
+        if finished:
+            updates.append(sa.OUTCOME.value_set(phase.value))
+        workflow.upsert_search_attributes(updates)
+        workflow.set_current_details(self._runbook_markdown())
+        await self._notify_health(finished)
+
+    async def _notify_health(self, finished: bool = False) -> None:
+        progress = RepairProgress(
+            workflow_id=workflow.info().workflow_id,
+            phase=self._phase,
+            replacement_instance_id=self._replacement,
+            error=self._error,
+            finished=finished,
+        )
+        handle = workflow.get_external_workflow_handle(health_workflow_id(self._input.instance_id))
+        try:
+            await handle.signal(SIGNAL_REPAIR_PROGRESS, progress)
+        except FailureError as err:
+            workflow.logger.info("health workflow not told of %s: %s", self._phase.value, err)
+
+    async def _event(self, type: EventType, **fields: Any) -> None:
+        event = FleetEvent(
+            event_id=str(workflow.uuid4()),
+            time=workflow.now(),
+            type=type,
+            group=self._input.group,
+            instance_id=self._input.instance_id,
+            workflow_id=workflow.info().workflow_id,
+            fields=fields,
+        )
+        await workflow.execute_activity_method(
+            EventActivities.publish_event, event, summary=f"event {type.value}", **QUICK
+        )
+
+    @workflow.signal(dynamic=True)
+    def on_signal(self, name: str, payloads: Sequence[RawValue]) -> None:
+        if name != SIGNAL_PERMIT_GRANTED:
+            self._reject(Rejected(f"unknown signal {name!r}"))
+            return
+        grant = decode(name, payloads, PermitGrant)
+        if isinstance(grant, Rejected):
+            self._reject(grant)
+            return
+        if not self._granted:
+            self._granted = True
+            self._notes[RepairPhase.WAITING_FOR_PERMIT] = f"granted at {_iso(grant.granted_at)}"
+
+    def _reject(self, why: Rejected) -> None:
+        self._rejected += 1
+        workflow.logger.warning("dropped signal: %s", why)
+
+    @workflow.query
+    def phase(self) -> RepairProgress:
+        return RepairProgress(
+            workflow_id=workflow.info().workflow_id,
+            phase=self._phase,
+            replacement_instance_id=self._replacement,
+            error=self._error,
+            finished=self._phase in (RepairPhase.COMPLETED, RepairPhase.FAILED, RepairPhase.CANCELLED),
+        )
+
+    def _runbook_markdown(self) -> str:
+        reason = self._input.reason
+        gpu = self._input.finding.gpu.pci if self._input.finding and self._input.finding.gpu.pci else None
+        title = f"### Repair of `{self._input.instance_id}` in `{self._input.group}`"
+        lines = [title, f"Reason: **{reason}**" + (f" on GPU `{gpu}`" if gpu else ""), ""]
+        order = [phase for phase, _ in RUNBOOK]
+        current = order.index(self._phase) if self._phase in order else len(order)
+        for index, (phase, text) in enumerate(RUNBOOK):
+            mark = "done" if index < current else ("**now**" if index == current else "next")
+            note = self._notes.get(phase)
+            lines.append(f"{index + 1}. [{mark}] {text}" + (f" — {note}" if note else ""))
+        if self._phase in (RepairPhase.COMPLETED, RepairPhase.FAILED, RepairPhase.CANCELLED):
+            lines += ["", f"Outcome: **{self._phase.value}**" + (f" — {self._error}" if self._error else "")]
+        return "\n".join(lines)
+
+
+def _permanent(err: ActivityError) -> bool:
+    return isinstance(err.cause, ApplicationError) and err.cause.non_retryable
+
+
+def _describe(err: ActivityError) -> str:
+    cause = err.cause
+    if isinstance(cause, ApplicationError):
+        return f"{cause.type}: {cause.message}" if cause.type else cause.message
+    return str(cause or err)
+
+
+def _iso(moment: datetime) -> str:
+    return moment.isoformat(timespec="seconds").replace("+00:00", "Z")

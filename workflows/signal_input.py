@@ -1,0 +1,34 @@
+"""Decode signal payloads ourselves, so that bad input is counted and dropped instead of wedging a workflow.
+
+A signal handler that takes a model parameter fails the workflow task (forever) on an empty signal, and the SDK
+drops a payload that fails validation without telling the workflow. Taking the raw payloads and validating here
+lets the workflow count every rejected signal and expose the count in its query.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TypeVar
+
+from pydantic import BaseModel
+from temporalio import workflow
+from temporalio.common import RawValue
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class Rejected(str):
+    """Why a signal was dropped."""
+
+
+def decode(signal: str, payloads: Sequence[RawValue], model: type[M]) -> M | Rejected:
+    if len(payloads) != 1:
+        return Rejected(f"signal {signal!r} carried {len(payloads)} payloads, expected 1")
+    try:
+        value = workflow.payload_converter().from_payload(payloads[0].payload, model)
+    except Exception as err:  # any decode or validation failure is bad input, never a workflow failure
+        first_line = str(err).splitlines()[0] if str(err) else type(err).__name__
+        return Rejected(f"signal {signal!r} is not a valid {model.__name__}: {first_line}")
+    if not isinstance(value, model):
+        return Rejected(f"signal {signal!r} decoded to {type(value).__name__}, expected {model.__name__}")
+    return value
