@@ -45,9 +45,7 @@ class AwsClients:
         self.ecs: ECSClient = session.client("ecs", endpoint_url=endpoint, config=config)
         self.ec2: EC2Client = session.client("ec2", endpoint_url=endpoint, config=config)
         self.events: EventBridgeClient = session.client("events", endpoint_url=endpoint, config=config)
-        self.autoscaling: AutoScalingClient = session.client(
-            "autoscaling", endpoint_url=endpoint, config=config
-        )
+        self.autoscaling: AutoScalingClient = session.client("autoscaling", endpoint_url=endpoint, config=config)
 
 
 def call_name(method: Callable[..., Any]) -> str:

@@ -330,9 +330,7 @@ class FleetActivities:
         if not found.get("LaunchTemplates"):
             raise ApplicationError(
                 f"ec2:DescribeLaunchTemplates on {resource} failed: no such launch template",
-                type="InvalidLaunchTemplateId.NotFound"
-                if by_id
-                else "InvalidLaunchTemplateName.NotFoundException",
+                type="InvalidLaunchTemplateId.NotFound" if by_id else "InvalidLaunchTemplateName.NotFoundException",
                 non_retryable=True,
             )
         spec: LaunchTemplateSpecificationTypeDef = (
@@ -368,9 +366,7 @@ class FleetActivities:
         )
         return LaunchResult(replacement_instance_id=resp["Instances"][0]["InstanceId"])
 
-    async def _replace_in_auto_scaling_group(
-        self, group: CapacityGroup, request: LaunchRequest
-    ) -> LaunchResult:
+    async def _replace_in_auto_scaling_group(self, group: CapacityGroup, request: LaunchRequest) -> LaunchResult:
         """Detach-and-replace: detach without decrementing desired capacity; the group launches a new one."""
         asg_name = group.auto_scaling_group or ""
         impaired = request.impaired_instance_id
@@ -380,9 +376,7 @@ class FleetActivities:
         membership = await aws_call(
             resource, self._aws.autoscaling.describe_auto_scaling_instances, InstanceIds=[impaired]
         )
-        in_group = any(
-            m.get("AutoScalingGroupName") == asg_name for m in membership.get("AutoScalingInstances", [])
-        )
+        in_group = any(m.get("AutoScalingGroupName") == asg_name for m in membership.get("AutoScalingInstances", []))
         if in_group:
             if DETACHED_AT_TAG not in tags:
                 # Written before detaching (worker clock): a crash right after the detach leaves a cutoff.
@@ -420,8 +414,7 @@ class FleetActivities:
         ]
         if not candidates:
             raise ApplicationError(
-                f"Auto Scaling group {asg_name} has not yet launched an in-service replacement for "
-                f"{impaired}",
+                f"Auto Scaling group {asg_name} has not yet launched an in-service replacement for {impaired}",
                 type="ReplacementNotYetLaunched",
             )
         # The first launched after the detach is most likely the one the detach caused.
@@ -432,8 +425,7 @@ class FleetActivities:
         owner = _tags(((await self._ec2_instance(chosen)) or {}).get("Tags")).get(REPLACES_TAG)
         if owner != impaired:
             raise ApplicationError(
-                f"new instance {chosen} of Auto Scaling group {asg_name} was claimed by the repair of "
-                f"{owner}",
+                f"new instance {chosen} of Auto Scaling group {asg_name} was claimed by the repair of {owner}",
                 type="ReplacementClaimConflict",
             )
         return LaunchResult(replacement_instance_id=chosen)
@@ -484,9 +476,7 @@ class FleetActivities:
             if not token:
                 return arns
 
-    async def _describe_container_instances(
-        self, cluster: str, arns: Sequence[str]
-    ) -> list[ContainerInstanceTypeDef]:
+    async def _describe_container_instances(self, cluster: str, arns: Sequence[str]) -> list[ContainerInstanceTypeDef]:
         found: list[ContainerInstanceTypeDef] = []
         for chunk in _chunks(arns, ECS_DESCRIBE_BATCH):
             resp = await aws_call(
@@ -498,16 +488,12 @@ class FleetActivities:
             found += resp.get("containerInstances", [])
         return found
 
-    async def _find_container_instance(
-        self, group: CapacityGroup, instance_id: str
-    ) -> ContainerInstanceTypeDef | None:
+    async def _find_container_instance(self, group: CapacityGroup, instance_id: str) -> ContainerInstanceTypeDef | None:
         """The ACTIVE or DRAINING container instance of an EC2 instance in the group's cluster, if any."""
         _check_instance_id(instance_id)
         # Real ECS narrows the list with the cluster query; moto ignores `filter` and lists the whole cluster.
         # Matching ec2InstanceId below as well keeps one code path that is right on both.
-        arns = await self._list_container_instance_arns(
-            group.cluster, query=f"ec2InstanceId == {instance_id}"
-        )
+        arns = await self._list_container_instance_arns(group.cluster, query=f"ec2InstanceId == {instance_id}")
         matches = [
             ci
             for ci in await self._describe_container_instances(group.cluster, arns)

@@ -3,9 +3,16 @@ signal-with-start, look at another workflow's status)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from temporalio import activity
 from temporalio.client import Client, WorkflowExecutionStatus
-from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
+from temporalio.common import (
+    SearchAttributePair,
+    TypedSearchAttributes,
+    WorkflowIDConflictPolicy,
+    WorkflowIDReusePolicy,
+)
 from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
@@ -18,7 +25,6 @@ from activities.models import (
 from workflows import search_attributes as sa
 from workflows.ids import repair_workflow_id, semaphore_workflow_id
 from workflows.models import PermitRequest, SemaphoreInput
-from temporalio.common import TypedSearchAttributes, SearchAttributePair
 
 
 class WorkflowOps:
@@ -32,7 +38,7 @@ class WorkflowOps:
         for the same instance) is "already done", never a second repair."""
         repair = request.repair
         workflow_id = repair_workflow_id(repair.instance_id)
-        attributes = [
+        attributes: list[SearchAttributePair[Any]] = [
             SearchAttributePair(sa.INSTANCE_ID, repair.instance_id),
             SearchAttributePair(sa.CAPACITY_GROUP, repair.group),
             SearchAttributePair(sa.REPAIR_PHASE, "WaitingForPermit"),

@@ -37,9 +37,7 @@ class XidCatalog:
 
     def __init__(self, entries: Mapping[int, XidInfo]) -> None:
         self._entries: Mapping[int, XidInfo] = MappingProxyType(dict(entries))
-        self.ecs_codes: frozenset[int] = frozenset(
-            c for c, info in self._entries.items() if info.ecs_replaces
-        )
+        self.ecs_codes: frozenset[int] = frozenset(c for c, info in self._entries.items() if info.ecs_replaces)
 
     @classmethod
     def from_text(cls, text: str) -> XidCatalog:
@@ -80,7 +78,6 @@ def default_catalog() -> XidCatalog:
     catalog = XidCatalog.from_text(text)
     if len(catalog.ecs_codes) != ECS_XID_COUNT:
         raise RuntimeError(
-            f"{CATALOG_RESOURCE}: expected {ECS_XID_COUNT} Xids in ecs_replaces, "
-            f"found {len(catalog.ecs_codes)}"
+            f"{CATALOG_RESOURCE}: expected {ECS_XID_COUNT} Xids in ecs_replaces, found {len(catalog.ecs_codes)}"
         )
     return catalog

@@ -44,9 +44,7 @@ def _fail(command: str, error: CliError) -> int:
 
 
 def _add_policy_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--policy", choices=POLICY_NAMES, default=POLICY_ECS, help="base policy (default: ecs)"
-    )
+    parser.add_argument("--policy", choices=POLICY_NAMES, default=POLICY_ECS, help="base policy (default: ecs)")
     parser.add_argument(
         "--policy-config",
         type=Path,
@@ -71,13 +69,9 @@ def _load_policy_config(path: Path | None) -> PolicyConfig:
 
 
 def add_classify_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "file", nargs="?", default=None, metavar="FILE", help="kernel log text (default: stdin)"
-    )
+    parser.add_argument("file", nargs="?", default=None, metavar="FILE", help="kernel log text (default: stdin)")
     _add_policy_arguments(parser)
-    parser.add_argument(
-        "--format", choices=("json", "table"), default="table", help="output (default: table)"
-    )
+    parser.add_argument("--format", choices=("json", "table"), default="table", help="output (default: table)")
 
 
 @contextlib.contextmanager
@@ -115,9 +109,7 @@ def classification_row(record: KernelRecord, verdict: Verdict) -> dict[str, Any]
 def run_classify(args: argparse.Namespace) -> int:
     """Print one line per fault record, in input order, without de-duplication (a burst shows in full)."""
     try:
-        policy = Policy(
-            getattr(args, "policy", POLICY_ECS), _load_policy_config(getattr(args, "policy_config", None))
-        )
+        policy = Policy(getattr(args, "policy", POLICY_ECS), _load_policy_config(getattr(args, "policy_config", None)))
         with _open_input(getattr(args, "file", None)) as handle:
             now = datetime.now(UTC)
             rows = (classification_row(r, policy.classify(r, now)) for r in parse_lines(handle))
@@ -160,9 +152,7 @@ def add_probe_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--instance-id", default=None, help="default: this EC2 instance's id, from IMDSv2")
     parser.add_argument("--group", required=True, help="capacity group of this instance")
     sources = parser.add_mutually_exclusive_group()
-    sources.add_argument(
-        "--kernel-log", type=Path, default=None, metavar="FILE", help="follow this file (tail -F)"
-    )
+    sources.add_argument("--kernel-log", type=Path, default=None, metavar="FILE", help="follow this file (tail -F)")
     sources.add_argument("--kmsg", action="store_true", help="follow /dev/kmsg (the default)")
     parser.add_argument("--temporal-address", default=env("AUTOREPAIR_TEMPORAL__ADDRESS", "localhost:7233"))
     parser.add_argument("--namespace", default=env("AUTOREPAIR_TEMPORAL__NAMESPACE", "default"))
@@ -197,9 +187,7 @@ def _resolve_spool_dir(given: Path | None) -> Path | None:
     try:
         DEFAULT_SPOOL_DIR.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        log.warning(
-            "%s not usable (%s): undelivered findings will wait in memory only", DEFAULT_SPOOL_DIR, exc
-        )
+        log.warning("%s not usable (%s): undelivered findings will wait in memory only", DEFAULT_SPOOL_DIR, exc)
         return None
     return DEFAULT_SPOOL_DIR if os.access(DEFAULT_SPOOL_DIR, os.W_OK) else None
 

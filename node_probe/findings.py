@@ -76,9 +76,7 @@ def burst_rollup(first: GpuFinding, last: GpuFinding, suppressed: int, observed_
     """One finding for the records a burst suppressed; its count is only those (the first went out alone)."""
     return last.model_copy(
         update={
-            "finding_id": hashlib.sha256(
-                f"{first.finding_id}\nburst\n{last.finding_id}".encode()
-            ).hexdigest()[:32],
+            "finding_id": hashlib.sha256(f"{first.finding_id}\nburst\n{last.finding_id}".encode()).hexdigest()[:32],
             "count": suppressed,
             "observed_at": observed_at,
         }

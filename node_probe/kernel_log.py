@@ -26,10 +26,8 @@ _PREFIX_KMSG: Final = re.compile(r"<?\d+>?,(?P<seq>\d+),(?P<usec>\d+),[^;]*;")  
 _PREFIX_BRACKET: Final = re.compile(  # dmesg's [ 1843.308145], dmesg -T's [Fri Aug 30 11:43:09 2024]
     r"\[\s*(?:(?P<uptime>\d+\.\d+)|[A-Z][a-z]{2} [A-Z][a-z]{2} {1,2}\d{1,2} \d{2}:\d{2}:\d{2} \d{4})\]\s?"
 )
-_PREFIX_SYSLOG: Final = (
-    re.compile(  # Nov 22 15:39:14 host kernel: (or an ISO time, as journalctl -o short-iso)
-        r"(?:[A-Z][a-z]{2} {1,2}\d{1,2} \d{2}:\d{2}:\d{2}(?:\.\d+)?|" + _ISO_TIME + r") \S+ kernel: "
-    )
+_PREFIX_SYSLOG: Final = re.compile(  # Nov 22 15:39:14 host kernel: (or an ISO time, as journalctl -o short-iso)
+    r"(?:[A-Z][a-z]{2} {1,2}\d{1,2} \d{2}:\d{2}:\d{2}(?:\.\d+)?|" + _ISO_TIME + r") \S+ kernel: "
 )
 _PREFIX_WORD: Final = re.compile(  # kernel: , or dmesg -x's "kern  :warn  : " with an optional ISO time
     r"kernel: |[a-z]+ *:[a-z]+ *: (?:" + _ISO_TIME + r" ?)?"
@@ -66,16 +64,10 @@ _FALLEN: Final = re.compile(
     + r":? (?:GPU )?has fallen off the bus\.?\s*(?P<rest>.*)$"
 )
 _INIT_FAILED: Final = re.compile(
-    r"NVRM: (?:GPU (?:at )?(?:PCI:)?(?P<pci>"
-    + _PCI
-    + r")"
-    + _FUNC
-    + r":? )?RmInitAdapter failed!\s*(?P<rest>.*)$"
+    r"NVRM: (?:GPU (?:at )?(?:PCI:)?(?P<pci>" + _PCI + r")" + _FUNC + r":? )?RmInitAdapter failed!\s*(?P<rest>.*)$"
 )
 _BANNER_1: Final = re.compile(r"NVRM: The NVIDIA GPU (?P<pci>" + _PCI + r")" + _FUNC + r"\s*$")
-_BANNER_2: Final = re.compile(
-    r"NVRM: \(PCI ID: [0-9a-fA-F]{4}:[0-9a-fA-F]{4}\) installed in this system has\s*$"
-)
+_BANNER_2: Final = re.compile(r"NVRM: \(PCI ID: [0-9a-fA-F]{4}:[0-9a-fA-F]{4}\) installed in this system has\s*$")
 _BANNER_3: Final = re.compile(r"NVRM: fallen off the bus and is not responding to commands\.?\s*$")
 _SXID: Final = re.compile(
     r"nvidia-nvswitch(?P<switch>\d+): SXid \((?:PCI:)?(?P<pci>[0-9a-fA-F:.]+)\): "
@@ -305,9 +297,7 @@ def _parse_body(body: str) -> KernelRecord | None:
 
 def _place(template: KernelRecord, line: int, raw: str, prefix: _Prefix) -> KernelRecord:
     fields: tuple[Any, ...] = template
-    return KernelRecord._make(
-        (line, raw, *fields[_BODY_FIELDS], prefix[1], prefix[2], *fields[_DETAIL_FIELDS])
-    )
+    return KernelRecord._make((line, raw, *fields[_BODY_FIELDS], prefix[1], prefix[2], *fields[_DETAIL_FIELDS]))
 
 
 # Storms repeat a handful of distinct texts (NVSentinel#1120: 800K lines, 29 distinct) behind changing

@@ -66,9 +66,7 @@ class KmsgSource:
             except OSError as exc:
                 if exc.errno == errno.EPIPE:
                     # Unread records were overwritten in the ring buffer; the next read continues after them.
-                    log.warning(
-                        "%s: some kernel log records were overwritten before they were read", self.path
-                    )
+                    log.warning("%s: some kernel log records were overwritten before they were read", self.path)
                     continue
                 self._status = SourceStatus.down(f"{self.path}: {exc.strerror or exc}")
                 return

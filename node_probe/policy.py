@@ -63,9 +63,7 @@ class RepeatRule(BaseModel):
 
 
 class PolicyConfig(BaseModel):
-    add_xids: set[int] = Field(
-        default_factory=set, description="Xids that impair whatever the base policy says"
-    )
+    add_xids: set[int] = Field(default_factory=set, description="Xids that impair whatever the base policy says")
     remove_xids: set[int] = Field(default_factory=set, description="Xids that never impair")
     add_sxids: set[int] = Field(default_factory=set, description="NVSwitch SXids that impair")
     repeat: list[RepeatRule] = Field(default_factory=list)

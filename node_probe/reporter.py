@@ -38,14 +38,10 @@ class Reporter:
         self._rpc_timeout = rpc_timeout
 
     async def send_finding(self, finding: GpuFinding, task_queue: str) -> None:
-        await self._signal_with_start(
-            finding.instance_id, finding.group, task_queue, SIGNAL_GPU_FINDING, finding
-        )
+        await self._signal_with_start(finding.instance_id, finding.group, task_queue, SIGNAL_GPU_FINDING, finding)
 
     async def send_heartbeat(self, heartbeat: Heartbeat, task_queue: str) -> None:
-        await self._signal_with_start(
-            heartbeat.instance_id, heartbeat.group, task_queue, SIGNAL_HEARTBEAT, heartbeat
-        )
+        await self._signal_with_start(heartbeat.instance_id, heartbeat.group, task_queue, SIGNAL_HEARTBEAT, heartbeat)
 
     async def _signal_with_start(
         self, instance_id: str, group: str, task_queue: str, signal: str, payload: GpuFinding | Heartbeat

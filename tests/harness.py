@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import sys
-import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager

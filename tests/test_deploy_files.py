@@ -106,9 +106,7 @@ def test_toml_is_a_valid_settings_file(path: Path, monkeypatch: pytest.MonkeyPat
     settings = _settings_from(path, monkeypatch)
     assert settings.groups, f"{_rel(path)} configures no capacity group"
     for group in settings.groups:
-        assert group.launch_template or group.auto_scaling_group, (
-            f"group {group.name}: nowhere to get replacements"
-        )
+        assert group.launch_template or group.auto_scaling_group, f"group {group.name}: nowhere to get replacements"
     # Shipped examples monitor first; operators enable a group after watching it (deploy/README.md).
     assert {g.auto_repair.value for g in settings.groups} == {"DISABLED"}
     assert settings.metrics_bind_address and settings.metrics_bind_address.endswith(":9464")
@@ -207,9 +205,7 @@ def _unit(path: Path) -> configparser.ConfigParser:
 
 
 def _all_values(path: Path, key: str) -> list[str]:
-    return [
-        line.split("=", 1)[1].strip() for line in path.read_text().splitlines() if line.startswith(f"{key}=")
-    ]
+    return [line.split("=", 1)[1].strip() for line in path.read_text().splitlines() if line.startswith(f"{key}=")]
 
 
 @pytest.mark.parametrize("path", UNITS, ids=_rel)

@@ -38,18 +38,14 @@ def bus(aws: AwsClients, aws_env: str) -> tuple[str, str, Any, str]:
     aws.events.create_event_bus(Name=name)
     sqs = boto3.client("sqs", region_name="us-east-1", endpoint_url=aws_env)
     queue_url = sqs.create_queue(QueueName=unique("events"))["QueueUrl"]
-    queue_arn = sqs.get_queue_attributes(QueueUrl=queue_url, AttributeNames=["QueueArn"])["Attributes"][
-        "QueueArn"
-    ]
+    queue_arn = sqs.get_queue_attributes(QueueUrl=queue_url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
     aws.events.put_rule(Name="all", EventBusName=name, EventPattern=json.dumps({"source": [source]}))
     aws.events.put_targets(Rule="all", EventBusName=name, Targets=[{"Id": "queue", "Arn": queue_arn}])
     return name, source, sqs, queue_url
 
 
 def received(sqs: Any, queue_url: str) -> list[dict[str, Any]]:
-    messages = sqs.receive_message(QueueUrl=queue_url, MaxNumberOfMessages=10, WaitTimeSeconds=1).get(
-        "Messages", []
-    )
+    messages = sqs.receive_message(QueueUrl=queue_url, MaxNumberOfMessages=10, WaitTimeSeconds=1).get("Messages", [])
     return [json.loads(m["Body"]) for m in messages]
 
 
@@ -113,9 +109,7 @@ async def test_put_to_event_bus(aws: AwsClients, bus: tuple[str, str, Any, str])
     assert detail["healthChecks"][0]["lastUpdated"] == "2026-03-01T12:30:05Z"
 
 
-async def test_repair_event_detail_type_and_no_health_checks(
-    aws: AwsClients, bus: tuple[str, str, Any, str]
-) -> None:
+async def test_repair_event_detail_type_and_no_health_checks(aws: AwsClients, bus: tuple[str, str, Any, str]) -> None:
     name, source, sqs, queue_url = bus
     acts = EventActivities(aws, EventSettings(bus_name=name, source=source))
 

@@ -74,9 +74,7 @@ class Fleet:
 
     def register(self, instance_id: str, az: str = "us-east-1a") -> str:
         doc = json.dumps({"instanceId": instance_id, "availabilityZone": az})
-        resp = self.aws.ecs.register_container_instance(
-            cluster=self.group.cluster, instanceIdentityDocument=doc
-        )
+        resp = self.aws.ecs.register_container_instance(cluster=self.group.cluster, instanceIdentityDocument=doc)
         return resp["containerInstance"]["containerInstanceArn"]
 
     def status(self, arn: str) -> str:
@@ -104,9 +102,7 @@ def make_template(aws: AwsClients) -> tuple[str, str]:
 @pytest.fixture
 def fleet(aws: AwsClients) -> Fleet:
     template, _ = make_template(aws)
-    return Fleet(
-        aws, CapacityGroup(name=unique("group"), cluster=unique("cluster"), launch_template=template)
-    )
+    return Fleet(aws, CapacityGroup(name=unique("group"), cluster=unique("cluster"), launch_template=template))
 
 
 def permanent(exc: pytest.ExceptionInfo[ApplicationError], type_: str) -> str:
@@ -135,9 +131,7 @@ async def test_capacity_counts_draining_and_drops_deregistered(fleet: Fleet) -> 
     ids = fleet.launch(3)
     arns = [fleet.register(i) for i in ids]
     await run(fleet.acts.set_draining, InstanceRef(group=fleet.group.name, instance_id=ids[0]))
-    fleet.aws.ecs.deregister_container_instance(
-        cluster=fleet.group.cluster, containerInstance=arns[1], force=True
-    )
+    fleet.aws.ecs.deregister_container_instance(cluster=fleet.group.cluster, containerInstance=arns[1], force=True)
 
     result = await run(fleet.acts.describe_group_capacity, GroupRef(group=fleet.group.name))
 
@@ -206,9 +200,7 @@ async def test_launch_replacement_is_idempotent_and_in_the_impaired_az(fleet: Fl
 
 async def test_launch_replacement_by_template_id_into_the_subnet(aws: AwsClients) -> None:
     _, template_id = make_template(aws)
-    fleet = Fleet(
-        aws, CapacityGroup(name=unique("group"), cluster=unique("cluster"), launch_template=template_id)
-    )
+    fleet = Fleet(aws, CapacityGroup(name=unique("group"), cluster=unique("cluster"), launch_template=template_id))
     [impaired] = fleet.launch(az="us-east-1b")
     fleet.register(impaired, az="us-east-1b")
     drained = await run(fleet.acts.set_draining, InstanceRef(group=fleet.group.name, instance_id=impaired))
@@ -226,10 +218,7 @@ async def test_launch_replacement_by_template_id_into_the_subnet(aws: AwsClients
     [replacement] = fleet.replacements_of(impaired)
     assert replacement["InstanceId"] == result.replacement_instance_id
     assert replacement["SubnetId"] == drained.subnet_id
-    assert (
-        replacement["Tags"]
-        and {"Key": "aws:ec2launchtemplate:id", "Value": template_id} in replacement["Tags"]
-    )
+    assert replacement["Tags"] and {"Key": "aws:ec2launchtemplate:id", "Value": template_id} in replacement["Tags"]
 
 
 @pytest.mark.parametrize(
@@ -242,9 +231,7 @@ async def test_launch_replacement_by_template_id_into_the_subnet(aws: AwsClients
 async def test_launch_from_missing_template_is_permanent_with_clear_message(
     aws: AwsClients, template: str, code: str
 ) -> None:
-    fleet = Fleet(
-        aws, CapacityGroup(name=unique("group"), cluster=unique("cluster"), launch_template=template)
-    )
+    fleet = Fleet(aws, CapacityGroup(name=unique("group"), cluster=unique("cluster"), launch_template=template))
     [impaired] = fleet.launch()
     request = LaunchRequest(group=fleet.group.name, impaired_instance_id=impaired, client_token="t-1")
 
@@ -306,9 +293,7 @@ async def test_launch_in_auto_scaling_group_detaches_and_returns_the_new_instanc
     assert first.replacement_instance_id not in asg_fleet.original
     asg = asg_fleet.members()
     assert asg["DesiredCapacity"] == 2
-    assert sorted(i["InstanceId"] for i in asg["Instances"]) == sorted(
-        [healthy, first.replacement_instance_id]
-    )
+    assert sorted(i["InstanceId"] for i in asg["Instances"]) == sorted([healthy, first.replacement_instance_id])
     [replacement] = fleet.replacements_of(impaired)
     assert replacement["InstanceId"] == first.replacement_instance_id
     # The detached instance is still counted (group tag) until it is terminated; the replacement is not
@@ -420,9 +405,7 @@ async def test_list_tasks_stop_timeouts_and_stop_tasks_twice(fleet: Fleet) -> No
     listed = await run(fleet.acts.list_instance_tasks, ref)
     assert {t.task_arn: t.stop_timeout_seconds for t in listed.tasks} == expected
 
-    stop = StopTasksRequest(
-        group=fleet.group.name, task_arns=sorted(expected), reason="gpu-autorepair: XID_79"
-    )
+    stop = StopTasksRequest(group=fleet.group.name, task_arns=sorted(expected), reason="gpu-autorepair: XID_79")
     assert (await run(fleet.acts.stop_tasks, stop)).stopped == 2
     assert (await run(fleet.acts.stop_tasks, stop)).stopped == 2
     assert (await run(fleet.acts.list_instance_tasks, ref)).tasks == []
@@ -440,9 +423,7 @@ async def test_list_tasks_of_deregistered_or_terminated_instance_is_empty(fleet:
     deregistered, terminated = fleet.launch(2)
     arn = fleet.register(deregistered)
     start_tasks(fleet, arn)
-    fleet.aws.ecs.deregister_container_instance(
-        cluster=fleet.group.cluster, containerInstance=arn, force=True
-    )
+    fleet.aws.ecs.deregister_container_instance(cluster=fleet.group.cluster, containerInstance=arn, force=True)
     start_tasks(fleet, fleet.register(terminated))
     fleet.aws.ec2.terminate_instances(InstanceIds=[terminated])
 
@@ -464,10 +445,7 @@ async def test_terminate_twice(fleet: Fleet) -> None:
 
     assert (first.previous_state, first.already_terminated) == ("running", False)
     assert second.already_terminated
-    assert (
-        arn
-        not in fleet.aws.ecs.list_container_instances(cluster=fleet.group.cluster)["containerInstanceArns"]
-    )
+    assert arn not in fleet.aws.ecs.list_container_instances(cluster=fleet.group.cluster)["containerInstanceArns"]
 
 
 async def test_terminate_unknown_instance_is_already_terminated(fleet: Fleet) -> None:
@@ -522,16 +500,11 @@ def test_classification(code: str, status: int, retryable: bool) -> None:
         raise client_error(code, status)
     assert exc.value.type == code
     assert exc.value.non_retryable is not retryable
-    assert (
-        exc.value.message
-        == f"ec2:RunInstances on launch template lt-1 failed: {code}: {code} happened second line"
-    )
+    assert exc.value.message == f"ec2:RunInstances on launch template lt-1 failed: {code}: {code} happened second line"
 
 
 async def test_aws_call_names_the_operation(aws: AwsClients) -> None:
     with pytest.raises(ApplicationError) as exc:
-        await aws_call(
-            "EC2 instance i-0123456789abcdef0", aws.ec2.stop_instances, InstanceIds=["i-0123456789abcdef0"]
-        )
+        await aws_call("EC2 instance i-0123456789abcdef0", aws.ec2.stop_instances, InstanceIds=["i-0123456789abcdef0"])
     message = permanent(exc, "InvalidInstanceID.NotFound")
     assert message.startswith("ec2:StopInstances on EC2 instance i-0123456789abcdef0 failed:")

@@ -83,15 +83,13 @@ def _ec2(endpoint: str) -> Any:
 
 
 def _running_tasks(endpoint: str, cluster: str, container_instance: str) -> set[str]:
-    arns = _ecs(endpoint).list_tasks(
-        cluster=cluster, containerInstance=container_instance, desiredStatus="RUNNING"
-    )["taskArns"]
+    arns = _ecs(endpoint).list_tasks(cluster=cluster, containerInstance=container_instance, desiredStatus="RUNNING")[
+        "taskArns"
+    ]
     return set(arns)
 
 
-async def test_setup_registers_every_instance_with_tasks(
-    make_fleet: Callable[..., SimulatedFleet], aws_env: str
-):
+async def test_setup_registers_every_instance_with_tasks(make_fleet: Callable[..., SimulatedFleet], aws_env: str):
     fleet = make_fleet(instances=5)
     launched = await fleet.setup(watch=False)
     assert len(launched) == 5
@@ -132,10 +130,7 @@ async def test_same_seed_same_workload(make_fleet: Callable[..., SimulatedFleet]
         fleet = make_fleet(instances=4, seed=42)
         await fleet.setup(watch=False)
         plans.append(
-            [
-                sorted((t.stop_timeout_s, t.stubborn) for t in node.tasks.values())
-                for node in fleet.nodes.values()
-            ]
+            [sorted((t.stop_timeout_s, t.stubborn) for t in node.tasks.values()) for node in fleet.nodes.values()]
         )
     assert plans[0] == plans[1]
 
@@ -169,9 +164,7 @@ async def test_new_tagged_instance_is_registered_after_boot_delay(
     assert node.container_instance_arn is not None
     assert _running_tasks(aws_env, fleet.cluster, node.container_instance_arn) == set(node.tasks)
     assert node.availability_zone == "us-east-1b"
-    active = _ecs(aws_env).list_container_instances(cluster=fleet.cluster, status="ACTIVE")[
-        "containerInstanceArns"
-    ]
+    active = _ecs(aws_env).list_container_instances(cluster=fleet.cluster, status="ACTIVE")["containerInstanceArns"]
     assert len(active) == 2
 
 
@@ -200,9 +193,7 @@ async def test_draining_moves_cooperative_tasks_but_not_stubborn_ones(
     )
 
     async def moved() -> bool:
-        return not (
-            _running_tasks(aws_env, fleet.cluster, drained.container_instance_arn or "") & cooperative
-        )
+        return not (_running_tasks(aws_env, fleet.cluster, drained.container_instance_arn or "") & cooperative)
 
     await _until(moved, "cooperative tasks to leave the draining instance")
     # Give the loop a few more ticks to (wrongly) touch the stubborn task, then check it still runs.

@@ -84,7 +84,12 @@ async def test_malformed_empty_and_duplicate_signals_are_counted_and_dropped(
 ) -> None:
     group = unique("g")
     settings = make_settings(
-        client, aws_env, tmp_path / "events.jsonl", group=group, cluster=group, auto_repair=AutoRepair.DISABLED
+        client,
+        aws_env,
+        tmp_path / "events.jsonl",
+        group=group,
+        cluster=group,
+        auto_repair=AutoRepair.DISABLED,
     )
     instance = unique("i")
     async with running_worker(settings, client):
@@ -93,12 +98,41 @@ async def test_malformed_empty_and_duplicate_signals_are_counted_and_dropped(
 
         wid = health_workflow_id(instance)
         await temporal_cli(client, "workflow", "signal", "--workflow-id", wid, "--name", "gpu_finding")
-        await temporal_cli(client, "workflow", "signal", "--workflow-id", wid, "--name", "gpu_finding",
-                           "--input", '{"reason": 79}')
-        await temporal_cli(client, "workflow", "signal", "--workflow-id", wid, "--name", "heartbeat",
-                           "--input", '"not a heartbeat"')
-        await temporal_cli(client, "workflow", "signal", "--workflow-id", wid, "--name", "gpu_finding",
-                           "--input", "{}", "--input", "{}")
+        await temporal_cli(
+            client,
+            "workflow",
+            "signal",
+            "--workflow-id",
+            wid,
+            "--name",
+            "gpu_finding",
+            "--input",
+            '{"reason": 79}',
+        )
+        await temporal_cli(
+            client,
+            "workflow",
+            "signal",
+            "--workflow-id",
+            wid,
+            "--name",
+            "heartbeat",
+            "--input",
+            '"not a heartbeat"',
+        )
+        await temporal_cli(
+            client,
+            "workflow",
+            "signal",
+            "--workflow-id",
+            wid,
+            "--name",
+            "gpu_finding",
+            "--input",
+            "{}",
+            "--input",
+            "{}",
+        )
         await temporal_cli(client, "workflow", "signal", "--workflow-id", wid, "--name", "no_such_signal")
         await handle.signal("gpu_finding", finding(instance, group, "f-1", code=13, impairs=False))
         await handle.signal("gpu_finding", finding(instance, group, "f-1", code=13, impairs=False))
@@ -111,7 +145,9 @@ async def test_malformed_empty_and_duplicate_signals_are_counted_and_dropped(
 
         # Still fully alive: a real critical finding impairs it, and DISABLED starts no repair.
         await handle.signal("gpu_finding", finding(instance, group, "f-2", code=79))
-        view = await eventually(lambda: health_of(handle), lambda v: v.healthStatus.overallStatus is HealthState.IMPAIRED)
+        view = await eventually(
+            lambda: health_of(handle), lambda v: v.healthStatus.overallStatus is HealthState.IMPAIRED
+        )
         accelerated = next(d for d in view.healthStatus.details if d.type is CheckType.ACCELERATED_COMPUTE)
         assert accelerated.statusReason == "XID_79"
         assert view.repair is None

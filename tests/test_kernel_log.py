@@ -78,8 +78,7 @@ XID_CASES: list[tuple[str, dict[str, Any]]] = [
         },
     ),
     (
-        "NVRM: Xid (PCI:0000:3b:00 GPU-I:05): 13, pid=99, name=app, Graphics Exception: ESR "
-        "0x405840=0x80000000",
+        "NVRM: Xid (PCI:0000:3b:00 GPU-I:05): 13, pid=99, name=app, Graphics Exception: ESR 0x405840=0x80000000",
         {"pci": "0000:3b:00", "mig_gpu_instance": 5, "mig_compute_instance": None, "pid": 99},
     ),
     (
@@ -112,8 +111,7 @@ XID_CASES: list[tuple[str, dict[str, Any]]] = [
         {"code": 45, "caused_by_xid": None},
     ),
     (
-        "NVRM: Xid (PCI:0008:01:00): 154, GPU recovery action changed from 0x0 (None) to 0x1 (GPU "
-        "Reset Required)",
+        "NVRM: Xid (PCI:0008:01:00): 154, GPU recovery action changed from 0x0 (None) to 0x1 (GPU Reset Required)",
         {
             "code": 154,
             "pci": "0008:01:00",
@@ -124,18 +122,15 @@ XID_CASES: list[tuple[str, dict[str, Any]]] = [
         },
     ),
     (
-        "NVRM: Xid (PCI:0018:01:00): 154, GPU recovery action changed from 0x0 (None) to 0x4 (Drain "
-        "and Reset)",
+        "NVRM: Xid (PCI:0018:01:00): 154, GPU recovery action changed from 0x0 (None) to 0x4 (Drain and Reset)",
         {"recovery_action_to": "Drain and Reset", "recovery_action_to_code": 4},
     ),
     (
-        "NVRM: Xid (PCI:0018:01:00): 154, GPU recovery action changed from 0x2 (Node Reboot "
-        "Required) to 0x0 (None)",
+        "NVRM: Xid (PCI:0018:01:00): 154, GPU recovery action changed from 0x2 (Node Reboot Required) to 0x0 (None)",
         {"recovery_action_from": "Node Reboot Required", "recovery_action_to": "None"},
     ),
     (
-        "NVRM: Xid (PCI:0000:c1:00): 95, pid='<unknown>', name=<unknown>, Uncontained: FBHUB. RST: "
-        "Yes, D-RST: No",
+        "NVRM: Xid (PCI:0000:c1:00): 95, pid='<unknown>', name=<unknown>, Uncontained: FBHUB. RST: Yes, D-RST: No",
         {"code": 95, "rst": True, "d_rst": False, "message": "Uncontained: FBHUB. RST: Yes, D-RST: No"},
     ),
     (
@@ -173,8 +168,7 @@ XID_CASES: list[tuple[str, dict[str, Any]]] = [
         {"code": 140, "pci": "0000:3b:00"},
     ),
     (
-        "NVRM: Xid (PCI:0000:3b:00): 119, pid=1, name=x, Timeout after 6s of waiting for RPC "
-        "response from GPU0 GSP!",
+        "NVRM: Xid (PCI:0000:3b:00): 119, pid=1, name=x, Timeout after 6s of waiting for RPC response from GPU0 GSP!",
         {"code": 119},
     ),
 ]
@@ -208,8 +202,7 @@ def test_fallen_off_the_bus_line_after_xid_79(prefix: str) -> None:
     lines = [
         prefix + "NVRM: Xid (PCI:0000:01:00): 79, pid=1, name=x, GPU has fallen off the bus.",
         prefix + "NVRM: GPU 0000:01:00.0: GPU has fallen off the bus.",
-        prefix
-        + "NVRM: Xid (PCI:0000:01:00): 154, GPU recovery action changed from 0x0 (None) to 0x2 (Node Reboot "
+        prefix + "NVRM: Xid (PCI:0000:01:00): 154, GPU recovery action changed from 0x0 (None) to 0x2 (Node Reboot "
         "Required)",
     ]
     records = list(parse_lines(lines))
@@ -310,8 +303,7 @@ def test_rm_init_adapter_failed(prefix: str, line: str, pci: str | None, message
             "Non-fatal, Link 02 Ingress invalid ACL",
         ),
         (
-            "nvidia-nvswitch11: SXid (PCI:0000:8a:00.1): 12028, Severity 1 Engine instance 30 "
-            "Sub-engine instance 00",
+            "nvidia-nvswitch11: SXid (PCI:0000:8a:00.1): 12028, Severity 1 Engine instance 30 Sub-engine instance 00",
             12028,
             "0000:8a:00.1",
             11,
@@ -320,9 +312,7 @@ def test_rm_init_adapter_failed(prefix: str, line: str, pci: str | None, message
     ],
 )
 def test_nvswitch_sxid(prefix: str, line: str, code: int, pci: str, switch: int, message: str) -> None:
-    check(
-        one(prefix + line), {"kind": "sxid", "code": code, "pci": pci, "nvswitch": switch, "message": message}
-    )
+    check(one(prefix + line), {"kind": "sxid", "code": code, "pci": pci, "nvswitch": switch, "message": message})
 
 
 NON_MATCHES = [
@@ -331,8 +321,7 @@ NON_MATCHES = [
     "[    4.123456] NVRM: loading NVIDIA UNIX Open Kernel Module for x86_64  595.45.04",
     "NVRM: GPU at PCI:0000:3b:00: GPU-9f6e2a3c-1d2e-4f5a-8b7c-0d1e2f3a4b5c",
     "NVRM: GPU Board Serial Number: 1650223012345",
-    "NVRM: nvGpuOpsReportFatalError: uvm encountered global fatal error 0x60, requiring os reboot to "
-    "recover.",
+    "NVRM: nvGpuOpsReportFatalError: uvm encountered global fatal error 0x60, requiring os reboot to recover.",
     "NVRM: Xid : 32, pid=2280636",
     "NVRM: Xid (PCI:0000:66:00): abc, pid=2280636",
     "NVRM: Xid (62): GPU has fallen off the bus",
@@ -357,8 +346,7 @@ def test_lines_that_are_not_fault_records(line: str) -> None:
 
 def test_kmsg_records_with_continuation_lines() -> None:
     lines = [
-        "6,1000,1843308145,-;NVRM: Xid (PCI:0000:3b:00): 48, pid=1, name=x, An uncorrectable double "
-        "bit error",
+        "6,1000,1843308145,-;NVRM: Xid (PCI:0000:3b:00): 48, pid=1, name=x, An uncorrectable double bit error",
         " SUBSYSTEM=pci",
         " DEVICE=+pci:0000:3b:00.0",
         "4,1001,1843308200,-;nvidia-nvswitch0: SXid (PCI:0000:05:00.0): 20034, Fatal, Link 30 LTSSM Fault Up",

@@ -65,9 +65,7 @@ def test_ecs_warnings(code: int, rule: str) -> None:
 def test_bus_and_init_failures_impair_under_both_policies(policy: str) -> None:
     fallen = record("NVRM: GPU 0000:01:00.0: GPU has fallen off the bus.")
     init = record("NVRM: GPU 0000:09:00.0: RmInitAdapter failed! (0x26:0x65:1239)")
-    assert Policy(policy).classify(fallen, NOW) == Verdict(
-        True, "GPU_FALLEN_OFF_BUS", f"{policy}:gpu-fallen-off-bus"
-    )
+    assert Policy(policy).classify(fallen, NOW) == Verdict(True, "GPU_FALLEN_OFF_BUS", f"{policy}:gpu-fallen-off-bus")
     assert Policy(policy).classify(init, NOW) == Verdict(True, "GPU_INIT_FAILED", f"{policy}:gpu-init-failed")
 
 
@@ -210,14 +208,10 @@ def test_repeat_rule_uses_uptime_stamps_so_old_history_read_at_once_does_not_fir
     rule = RepeatRule(code=13, count=3, within=timedelta(minutes=10))
     policy = Policy("ecs", PolicyConfig(repeat=[rule]))
     lines = [
-        f"[{t:>12.6f}] NVRM: Xid (PCI:0000:3b:00): 13, pid=1, name=x, Graphics Exception"
-        for t in (10, 3000, 9000)
+        f"[{t:>12.6f}] NVRM: Xid (PCI:0000:3b:00): 13, pid=1, name=x, Graphics Exception" for t in (10, 3000, 9000)
     ]
     assert not any(policy.classify(r, NOW).impairs for r in parse_lines(lines))
-    burst = [
-        f"[{t:>12.6f}] NVRM: Xid (PCI:0000:3b:00): 13, pid=1, name=x, Graphics Exception"
-        for t in (9001, 9002)
-    ]
+    burst = [f"[{t:>12.6f}] NVRM: Xid (PCI:0000:3b:00): 13, pid=1, name=x, Graphics Exception" for t in (9001, 9002)]
     assert [policy.classify(r, NOW).impairs for r in parse_lines(burst)] == [False, True]
 
 

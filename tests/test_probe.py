@@ -19,9 +19,7 @@ from node_probe.probe import Probe, ProbeConfig
 from node_probe.source import Observation
 from workflows.models import GpuFinding, HealthState, Heartbeat
 
-XID_79 = (
-    "[ 1843.308145] NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=python3, GPU has fallen off the bus.\n"
-)
+XID_79 = "[ 1843.308145] NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=python3, GPU has fallen off the bus.\n"
 XID_13 = "[ 1843.400000] NVRM: Xid (PCI:0000:17:00): 13, pid=77, name=train.py, Graphics SM Warp Exception\n"
 XID_95 = (
     "[ 1900.000001] NVRM: Xid (PCI:0000:c1:00): 95, pid='<unknown>', name=<unknown>, "
@@ -211,9 +209,7 @@ async def test_probe_sends_heartbeat_at_once_and_findings_in_order(tmp_path: Pat
         ("XID_95", True, "ecs:xid-list"),
     ]
     first = reporter.findings[1]
-    assert (
-        first.instance_id == "i-0abc" and first.group == "gpu-a" and first.kind == "xid" and first.code == 79
-    )
+    assert first.instance_id == "i-0abc" and first.group == "gpu-a" and first.kind == "xid" and first.code == 79
     assert first.gpu.pci == "0000:3b:00" and first.raw == XID_79.rstrip("\n") and first.count == 1
     assert first.source == f"kernel_log:{tmp_path / 'kern.log'}"
     assert reporter.task_queues == {"q-test"}

@@ -18,16 +18,14 @@ LOG = "\n".join(
         "[ 1843.308145] NVRM: loading NVIDIA UNIX x86_64 Kernel Module  550.54.15",
         "[ 1843.308145] NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=python3, GPU has fallen off the bus.",
         "[ 1843.308200] NVRM: GPU 0000:3b:00.0: GPU has fallen off the bus.",
-        "Nov 22 15:39:14 host kernel: NVRM: Xid (PCI:0000:17:00): 13, pid=77, name=train.py, "
-        "Graphics Exception",
+        "Nov 22 15:39:14 host kernel: NVRM: Xid (PCI:0000:17:00): 13, pid=77, name=train.py, Graphics Exception",
         "[ 1900.000001] NVRM: Xid (PCI:0000:c1:00): 95, pid='<unknown>', name=<unknown>, Uncontained: FBHUB. "
         "RST: Yes, D-RST: No",
         "[ 1900.000002] NVRM: Xid (PCI:0000:c1:00): 95, pid='<unknown>', name=<unknown>, Uncontained: FBHUB. "
         "RST: Yes, D-RST: No",
         "kernel: nvidia-nvswitch3: SXid (PCI:0000:c5:00.0): 20034, Fatal, Link 30 LTSSM Fault Up",
         "Nov 22 15:39:14 host python3[99]: NVRM: Xid (PCI:0000:01:00): 79, quoted by an application",
-        "NVRM: Xid (PCI:0018:01:00): 154, GPU recovery action changed from 0x0 (None) to 0x2 (Node "
-        "Reboot Required)",
+        "NVRM: Xid (PCI:0018:01:00): 154, GPU recovery action changed from 0x0 (None) to 0x2 (Node Reboot Required)",
     ]
 )
 
@@ -81,9 +79,7 @@ def test_classify_reads_stdin(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Ca
     assert len(json_lines(capsys.readouterr().out)) == 7
 
 
-def test_classify_table(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_classify_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("COLUMNS", "200")
     log = tmp_path / "kern.log"
     log.write_text(LOG)
@@ -104,9 +100,7 @@ def test_classify_with_policy_config(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert (rows[5]["impairs"], rows[5]["rule"]) == (False, "override:remove xid95")
 
 
-def test_classify_missing_file_is_one_line_and_exit_2(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_classify_missing_file_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     missing = tmp_path / "nope.log"
     assert cli.run_classify(classify_args(str(missing), "--format", "json")) == 2
     captured = capsys.readouterr()

@@ -92,9 +92,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         help="ENABLED (default) repairs; DISABLED only reports health",
     )
     parser.add_argument("--seed", type=int, default=7, help="seed of the simulated world (default 7)")
-    parser.add_argument(
-        "--events", type=Path, default=None, help="event JSON lines (default <state>/events.jsonl)"
-    )
+    parser.add_argument("--events", type=Path, default=None, help="event JSON lines (default <state>/events.jsonl)")
     parser.add_argument(
         "--until-repaired",
         action="store_true",
@@ -106,9 +104,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--state-dir", type=Path, default=Path(".state/demo"), help="wiped at start (default .state/demo)"
     )
-    parser.add_argument(
-        "--exit", action="store_true", help="exit after the run instead of leaving servers up"
-    )
+    parser.add_argument("--exit", action="store_true", help="exit after the run instead of leaving servers up")
     parser.add_argument("--temporal-port", type=int, default=7233)
     parser.add_argument("--ui-port", type=int, default=8233)
     parser.add_argument("--moto-port", type=int, default=5000)
@@ -139,9 +135,7 @@ class _Plan:
                 raise DemoError(f"--{flag.replace('_', '-')} must not be negative")
         chosen = args.faults + args.heartbeat_loss + args.blips
         if chosen > args.instances:
-            raise DemoError(
-                f"--faults + --heartbeat-loss + --blips ({chosen}) exceeds --instances ({args.instances})"
-            )
+            raise DemoError(f"--faults + --heartbeat-loss + --blips ({chosen}) exceeds --instances ({args.instances})")
         if args.time_limit <= 0:
             raise DemoError("--time-limit must be positive")
         ports = [args.temporal_port, args.ui_port, args.moto_port]
@@ -172,9 +166,7 @@ def _prepare_state_dir(path: Path) -> Path:
         if not path.is_dir():
             raise DemoError(f"--state-dir {path} exists and is not a directory")
         if any(path.iterdir()) and not (path / STATE_MARKER).exists():
-            raise DemoError(
-                f"--state-dir {path} is not empty and was not made by the demo; refusing to wipe it"
-            )
+            raise DemoError(f"--state-dir {path} is not empty and was not made by the demo; refusing to wipe it")
         shutil.rmtree(path)
     path.mkdir(parents=True)
     (path / STATE_MARKER).write_text("state of `autorepair demo`; wiped at every start\n")
@@ -342,9 +334,7 @@ class _Judge:
 
     def _judge_disabled(self, snap: FleetSnapshot) -> _Outcome:
         if snap.container_draining or snap.terminated or snap.replacements_running or snap.booting:
-            return _Outcome(
-                failed=True, message="auto repair is DISABLED, yet an instance was drained or replaced"
-            )
+            return _Outcome(failed=True, message="auto repair is DISABLED, yet an instance was drained or replaced")
         impaired = all(snap.health.get(t) == HealthState.IMPAIRED for t in self.targets)
         if not impaired:
             self.quiet_since = None
@@ -503,9 +493,7 @@ async def _drive(
 ) -> int:
     events = _EventLog(plan.events_path)
     instances = await fleet.setup()
-    console.print(
-        f"fleet: {len(instances)} x {fleet.instance_type} in cluster {DEMO_CLUSTER}, probes starting"
-    )
+    console.print(f"fleet: {len(instances)} x {fleet.instance_type} in cluster {DEMO_CLUSTER}, probes starting")
 
     def elapsed() -> float:
         return time.monotonic() - started
@@ -530,9 +518,7 @@ async def _drive(
         def show() -> None:
             nonlocal last_line
             if live is not None:
-                live.update(
-                    _render(plan, snap, events.counts, elapsed(), status, workflows_url), refresh=True
-                )
+                live.update(_render(plan, snap, events.counts, elapsed(), status, workflows_url), refresh=True)
             elif time.monotonic() - last_line >= 5:
                 # Not a terminal (CI, a pipe): a plain line every few seconds instead of a redrawn table.
                 console.print(_summary_line(snap, events.counts, elapsed()))
@@ -547,9 +533,7 @@ async def _drive(
                 break
             await _sleep_or_stop(stop, 1.0)
         if snap is not None and snap.healthy < plan.instances:
-            console.print(
-                f"[yellow]only {snap.healthy}/{plan.instances} instances report OK; going on[/yellow]"
-            )
+            console.print(f"[yellow]only {snap.healthy}/{plan.instances} instances report OK; going on[/yellow]")
 
         # 2. Inject: faults, agent losses, blips on distinct random instances; noise on a few healthy ones.
         chosen = fleet.rng.sample(instances, plan.faults + plan.heartbeat_loss + plan.blips)
@@ -568,9 +552,7 @@ async def _drive(
             console.print(f"[red]agent down[/red] {instance_id}: no more heartbeats")
         for instance_id in blipped:
             await fleet.blip(instance_id)
-            console.print(
-                f"blip       {instance_id}: agent down for {fleet.timing.blip.total_seconds():.0f}s"
-            )
+            console.print(f"blip       {instance_id}: agent down for {fleet.timing.blip.total_seconds():.0f}s")
         judge = _Judge(plan, fleet, set(faulted) | set(lost), set(blipped))
         status = "repairing" if plan.auto_repair is AutoRepair.ENABLED else "watching (auto repair DISABLED)"
 

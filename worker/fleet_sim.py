@@ -124,9 +124,7 @@ class SimTiming(BaseModel):
     """Every time constant of the simulation, scaled so a demo repair completes in well under a minute."""
 
     boot_delay: timedelta = Field(default=timedelta(seconds=3), description="Launch -> ECS agent registers")
-    drain_grace: timedelta = Field(
-        default=timedelta(seconds=2), description="DRAINING -> scheduler moves tasks"
-    )
+    drain_grace: timedelta = Field(default=timedelta(seconds=2), description="DRAINING -> scheduler moves tasks")
     heartbeat_interval: timedelta = timedelta(seconds=2)
     heartbeat_loss_threshold: timedelta = timedelta(seconds=8)
     blip: timedelta = Field(default=timedelta(seconds=3), description="How long a blip keeps the probe down")
@@ -306,9 +304,7 @@ class SimulatedFleet:
         self.client = client
         self.task_queue = task_queue
         # No client, no probe: the AWS side alone (what the simulator's own tests exercise).
-        self._probe_runner: ProbeRunner | None = probe_runner or (
-            run_real_probe if client is not None else None
-        )
+        self._probe_runner: ProbeRunner | None = probe_runner or (run_real_probe if client is not None else None)
         self.rng = random.Random(seed)
         self.nodes: dict[str, SimNode] = {}
         self._families: dict[int, str] = {}  # stop timeout -> task definition family
@@ -318,12 +314,8 @@ class SimulatedFleet:
         self._closed = False
         # Fewer retries than the engine's: a failed tick is simply retried on the next one.
         boto_config = Config(retries={"max_attempts": 3, "mode": "standard"})
-        self._ec2: EC2Client = boto3.client(
-            "ec2", region_name=region, endpoint_url=endpoint_url, config=boto_config
-        )
-        self._ecs: ECSClient = boto3.client(
-            "ecs", region_name=region, endpoint_url=endpoint_url, config=boto_config
-        )
+        self._ec2: EC2Client = boto3.client("ec2", region_name=region, endpoint_url=endpoint_url, config=boto_config)
+        self._ecs: ECSClient = boto3.client("ecs", region_name=region, endpoint_url=endpoint_url, config=boto_config)
 
     # --- Setup ----------------------------------------------------------------------------------------------
 
@@ -365,9 +357,9 @@ class SimulatedFleet:
         self._ensure_launch_template()
         zones = [
             zone["ZoneName"]
-            for zone in self._ec2.describe_availability_zones(
-                Filters=[{"Name": "state", "Values": ["available"]}]
-            )["AvailabilityZones"]
+            for zone in self._ec2.describe_availability_zones(Filters=[{"Name": "state", "Values": ["available"]}])[
+                "AvailabilityZones"
+            ]
         ]
         zones = sorted(zones)[: self.availability_zones] or [f"{self.region}a"]
         # Round-robin across zones, like an ASG balancing its AZs.
@@ -440,9 +432,7 @@ class SimulatedFleet:
             initial=initial,
             seen_at=seen_at,
             uptime_base_s=self.rng.uniform(600.0, 90_000.0),
-            gpu_uuids={
-                pci: f"GPU-{uuid.UUID(int=self.rng.getrandbits(128), version=4)}" for pci in P5_GPU_PCI
-            },
+            gpu_uuids={pci: f"GPU-{uuid.UUID(int=self.rng.getrandbits(128), version=4)}" for pci in P5_GPU_PCI},
         )
         self.nodes[instance_id] = node
         return node
@@ -458,10 +448,7 @@ class SimulatedFleet:
     def _plan_tasks(self) -> list[tuple[int, bool]]:
         """(stop timeout, stubborn) per task, drawn on the loop so the rng's sequence never varies."""
         low, high = self.workload.tasks_per_instance
-        plan = [
-            (self.rng.choice(self.workload.stop_timeouts_s), False)
-            for _ in range(self.rng.randint(low, high))
-        ]
+        plan = [(self.rng.choice(self.workload.stop_timeouts_s), False) for _ in range(self.rng.randint(low, high))]
         if self.rng.random() < self.workload.stubborn_fraction:
             # The last one ignores the drain: only the engine's StopTask after its stop timeout ends it.
             plan[-1] = (plan[-1][0], True)
@@ -493,17 +480,14 @@ class SimulatedFleet:
             )
             for task in started["tasks"]:
                 arn = task["taskArn"]
-                node.tasks[arn] = SimTask(
-                    arn=arn, family=family, stop_timeout_s=stop_timeout, stubborn=stubborn
-                )
+                node.tasks[arn] = SimTask(arn=arn, family=family, stop_timeout_s=stop_timeout, stubborn=stubborn)
 
     def _write_boot_log(self, node: SimNode) -> None:
         # What dmesg holds after a clean boot: the probe must read it as history and find nothing to report.
         lines = [
             "[    4.812345] nvidia: loading out-of-tree module taints kernel.",
             "[    4.913020] nvidia-nvlink: Nvlink Core is being initialized, major device number 510",
-            "[    5.104871] NVRM: loading NVIDIA UNIX x86_64 Kernel Module  550.90.07  "
-            "Fri May 31 09:35:42 UTC 2024",
+            "[    5.104871] NVRM: loading NVIDIA UNIX x86_64 Kernel Module  550.90.07  Fri May 31 09:35:42 UTC 2024",
         ]
         lines += [
             f"[    9.{200000 + i:06d}] NVRM: GPU at PCI:{pci}: {node.gpu_uuids[pci]}"
@@ -514,13 +498,7 @@ class SimulatedFleet:
     # --- Probes ---------------------------------------------------------------------------------------------
 
     def _start_probe(self, node: SimNode) -> None:
-        if (
-            self._probe_runner is None
-            or node.agent_down
-            or node.terminated
-            or node.probe_running
-            or self._closed
-        ):
+        if self._probe_runner is None or node.agent_down or node.terminated or node.probe_running or self._closed:
             return
         node.probe_error = None
         node.probe = asyncio.create_task(self._probe_main(node), name=f"probe {node.instance_id}")
@@ -643,9 +621,7 @@ class SimulatedFleet:
             task = node.tasks.get(arn)
             if task is not None and task.stubborn:
                 continue
-            self._ecs.stop_task(
-                cluster=self.cluster, task=arn, reason="fleet-sim: moved off a DRAINING instance"
-            )
+            self._ecs.stop_task(cluster=self.cluster, task=arn, reason="fleet-sim: moved off a DRAINING instance")
         log.info("fleet-sim: moved cooperative tasks off draining %s", node.instance_id)
 
     async def _bury(self, node: SimNode) -> None:
@@ -702,9 +678,7 @@ class SimulatedFleet:
         if xid in _NO_PROCESS_XIDS:
             process = "pid='<unknown>', name=<unknown>"
         else:
-            process = (
-                f"pid={self.rng.randint(1000, 65000)}, name={self.rng.choice(['python3', 'pt_main_thread'])}"
-            )
+            process = f"pid={self.rng.randint(1000, 65000)}, name={self.rng.choice(['python3', 'pt_main_thread'])}"
         message = _XID_MESSAGES.get(xid, "Xid event, see the NVIDIA Xid catalog")
         return f"{self._stamp(node)} NVRM: Xid (PCI:{pci}): {xid}, {process}, {message}"
 
@@ -801,9 +775,7 @@ class SimulatedFleet:
             return None
         handle = self.client.get_workflow_handle(health_workflow_id(instance_id))
         try:
-            return await handle.query(
-                "health", result_type=InstanceHealthView, rpc_timeout=timedelta(seconds=3)
-            )
+            return await handle.query("health", result_type=InstanceHealthView, rpc_timeout=timedelta(seconds=3))
         except Exception:
             # Not started yet (no heartbeat so far), or no worker to answer: unknown, not unhealthy.
             return None

@@ -128,9 +128,7 @@ class _Subprocess:
         if self._proc is not None:
             raise ServerError(f"{self.name} already started")
         if port_in_use(self.host, self.port):
-            raise ServerError(
-                f"{self.name}: port {self.host}:{self.port} is already in use (another server running?)"
-            )
+            raise ServerError(f"{self.name}: port {self.host}:{self.port} is already in use (another server running?)")
         self.state_dir.mkdir(parents=True, exist_ok=True)
         cmd = self.command()
         self._log = self.log_path.open("ab")

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from datetime import timedelta
 
 from temporalio import workflow
-from temporalio.common import RawValue, RetryPolicy
+from temporalio.common import RawValue
 from temporalio.exceptions import FailureError
 
 from workflows.models import (
@@ -23,6 +22,7 @@ from workflows.models import (
     SemaphoreInput,
     SemaphoreView,
 )
+from workflows.options import CALL_RETRY, CALL_TIMEOUT
 from workflows.signal_input import Rejected, decode
 
 with workflow.unsafe.imports_passed_through():
@@ -34,11 +34,6 @@ SIGNAL_REQUEST = "request"
 SIGNAL_RELEASE = "release"
 SIGNAL_PERMIT_GRANTED = "permit_granted"
 SIGNALS_PER_RUN = 2_000
-
-QUICK = {
-    "start_to_close_timeout": timedelta(seconds=30),
-    "retry_policy": RetryPolicy(maximum_interval=timedelta(minutes=1)),
-}
 
 
 @workflow.defn
@@ -54,11 +49,17 @@ class DrainSemaphoreWorkflow:
         self._group_size = 0
         self._signals_this_run = 0
         self._changed = True
+        # Kept so the re-sent grants are not garbage collected mid-flight.
+        self._regrants: set[asyncio.Task[None]] = set()
 
     @workflow.run
     async def run(self, input: SemaphoreInput) -> None:
         group = await workflow.execute_activity_method(
-            FleetActivities.get_group_config, GroupRef(group=self._group), summary="read group config", **QUICK  # type: ignore[arg-type]
+            FleetActivities.get_group_config,
+            GroupRef(group=self._group),
+            summary="read group config",
+            start_to_close_timeout=CALL_TIMEOUT,
+            retry_policy=CALL_RETRY,
         )
         while True:
             if self._waiters and self._changed:
@@ -91,7 +92,8 @@ class DrainSemaphoreWorkflow:
             FleetActivities.describe_group_capacity,
             GroupRef(group=self._group),
             summary=f"count instances in {self._group}",
-            **QUICK,  # type: ignore[arg-type]
+            start_to_close_timeout=CALL_TIMEOUT,
+            retry_policy=CALL_RETRY,
         )
         self._capacity, self._group_size = capacity.max_draining, capacity.instance_count
         while self._waiters and len(self._holders) < self._capacity:
@@ -122,7 +124,8 @@ class DrainSemaphoreWorkflow:
             WorkflowOps.find_closed_workflows,
             WorkflowRuns(runs=runs),
             summary="find permit holders that closed without releasing",
-            **QUICK,  # type: ignore[arg-type]
+            start_to_close_timeout=CALL_TIMEOUT,
+            retry_policy=CALL_RETRY,
         )
         for run in closed.runs:
             workflow.logger.warning("reclaiming the permit of closed repair %s", run.workflow_id)
@@ -157,7 +160,7 @@ class DrainSemaphoreWorkflow:
         held = next((p for p in self._holders if p.holder_workflow_id == request.holder_workflow_id), None)
         if held is not None:
             # A repeated request from a holder means our grant may not have reached it: send it again.
-            asyncio.create_task(self._send_grant(held))
+            self._regrants.add(asyncio.create_task(self._send_grant(held)))
             return
         if any(w.holder_workflow_id == request.holder_workflow_id for w in self._waiters):
             return

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 
 from temporalio import workflow
-from temporalio.common import RawValue, RetryPolicy
+from temporalio.common import RawValue
 
 from workflows.ids import health_workflow_id
 from workflows.models import (
@@ -37,6 +37,7 @@ from workflows.models import (
     RepairProgress,
     RepairView,
 )
+from workflows.options import CALL_RETRY, CALL_TIMEOUT
 from workflows.signal_input import Rejected, decode
 
 with workflow.unsafe.imports_passed_through():
@@ -53,11 +54,6 @@ RECENT_FINDINGS = 20
 REMEMBERED_FINDING_IDS = 500
 # A run accepts at most 10,000 signals and that limit does not raise the continue-as-new suggestion.
 SIGNALS_PER_RUN = 2_000
-
-QUICK = {
-    "start_to_close_timeout": timedelta(seconds=30),
-    "retry_policy": RetryPolicy(maximum_interval=timedelta(minutes=1)),
-}
 
 
 @workflow.defn
@@ -96,7 +92,8 @@ class InstanceHealthWorkflow:
                     EventActivities.publish_event,
                     self._outbox.pop(0),
                     summary="publish health change",
-                    **QUICK,  # type: ignore[arg-type]
+                    start_to_close_timeout=CALL_TIMEOUT,
+                    retry_policy=CALL_RETRY,
                 )
             if self._repair_due():
                 await self._start_repair()
@@ -121,21 +118,26 @@ class InstanceHealthWorkflow:
             if now < deadline:
                 await workflow.sleep(deadline - now, summary="heartbeat deadline")
                 continue
+            before = self._status_key()
             self._set_check(
                 CheckType.AGENT_CONNECTIVITY,
                 HealthState.IMPAIRED,
                 f"Agent disconnected since {_iso(since)}",
                 now,
             )
-            seen = self._state.last_heartbeat
-            await workflow.wait_condition(lambda: self._state.last_heartbeat != seen)
+            self._publish_if_changed(before)
+            await self._next_heartbeat_after(self._state.last_heartbeat)
+
+    async def _next_heartbeat_after(self, seen: datetime | None) -> None:
+        await workflow.wait_condition(lambda: self._state.last_heartbeat != seen)
 
     async def _group_config(self) -> CapacityGroup:
         return await workflow.execute_activity_method(
             FleetActivities.get_group_config,
             GroupRef(group=self._group),
             summary=f"read capacity group {self._group}",
-            **QUICK,  # type: ignore[arg-type]
+            start_to_close_timeout=CALL_TIMEOUT,
+            retry_policy=CALL_RETRY,
         )
 
     async def _start_repair(self) -> None:
@@ -154,7 +156,8 @@ class InstanceHealthWorkflow:
                 summary=f"repair {self._instance_id}: {reason}{gpu}",
             ),
             summary=f"start repair of {self._instance_id} ({reason})",
-            **QUICK,  # type: ignore[arg-type]
+            start_to_close_timeout=CALL_TIMEOUT,
+            retry_policy=CALL_RETRY,
         )
         self._state.repair = RepairView(
             workflow_id=started.workflow_id,
@@ -169,6 +172,11 @@ class InstanceHealthWorkflow:
     def on_signal(self, name: str, payloads: Sequence[RawValue]) -> None:
         """Every signal comes through here, so that no input, however malformed, can fail the workflow task."""
         self._signals_this_run += 1
+        before = self._status_key()
+        self._dispatch(name, payloads)
+        self._publish_if_changed(before)
+
+    def _dispatch(self, name: str, payloads: Sequence[RawValue]) -> None:
         if name == SIGNAL_GPU_FINDING:
             self._accept(decode(name, payloads, GpuFinding), self._on_finding)
         elif name == SIGNAL_HEARTBEAT:
@@ -251,11 +259,20 @@ class InstanceHealthWorkflow:
         self._state.checks[check] = HealthCheckResult(
             type=check, status=status, statusReason=reason, lastUpdated=now, lastStatusChange=now
         )
+
+    def _status_key(self) -> list[tuple[CheckType, HealthState, str | None]]:
+        return [(d.type, d.status, d.statusReason) for d in self._state.checks.values()]
+
+    def _publish_if_changed(self, before: list[tuple[CheckType, HealthState, str | None]]) -> None:
+        """One HealthChanged event per change, however many checks one signal moved."""
+        if self._status_key() == before:
+            return
         health = self._health_status()
+        _, finding = self._impairment()
         self._outbox.append(
             FleetEvent(
                 event_id=str(workflow.uuid4()),
-                time=now,
+                time=workflow.now(),
                 type=EventType.HEALTH_CHANGED,
                 group=self._group,
                 instance_id=self._instance_id,
@@ -263,7 +280,7 @@ class InstanceHealthWorkflow:
                 fields={
                     "overall_status": health.overallStatus.value,
                     "details": [d.model_dump(mode="json") for d in health.details],
-                    "finding": self._impairment()[1].model_dump(mode="json") if self._impairment()[1] else None,
+                    "finding": finding.model_dump(mode="json") if finding else None,
                 },
             )
         )

@@ -32,6 +32,7 @@ from workflows.models import (
     RepairProgress,
     RepairResult,
 )
+from workflows.options import CALL_RETRY, CALL_TIMEOUT
 from workflows.signal_input import Rejected, decode
 
 with workflow.unsafe.imports_passed_through():
@@ -58,8 +59,6 @@ PERMIT_REQUEST_REFRESH = timedelta(minutes=5)
 LAUNCH_BACKOFF_FIRST = timedelta(seconds=5)
 LAUNCH_BACKOFF_MAX = timedelta(minutes=10)
 
-AWS_RETRY = RetryPolicy(initial_interval=timedelta(seconds=2), maximum_interval=timedelta(minutes=2))
-QUICK: dict[str, Any] = {"start_to_close_timeout": timedelta(seconds=60), "retry_policy": AWS_RETRY}
 
 RUNBOOK = [
     (RepairPhase.WAITING_FOR_PERMIT, "Acquire a drain permit"),
@@ -88,7 +87,11 @@ class InstanceRepairWorkflow:
     @workflow.run
     async def run(self, input: RepairInput) -> RepairResult:
         group = await workflow.execute_activity_method(
-            FleetActivities.get_group_config, GroupRef(group=input.group), summary="read group config", **QUICK
+            FleetActivities.get_group_config,
+            GroupRef(group=input.group),
+            summary="read group config",
+            start_to_close_timeout=CALL_TIMEOUT,
+            retry_policy=CALL_RETRY,
         )
         await self._event(EventType.REPAIR_STARTED, reason=input.reason)
         try:
@@ -100,7 +103,8 @@ class InstanceRepairWorkflow:
                 FleetActivities.set_draining,
                 self._instance,
                 summary=f"set {input.instance_id} DRAINING in cluster {group.cluster}",
-                **QUICK,
+                start_to_close_timeout=CALL_TIMEOUT,
+                retry_policy=CALL_RETRY,
             )
             self._notes[RepairPhase.DRAINING] = drained.container_instance_arn.rsplit("/", 1)[-1]
             await self._event(EventType.DRAINING)
@@ -117,7 +121,7 @@ class InstanceRepairWorkflow:
                 summary=f"wait for replacement {self._replacement} to be ACTIVE in ECS",
                 start_to_close_timeout=group.replacement_ready_timeout,
                 heartbeat_timeout=timedelta(seconds=30),
-                retry_policy=AWS_RETRY,
+                retry_policy=CALL_RETRY,
             )
             await self._event(EventType.REPLACEMENT_READY, replacement_instance_id=self._replacement)
 
@@ -131,7 +135,8 @@ class InstanceRepairWorkflow:
                 FleetActivities.terminate_instance,
                 self._instance,
                 summary=f"terminate impaired instance {input.instance_id}",
-                **QUICK,
+                start_to_close_timeout=CALL_TIMEOUT,
+                retry_policy=CALL_RETRY,
             )
             await self._event(EventType.TERMINATED)
 
@@ -153,7 +158,9 @@ class InstanceRepairWorkflow:
             await self._enter(RepairPhase.FAILED, finished=True)
             await self._event(EventType.REPAIR_FAILED, error=self._error)
             raise ApplicationError(
-                f"repair of {input.instance_id} failed: {self._error}", type="RepairFailed", non_retryable=True
+                f"repair of {input.instance_id} failed: {self._error}",
+                type="RepairFailed",
+                non_retryable=True,
             ) from err
         finally:
             await self._release_permit()
@@ -173,7 +180,8 @@ class InstanceRepairWorkflow:
                 WorkflowOps.request_drain_permit,
                 order,
                 summary=f"ask the drain semaphore of {self._input.group} for a permit",
-                **QUICK,
+                start_to_close_timeout=CALL_TIMEOUT,
+                retry_policy=CALL_RETRY,
             )
             self._permit_requested = True
             try:
@@ -204,7 +212,9 @@ class InstanceRepairWorkflow:
                     + (f" (attempt {attempt})" if attempt > 1 else ""),
                     start_to_close_timeout=timedelta(seconds=60),
                     retry_policy=RetryPolicy(
-                        initial_interval=timedelta(seconds=2), maximum_interval=timedelta(seconds=30), maximum_attempts=3
+                        initial_interval=timedelta(seconds=2),
+                        maximum_interval=timedelta(seconds=30),
+                        maximum_attempts=3,
                     ),
                 )
                 return launched.replacement_instance_id
@@ -236,7 +246,8 @@ class InstanceRepairWorkflow:
                 FleetActivities.list_instance_tasks,
                 self._instance,
                 summary=f"list tasks still running on {self._input.instance_id}",
-                **QUICK,
+                start_to_close_timeout=CALL_TIMEOUT,
+                retry_policy=CALL_RETRY,
             )
             if not running.tasks:
                 return len(deadlines), len(forced)
@@ -253,7 +264,8 @@ class InstanceRepairWorkflow:
                         reason=f"gpu-autorepair: stop timeout reached while draining {self._input.instance_id}",
                     ),
                     summary=f"stop {len(overdue)} tasks past their stop timeout",
-                    **QUICK,
+                    start_to_close_timeout=CALL_TIMEOUT,
+                    retry_policy=CALL_RETRY,
                 )
                 forced.update(overdue)
                 continue
@@ -313,7 +325,11 @@ class InstanceRepairWorkflow:
             fields=fields,
         )
         await workflow.execute_activity_method(
-            EventActivities.publish_event, event, summary=f"event {type.value}", **QUICK
+            EventActivities.publish_event,
+            event,
+            summary=f"event {type.value}",
+            start_to_close_timeout=CALL_TIMEOUT,
+            retry_policy=CALL_RETRY,
         )
 
     @workflow.signal(dynamic=True)

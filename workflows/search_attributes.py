@@ -1,5 +1,7 @@
 """Custom search attributes: what an operator filters repairs by in the Web UI and `temporal workflow list`."""
 
+from typing import Any
+
 from temporalio.common import SearchAttributeKey
 
 REPAIR_PHASE = SearchAttributeKey.for_keyword("RepairPhase")
@@ -8,4 +10,4 @@ CAPACITY_GROUP = SearchAttributeKey.for_keyword("CapacityGroup")
 XID = SearchAttributeKey.for_int("Xid")
 OUTCOME = SearchAttributeKey.for_keyword("Outcome")
 
-ALL = [REPAIR_PHASE, INSTANCE_ID, CAPACITY_GROUP, XID, OUTCOME]
+ALL: list[SearchAttributeKey[Any]] = [REPAIR_PHASE, INSTANCE_ID, CAPACITY_GROUP, XID, OUTCOME]
