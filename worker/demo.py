@@ -405,7 +405,8 @@ def _summary_line(snap: FleetSnapshot | None, events: Counter[str], elapsed: flo
 
 
 async def run_demo(args: argparse.Namespace) -> int:
-    console = Console()
+    # soft_wrap: a long line (a kernel line, a URL) stays one line rather than being cut at 80 columns.
+    console = Console(soft_wrap=True)
     try:
         plan = _Plan.from_args(args)
         plan.state_dir = _prepare_state_dir(plan.state_dir)

@@ -120,7 +120,7 @@ class InstanceRepairWorkflow:
                 InstanceRef(group=input.group, instance_id=self._replacement),
                 summary=f"wait for replacement {self._replacement} to be ACTIVE in ECS",
                 start_to_close_timeout=group.replacement_ready_timeout,
-                heartbeat_timeout=timedelta(seconds=30),
+                heartbeat_timeout=timedelta(seconds=10),
                 retry_policy=CALL_RETRY,
             )
             await self._event(EventType.REPLACEMENT_READY, replacement_instance_id=self._replacement)

@@ -1,0 +1,309 @@
+"""The repair engine end to end: real Temporal dev server, moto over HTTP, the simulated fleet running the real probe.
+
+These tests assert behaviour (order of steps, the cap, exactly-once effects), never timing: every wait is a poll with
+a generous bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import boto3
+from temporalio.client import Client
+
+from tests.harness import eventually, make_settings, read_events, running_worker, unique
+from worker.fleet_sim import SimTiming, SimulatedFleet
+from worker.settings import Settings
+from workflows.ids import repair_workflow_id, semaphore_workflow_id
+from workflows.models import AutoRepair, HealthState, SemaphoreView
+
+TIMING = SimTiming(
+    boot_delay=timedelta(seconds=2),
+    drain_grace=timedelta(seconds=1),
+    heartbeat_interval=timedelta(seconds=1),
+    heartbeat_loss_threshold=timedelta(seconds=6),
+    blip=timedelta(seconds=3),
+)
+
+START_BEFORE_STOP = [
+    "RepairStarted",
+    "DrainPermitGranted",
+    "Draining",
+    "ReplacementLaunched",
+    "ReplacementReady",
+    "TasksStopped",
+    "Terminated",
+    "RepairCompleted",
+    "DrainPermitReleased",
+]
+
+
+@dataclass
+class Fleet:
+    sim: SimulatedFleet
+    settings: Settings
+    events_path: Path
+    client: Client
+
+    @property
+    def group(self) -> str:
+        return self.settings.groups[0].name
+
+    def events(self, type: str | None = None) -> list[dict[str, Any]]:
+        return [e for e in read_events(self.events_path) if e["group"] == self.group and type in (None, e["type"])]
+
+    async def all_healthy(self, count: int) -> None:
+        await eventually(self.sim.snapshot, lambda s: s.healthy == count and s.running == count, within=90)
+
+    async def semaphore(self) -> SemaphoreView:
+        handle = self.client.get_workflow_handle(semaphore_workflow_id(self.group))
+        return await handle.query("state", result_type=SemaphoreView)
+
+    def ec2(self) -> Any:
+        return boto3.client("ec2", endpoint_url=self.settings.aws.endpoint_url, region_name="us-east-1")
+
+    def replacements_of(self, instance_id: str) -> list[str]:
+        pages = self.ec2().describe_instances(
+            Filters=[{"Name": "tag:gpu-autorepair:replaces", "Values": [instance_id]}]
+        )
+        return [i["InstanceId"] for r in pages["Reservations"] for i in r["Instances"]]
+
+    def ec2_state(self, instance_id: str) -> str:
+        described = self.ec2().describe_instances(InstanceIds=[instance_id])
+        return str(described["Reservations"][0]["Instances"][0]["State"]["Name"])
+
+
+@asynccontextmanager
+async def simulated_fleet(
+    client: Client,
+    moto_endpoint: str,
+    tmp_path: Path,
+    *,
+    instances: int,
+    auto_repair: AutoRepair = AutoRepair.ENABLED,
+    in_process_worker: bool = True,
+) -> AsyncIterator[Fleet]:
+    group = unique("gpu")
+    events_path = tmp_path / "events.jsonl"
+    settings = make_settings(
+        client,
+        moto_endpoint,
+        events_path,
+        group=group,
+        cluster=group,
+        launch_template=f"{group}-lt",
+        auto_repair=auto_repair,
+        heartbeat_loss_threshold=TIMING.heartbeat_loss_threshold,
+    )
+    sim = SimulatedFleet(
+        group=group,
+        cluster=group,
+        state_dir=tmp_path / "fleet",
+        instances=instances,
+        seed=11,
+        launch_template=f"{group}-lt",
+        endpoint_url=moto_endpoint,
+        client=client,
+        task_queue=settings.temporal.task_queue,
+        timing=TIMING,
+    )
+    async with AsyncExitStack() as stack:
+        if in_process_worker:
+            await stack.enter_async_context(running_worker(settings, client))
+        await sim.setup()
+        stack.push_async_callback(sim.close)
+        yield Fleet(sim=sim, settings=settings, events_path=events_path, client=client)
+
+
+def max_concurrently_draining(events: list[dict[str, Any]]) -> int:
+    """From the event stream: how many instances were between Draining and Terminated at the same time."""
+    marks = sorted(
+        (e["time"], 1 if e["type"] == "Draining" else -1) for e in events if e["type"] in ("Draining", "Terminated")
+    )
+    current = peak = 0
+    for _, step in sorted(marks, key=lambda m: (m[0], m[1])):
+        current += step
+        peak = max(peak, current)
+    return peak
+
+
+def assert_start_before_stop(fleet: Fleet, instance_id: str) -> None:
+    # An event is delivered at least once (a retried publish); its event_id tells a redelivery apart.
+    unique_events = {e["event_id"]: e for e in fleet.events() if e["instance_id"] == instance_id}.values()
+    steps = [e["type"] for e in unique_events if e["type"] != "HealthChanged"]
+    assert steps == START_BEFORE_STOP, f"{instance_id}: {steps}"
+    replacements = fleet.replacements_of(instance_id)
+    assert len(replacements) == 1, f"{instance_id} has replacements {replacements}"
+    assert fleet.ec2_state(instance_id) == "terminated"
+    assert fleet.ec2_state(replacements[0]) == "running"
+
+
+async def test_twenty_instances_ten_faults_repair_start_before_stop_never_more_than_four_draining(
+    client: Client, aws_env: str, tmp_path: Path
+) -> None:
+    async with simulated_fleet(client, aws_env, tmp_path, instances=20) as fleet:
+        await fleet.all_healthy(20)
+        faulty = fleet.sim.rng.sample(fleet.sim.live_instances(), 10)
+        for instance_id in faulty:
+            fleet.sim.inject_fault(instance_id)
+        # A second finding on an already impaired instance must not start a second repair.
+        fleet.sim.inject_fault(faulty[0], xid=48)
+
+        await eventually(
+            lambda: asyncio.sleep(0, fleet.events("RepairCompleted")), lambda done: len(done) == 10, within=400
+        )
+        await fleet.all_healthy(20)
+
+        for instance_id in faulty:
+            assert_start_before_stop(fleet, instance_id)
+        assert len(fleet.events("RepairStarted")) == 10
+        assert max_concurrently_draining(fleet.events()) <= 4
+        semaphore = await fleet.semaphore()
+        assert 1 <= semaphore.max_holders_seen <= 4
+        assert semaphore.holders == [] and semaphore.waiters == []
+        reasons = {e["instance_id"]: e["reason"] for e in fleet.events("RepairStarted")}
+        assert all(reason.startswith("XID_") for reason in reasons.values())
+        # Tasks that ignored the drain were stopped at their stop timeout, and said so.
+        assert sum(e["forced"] for e in fleet.events("TasksStopped")) >= 1
+
+
+async def test_six_instances_drain_one_at_a_time(client: Client, aws_env: str, tmp_path: Path) -> None:
+    async with simulated_fleet(client, aws_env, tmp_path, instances=6) as fleet:
+        await fleet.all_healthy(6)
+        faulty = fleet.sim.rng.sample(fleet.sim.live_instances(), 3)
+        for instance_id in faulty:
+            fleet.sim.inject_fault(instance_id)
+
+        await eventually(
+            lambda: asyncio.sleep(0, fleet.events("RepairCompleted")), lambda done: len(done) == 3, within=300
+        )
+        for instance_id in faulty:
+            assert_start_before_stop(fleet, instance_id)
+        assert max_concurrently_draining(fleet.events()) == 1
+        assert (await fleet.semaphore()).max_holders_seen == 1
+
+
+async def test_disabled_group_impairs_but_never_drains(client: Client, aws_env: str, tmp_path: Path) -> None:
+    async with simulated_fleet(client, aws_env, tmp_path, instances=4, auto_repair=AutoRepair.DISABLED) as fleet:
+        await fleet.all_healthy(4)
+        faulty = fleet.sim.live_instances()[:2]
+        for instance_id in faulty:
+            fleet.sim.inject_fault(instance_id)
+
+        snapshot = await eventually(fleet.sim.snapshot, lambda s: s.impaired == 2)
+        assert {i for i, status in snapshot.health.items() if status is HealthState.IMPAIRED} == set(faulty)
+        # Give a repair every chance to (wrongly) start: several heartbeat intervals and watch ticks.
+        await asyncio.sleep(5)
+        snapshot = await fleet.sim.snapshot()
+        assert snapshot.container_draining == 0
+        assert snapshot.running == 4 and snapshot.impaired == 2
+        assert [e for e in fleet.events() if e["type"] != "HealthChanged"] == []
+
+
+async def test_heartbeat_blip_repairs_nothing_and_sustained_loss_repairs(
+    client: Client, aws_env: str, tmp_path: Path
+) -> None:
+    async with simulated_fleet(client, aws_env, tmp_path, instances=5) as fleet:
+        await fleet.all_healthy(5)
+        lost, blipped = fleet.sim.live_instances()[:2]
+        await fleet.sim.heartbeat_loss(lost)
+        await fleet.sim.blip(blipped)
+
+        await eventually(
+            lambda: asyncio.sleep(0, fleet.events("RepairCompleted")), lambda done: len(done) == 1, within=300
+        )
+        [started] = fleet.events("RepairStarted")
+        assert started["instance_id"] == lost
+        assert started["reason"].startswith("Agent disconnected since ")
+        assert_start_before_stop(fleet, lost)
+        assert [e for e in fleet.events() if e["instance_id"] == blipped and e["type"] != "HealthChanged"] == []
+        assert [e["overall_status"] for e in fleet.events("HealthChanged") if e["instance_id"] == blipped] == ["OK"]
+
+
+async def test_operator_terminating_a_permit_holder_frees_its_permit(
+    client: Client, aws_env: str, tmp_path: Path
+) -> None:
+    async with simulated_fleet(client, aws_env, tmp_path, instances=6) as fleet:
+        await fleet.all_healthy(6)
+        first, second = fleet.sim.live_instances()[:2]
+        fleet.sim.inject_fault(first)
+        await eventually(fleet.semaphore, lambda s: [p.instance_id for p in s.holders] == [first])
+        fleet.sim.inject_fault(second)
+        await eventually(fleet.semaphore, lambda s: [w.instance_id for w in s.waiters] == [second])
+
+        await client.get_workflow_handle(repair_workflow_id(first)).terminate("operator takes over")
+
+        await eventually(
+            lambda: asyncio.sleep(0, fleet.events("RepairCompleted")),
+            lambda done: [e["instance_id"] for e in done] == [second],
+            within=300,
+        )
+        assert_start_before_stop(fleet, second)
+        semaphore = await fleet.semaphore()
+        assert semaphore.holders == [] and semaphore.waiters == []
+
+
+def worker_environment(settings: Settings) -> dict[str, str]:
+    """The same settings, as the environment an operator would give `autorepair worker`."""
+    env = dict(os.environ)
+    env.update(
+        AUTOREPAIR_TEMPORAL__ADDRESS=settings.temporal.address,
+        AUTOREPAIR_TEMPORAL__NAMESPACE=settings.temporal.namespace,
+        AUTOREPAIR_TEMPORAL__TASK_QUEUE=settings.temporal.task_queue,
+        AUTOREPAIR_AWS__ENDPOINT_URL=settings.aws.endpoint_url or "",
+        AUTOREPAIR_AWS__REGION=settings.aws.region,
+        AUTOREPAIR_EVENTS__JSONL_PATH=str(settings.events.jsonl_path),
+        AUTOREPAIR_GROUPS=json.dumps([g.model_dump(mode="json") for g in settings.groups]),
+        AUTOREPAIR_LOG_FORMAT="json",
+    )
+    return env
+
+
+async def start_worker_process(settings: Settings, log_path: Path) -> asyncio.subprocess.Process:
+    log = log_path.open("ab")
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "worker.cli",
+        "worker",
+        env=worker_environment(settings),
+        stdout=log,
+        stderr=log,
+    )
+
+
+async def test_worker_killed_mid_repair_finishes_with_one_launch_and_one_termination(
+    client: Client, aws_env: str, tmp_path: Path
+) -> None:
+    async with simulated_fleet(client, aws_env, tmp_path, instances=5, in_process_worker=False) as fleet:
+        log_path = tmp_path / "worker.log"
+        worker = await start_worker_process(fleet.settings, log_path)
+        try:
+            await fleet.all_healthy(5)
+            [faulty] = fleet.sim.live_instances()[:1]
+            fleet.sim.inject_fault(faulty)
+            await eventually(lambda: asyncio.sleep(0, fleet.events("ReplacementLaunched")), lambda e: len(e) == 1)
+            worker.send_signal(signal.SIGKILL)
+            await worker.wait()
+
+            worker = await start_worker_process(fleet.settings, log_path)
+            await eventually(
+                lambda: asyncio.sleep(0, fleet.events("RepairCompleted")), lambda done: len(done) == 1, within=300
+            )
+            assert_start_before_stop(fleet, faulty)
+            assert len({e["event_id"] for e in fleet.events("Terminated")}) == 1
+            await fleet.all_healthy(5)
+        finally:
+            if worker.returncode is None:
+                worker.terminate()
+                await worker.wait()
