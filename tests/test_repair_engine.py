@@ -62,6 +62,15 @@ class Fleet:
     def events(self, type: str | None = None) -> list[dict[str, Any]]:
         return [e for e in read_events(self.events_path) if e["group"] == self.group and type in (None, e["type"])]
 
+    async def repairs_finished(self, count: int, within: float = 300) -> list[str]:
+        """Wait until `count` repairs have completed and handed their permit back; returns their instances."""
+
+        def finished() -> list[str]:
+            released = {e["instance_id"] for e in self.events("DrainPermitReleased")}
+            return [e["instance_id"] for e in self.events("RepairCompleted") if e["instance_id"] in released]
+
+        return await eventually(lambda: asyncio.sleep(0, finished()), lambda done: len(done) >= count, within=within)
+
     async def all_healthy(self, count: int) -> None:
         await eventually(self.sim.snapshot, lambda s: s.healthy == count and s.running == count, within=90)
 
@@ -159,9 +168,7 @@ async def test_twenty_instances_ten_faults_repair_start_before_stop_never_more_t
         # A second finding on an already impaired instance must not start a second repair.
         fleet.sim.inject_fault(faulty[0], xid=48)
 
-        await eventually(
-            lambda: asyncio.sleep(0, fleet.events("RepairCompleted")), lambda done: len(done) == 10, within=400
-        )
+        assert len(await fleet.repairs_finished(10, within=400)) == 10
         await fleet.all_healthy(20)
 
         for instance_id in faulty:
@@ -172,7 +179,7 @@ async def test_twenty_instances_ten_faults_repair_start_before_stop_never_more_t
         assert 1 <= semaphore.max_holders_seen <= 4
         assert semaphore.holders == [] and semaphore.waiters == []
         reasons = {e["instance_id"]: e["reason"] for e in fleet.events("RepairStarted")}
-        assert all(reason.startswith("XID_") for reason in reasons.values())
+        assert all(reason.startswith("XID_") for reason in reasons.values()), reasons
         # Tasks that ignored the drain were stopped at their stop timeout, and said so.
         assert sum(e["forced"] for e in fleet.events("TasksStopped")) >= 1
 
@@ -184,9 +191,7 @@ async def test_six_instances_drain_one_at_a_time(client: Client, aws_env: str, t
         for instance_id in faulty:
             fleet.sim.inject_fault(instance_id)
 
-        await eventually(
-            lambda: asyncio.sleep(0, fleet.events("RepairCompleted")), lambda done: len(done) == 3, within=300
-        )
+        assert len(await fleet.repairs_finished(3, within=300)) == 3
         for instance_id in faulty:
             assert_start_before_stop(fleet, instance_id)
         assert max_concurrently_draining(fleet.events()) == 1
@@ -219,9 +224,7 @@ async def test_heartbeat_blip_repairs_nothing_and_sustained_loss_repairs(
         await fleet.sim.heartbeat_loss(lost)
         await fleet.sim.blip(blipped)
 
-        await eventually(
-            lambda: asyncio.sleep(0, fleet.events("RepairCompleted")), lambda done: len(done) == 1, within=300
-        )
+        assert len(await fleet.repairs_finished(1, within=300)) == 1
         [started] = fleet.events("RepairStarted")
         assert started["instance_id"] == lost
         assert started["reason"].startswith("Agent disconnected since ")
@@ -243,11 +246,7 @@ async def test_operator_terminating_a_permit_holder_frees_its_permit(
 
         await client.get_workflow_handle(repair_workflow_id(first)).terminate("operator takes over")
 
-        await eventually(
-            lambda: asyncio.sleep(0, fleet.events("RepairCompleted")),
-            lambda done: [e["instance_id"] for e in done] == [second],
-            within=300,
-        )
+        assert await fleet.repairs_finished(1) == [second]
         assert_start_before_stop(fleet, second)
         semaphore = await fleet.semaphore()
         assert semaphore.holders == [] and semaphore.waiters == []
@@ -297,9 +296,7 @@ async def test_worker_killed_mid_repair_finishes_with_one_launch_and_one_termina
             await worker.wait()
 
             worker = await start_worker_process(fleet.settings, log_path)
-            await eventually(
-                lambda: asyncio.sleep(0, fleet.events("RepairCompleted")), lambda done: len(done) == 1, within=300
-            )
+            assert await fleet.repairs_finished(1) == [faulty]
             assert_start_before_stop(fleet, faulty)
             assert len({e["event_id"] for e in fleet.events("Terminated")}) == 1
             await fleet.all_healthy(5)

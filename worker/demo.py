@@ -312,6 +312,12 @@ class _Judge:
         if spurious:
             which = ", ".join(f"{i} (blip)" if i in self.blipped else i for i in spurious)
             return _Outcome(failed=True, message=f"repaired instances that had no fault: {which}")
+        false_alarms = sorted(
+            iid for iid, status in snap.health.items() if status == HealthState.IMPAIRED and iid not in self.targets
+        )
+        if false_alarms:
+            which = ", ".join(f"{i} (blip)" if i in self.blipped else i for i in false_alarms)
+            return _Outcome(failed=True, message=f"IMPAIRED without a fault: {which}")
         if self.plan.auto_repair is AutoRepair.DISABLED:
             return self._judge_disabled(snap)
         replaced = self.targets <= terminated
@@ -346,7 +352,7 @@ class _Judge:
             return _Outcome(
                 done=True,
                 message=(
-                    f"auto repair DISABLED: {len(self.targets)} instances IMPAIRED and reported, "
+                    f"auto repair DISABLED: {len(self.targets)} instance(s) IMPAIRED and reported, "
                     f"nothing drained or replaced for {DISABLED_GRACE_S:.0f}s"
                 ),
             )
@@ -366,7 +372,7 @@ def _render(
         caption=f"Web UI: {workflows_url}",
         expand=False,
     )
-    for column in ("time", "running", "healthy", "impaired", "other", "draining", "replacements", "repairs"):
+    for column in ("time", "running", "healthy", "impaired", "other", "draining", "replaced", "repairs"):
         table.add_column(column, justify="right")
     if snap is None:
         table.add_row(f"{elapsed:4.0f}s", *["-"] * 7)
@@ -492,7 +498,8 @@ async def _drive(
     started: float,
     workflows_url: str,
 ) -> int:
-    events = _EventLog(plan.events_path)
+    # An --events file outside the (wiped) state dir may hold an earlier run: count only what this run adds.
+    events = _EventLog(plan.events_path, offset=_size(plan.events_path))
     instances = await fleet.setup()
     console.print(f"fleet: {len(instances)} x {fleet.instance_type} in cluster {DEMO_CLUSTER}, probes starting")
 
@@ -586,6 +593,13 @@ async def _drive(
     console.print(f"[{'green' if outcome.done else 'red'}]{status}[/]")
     console.print(f"events: {plan.events_path}  Web UI: {workflows_url}")
     return 0 if outcome.done else 1
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
 
 
 async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:

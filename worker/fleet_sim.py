@@ -181,7 +181,9 @@ class SimNode:
     uptime_base_s: float
     gpu_uuids: dict[str, str]
     container_instance_arn: str | None = None
+    task_plan: list[tuple[int, bool]] | None = None  # (stop timeout, stubborn) per task, drawn once
     tasks: dict[str, SimTask] = field(default_factory=dict)
+    booted: bool = False  # registered, tasks started, kernel log written, probe started
     probe: asyncio.Task[None] | None = None
     probe_started: bool = False
     probe_error: str | None = None
@@ -440,9 +442,13 @@ class SimulatedFleet:
     # --- Booting a node: ECS registration, tasks, kernel log, probe -----------------------------------------
 
     async def _boot(self, node: SimNode) -> None:
-        plan = self._plan_tasks()
-        await asyncio.to_thread(self._register_and_start_tasks, node, plan)
-        self._write_boot_log(node)
+        """Idempotent: a boot that failed half way (a moto error) resumes where it stopped on the next tick."""
+        if node.task_plan is None:
+            node.task_plan = self._plan_tasks()
+        await asyncio.to_thread(self._register_and_start_tasks, node, node.task_plan)
+        if not node.booted:
+            self._write_boot_log(node)
+            node.booted = True
         self._start_probe(node)
 
     def _plan_tasks(self) -> list[tuple[int, bool]]:
@@ -463,13 +469,15 @@ class SimulatedFleet:
             "availabilityZone": node.availability_zone,
             "region": region,
         }
-        self._ec2.create_tags(Resources=[node.instance_id], Tags=[{"Key": "Name", "Value": node.name}])
-        registered = self._ecs.register_container_instance(
-            cluster=self.cluster,
-            instanceIdentityDocument=json.dumps(document),
-        )
-        node.container_instance_arn = registered["containerInstance"]["containerInstanceArn"]
-        for stop_timeout, stubborn in plan:
+        if node.container_instance_arn is None:
+            self._ec2.create_tags(Resources=[node.instance_id], Tags=[{"Key": "Name", "Value": node.name}])
+            registered = self._ecs.register_container_instance(
+                cluster=self.cluster,
+                instanceIdentityDocument=json.dumps(document),
+            )
+            node.container_instance_arn = registered["containerInstance"]["containerInstanceArn"]
+        # One task per plan entry: skip those a failed earlier attempt already started.
+        for stop_timeout, stubborn in plan[len(node.tasks) :]:
             family = self._families[stop_timeout]
             started = self._ecs.start_task(
                 cluster=self.cluster,
@@ -556,7 +564,7 @@ class SimulatedFleet:
                 await self._bury(node)
             elif (
                 state == "running"
-                and not node.registered
+                and not node.booted
                 and not node.terminated
                 and now - node.seen_at >= self.timing.boot_delay.total_seconds()
             ):
@@ -653,8 +661,8 @@ class SimulatedFleet:
             raise KeyError(f"{instance_id} is not an instance of the simulated group {self.group}") from None
 
     def live_instances(self) -> list[str]:
-        """Registered, not terminated: the instances a fault can be injected into."""
-        return [n.instance_id for n in self.nodes.values() if n.registered and not n.terminated]
+        """Booted, not terminated: the instances a fault can be injected into."""
+        return [n.instance_id for n in self.nodes.values() if n.booted and not n.terminated]
 
     def write_kernel_lines(self, instance_id: str, lines: list[str]) -> None:
         self._append(self.node(instance_id), lines)
@@ -733,7 +741,7 @@ class SimulatedFleet:
 
     async def snapshot(self) -> FleetSnapshot:
         counts = await asyncio.to_thread(self._count_aws)
-        live = [n for n in self.nodes.values() if n.registered and not n.terminated]
+        live = [n for n in self.nodes.values() if n.booted and not n.terminated]
         views = await asyncio.gather(*(self._query_health(n.instance_id) for n in live))
         health: dict[str, HealthState | None] = {}
         phases: dict[str, RepairPhase] = {}
@@ -756,7 +764,7 @@ class SimulatedFleet:
             initial_instances=[n.instance_id for n in self.nodes.values() if n.initial],
             replacements_running=[n.instance_id for n in live if not n.initial],
             terminated=[n.instance_id for n in self.nodes.values() if n.terminated],
-            booting=[n.instance_id for n in self.nodes.values() if not n.registered and not n.terminated],
+            booting=[n.instance_id for n in self.nodes.values() if not n.booted and not n.terminated],
             probe_errors={n.instance_id: n.probe_error for n in self.nodes.values() if n.probe_error},
         )
 

@@ -73,8 +73,7 @@ def port_in_use(host: str, port: int) -> bool:
 
 def search_attribute_args(keys: Sequence[SearchAttributeKey[Any]] | None = None) -> list[str]:
     """`--search-attribute Name=Type` for every custom search attribute the workflows upsert."""
-    # ALL mixes keyword and int keys, which mypy infers as list[object]; the keys are all SearchAttributeKeys.
-    chosen: Sequence[SearchAttributeKey[Any]] = search_attributes.ALL if keys is None else keys  # type: ignore[assignment]
+    chosen = search_attributes.ALL if keys is None else keys
     args: list[str] = []
     for key in chosen:
         args += ["--search-attribute", f"{key.name}={_SEARCH_ATTRIBUTE_TYPE_NAMES[key.indexed_value_type]}"]

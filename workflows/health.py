@@ -210,7 +210,11 @@ class InstanceHealthWorkflow:
         self._state.seen_finding_ids = [*self._state.seen_finding_ids, finding.finding_id][-REMEMBERED_FINDING_IDS:]
         self._state.findings = [*self._state.findings, finding][-RECENT_FINDINGS:]
         now = workflow.now()
-        if finding.impairs:
+        accelerated = self._state.checks[CheckType.ACCELERATED_COMPUTE]
+        if finding.impairs and accelerated.status is HealthState.IMPAIRED:
+            # The first critical fault is the root cause (Xid 79, then "fallen off the bus" about the same GPU).
+            accelerated.lastUpdated = now
+        elif finding.impairs:
             self._set_check(CheckType.ACCELERATED_COMPUTE, HealthState.IMPAIRED, finding.reason, now)
         else:
             key = f"{finding.gpu.pci or 'unknown'}/{finding.reason}"
@@ -294,7 +298,7 @@ class InstanceHealthWorkflow:
         """The reason to repair, preferring the GPU finding that caused it (it names the Xid and the GPU)."""
         accelerated = self._state.checks.get(CheckType.ACCELERATED_COMPUTE)
         if accelerated is not None and accelerated.status is HealthState.IMPAIRED:
-            finding = next((f for f in reversed(self._state.findings) if f.impairs), None)
+            finding = next((f for f in self._state.findings if f.impairs and f.reason == accelerated.statusReason), None)
             return accelerated.statusReason or "ACCELERATED_COMPUTE", finding
         agent = self._state.checks.get(CheckType.AGENT_CONNECTIVITY)
         return (agent.statusReason if agent and agent.statusReason else "AGENT_CONNECTIVITY"), None
