@@ -204,3 +204,36 @@ async def test_heartbeat_blip_changes_nothing_and_sustained_loss_impairs(
         await eventually(lambda: health_of(lost_handle), lambda v: v.healthStatus.overallStatus is HealthState.OK)
         for handle in (blip_handle, lost_handle):
             await handle.terminate("test over")
+
+
+async def test_health_workflow_continues_as_new_carrying_its_state(
+    client: Client, aws_env: str, tmp_path: Path
+) -> None:
+    # The test server suggests continue-as-new at 200 history events (see conftest), so a few hundred signals
+    # take the workflow through at least one new run.
+    group = unique("g")
+    settings = make_settings(
+        client, aws_env, tmp_path / "events.jsonl", group=group, cluster=group, auto_repair=AutoRepair.DISABLED
+    )
+    instance = unique("i")
+    async with running_worker(settings, client):
+        handle = await start_health(client, settings, instance)
+        latest = client.get_workflow_handle(health_workflow_id(instance))
+        first_run = (await latest.describe()).run_id
+        await handle.signal("gpu_finding", finding(instance, group, "warn-1", code=31, impairs=False))
+        await temporal_cli(client, "workflow", "signal", "--workflow-id", health_workflow_id(instance), "--name", "x")
+        ok_since = (
+            (await eventually(lambda: health_of(handle), lambda v: v.healthStatus.overallStatus is HealthState.OK))
+            .healthStatus.details[0]
+            .lastStatusChange
+        )
+        for _ in range(300):
+            await handle.signal("heartbeat", heartbeat(instance, group))
+        await handle.signal("gpu_finding", finding(instance, group, "warn-1", code=31, impairs=False))
+
+        view = await eventually(lambda: health_of(handle), lambda v: v.rejected_signals == 2)
+        assert (await latest.describe()).run_id != first_run
+        assert view.warning_counts == {"0000:9b:00/XID_31": 1}
+        assert view.healthStatus.overallStatus is HealthState.OK
+        assert view.healthStatus.details[0].lastStatusChange == ok_since
+        await handle.terminate("test over")

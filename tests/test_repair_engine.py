@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import boto3
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowExecutionStatus
 
 from tests.harness import eventually, make_settings, read_events, running_worker, unique
 from worker.fleet_sim import SimTiming, SimulatedFleet
@@ -101,6 +101,7 @@ async def simulated_fleet(
     instances: int,
     auto_repair: AutoRepair = AutoRepair.ENABLED,
     in_process_worker: bool = True,
+    engine_launch_template: str | None = None,
 ) -> AsyncIterator[Fleet]:
     group = unique("gpu")
     events_path = tmp_path / "events.jsonl"
@@ -110,7 +111,7 @@ async def simulated_fleet(
         events_path,
         group=group,
         cluster=group,
-        launch_template=f"{group}-lt",
+        launch_template=engine_launch_template or f"{group}-lt",
         auto_repair=auto_repair,
         heartbeat_loss_threshold=TIMING.heartbeat_loss_threshold,
     )
@@ -248,6 +249,28 @@ async def test_operator_terminating_a_permit_holder_frees_its_permit(
 
         assert await fleet.repairs_finished(1) == [second]
         assert_start_before_stop(fleet, second)
+        semaphore = await fleet.semaphore()
+        assert semaphore.holders == [] and semaphore.waiters == []
+
+
+async def test_permanent_launch_error_fails_the_repair_clearly_and_keeps_the_instance(
+    client: Client, aws_env: str, tmp_path: Path
+) -> None:
+    async with simulated_fleet(
+        client, aws_env, tmp_path, instances=3, engine_launch_template="no-such-template"
+    ) as fleet:
+        await fleet.all_healthy(3)
+        [faulty] = fleet.sim.live_instances()[:1]
+        fleet.sim.inject_fault(faulty)
+
+        [failed] = await eventually(lambda: asyncio.sleep(0, fleet.events("RepairFailed")), lambda e: len(e) == 1)
+        assert "no-such-template" in failed["error"]
+        handle = client.get_workflow_handle(repair_workflow_id(faulty))
+        assert (await handle.describe()).status == WorkflowExecutionStatus.FAILED
+        # Never stop before start: without a replacement the impaired instance stays, drained but running.
+        assert fleet.ec2_state(faulty) == "running"
+        assert fleet.replacements_of(faulty) == []
+        await eventually(lambda: asyncio.sleep(0, fleet.events("DrainPermitReleased")), lambda e: len(e) == 1)
         semaphore = await fleet.semaphore()
         assert semaphore.holders == [] and semaphore.waiters == []
 

@@ -298,7 +298,9 @@ class InstanceHealthWorkflow:
         """The reason to repair, preferring the GPU finding that caused it (it names the Xid and the GPU)."""
         accelerated = self._state.checks.get(CheckType.ACCELERATED_COMPUTE)
         if accelerated is not None and accelerated.status is HealthState.IMPAIRED:
-            finding = next((f for f in self._state.findings if f.impairs and f.reason == accelerated.statusReason), None)
+            finding = next(
+                (f for f in self._state.findings if f.impairs and f.reason == accelerated.statusReason), None
+            )
             return accelerated.statusReason or "ACCELERATED_COMPUTE", finding
         agent = self._state.checks.get(CheckType.AGENT_CONNECTIVITY)
         return (agent.statusReason if agent and agent.statusReason else "AGENT_CONNECTIVITY"), None
