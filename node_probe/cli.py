@@ -18,14 +18,14 @@ from typing import Any, TextIO
 from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
-from temporalio.client import Client
-from temporalio.contrib.pydantic import pydantic_data_converter
 
 from node_probe.imds import ImdsError, imds_instance_id
 from node_probe.kernel_log import KernelRecord, parse_lines
 from node_probe.policy import POLICY_ECS, POLICY_NAMES, Policy, PolicyConfig, Verdict
-from node_probe.probe import DEFAULT_TASK_QUEUE, Probe, ProbeConfig
+from node_probe.probe import Probe, ProbeConfig
 from node_probe.reporter import Reporter
+from worker.client import connect
+from worker.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -148,15 +148,15 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
 
 
 def add_probe_arguments(parser: argparse.ArgumentParser) -> None:
-    env = os.environ.get
     parser.add_argument("--instance-id", default=None, help="default: this EC2 instance's id, from IMDSv2")
     parser.add_argument("--group", required=True, help="capacity group of this instance")
     sources = parser.add_mutually_exclusive_group()
     sources.add_argument("--kernel-log", type=Path, default=None, metavar="FILE", help="follow this file (tail -F)")
     sources.add_argument("--kmsg", action="store_true", help="follow /dev/kmsg (the default)")
-    parser.add_argument("--temporal-address", default=env("AUTOREPAIR_TEMPORAL__ADDRESS", "localhost:7233"))
-    parser.add_argument("--namespace", default=env("AUTOREPAIR_TEMPORAL__NAMESPACE", "default"))
-    parser.add_argument("--task-queue", default=env("AUTOREPAIR_TEMPORAL__TASK_QUEUE", DEFAULT_TASK_QUEUE))
+    # Unset flags fall back to the shared settings (AUTOREPAIR_TEMPORAL__* or the TOML file), TLS and API key too.
+    parser.add_argument("--temporal-address", default=None)
+    parser.add_argument("--namespace", default=None)
+    parser.add_argument("--task-queue", default=None)
     parser.add_argument("--heartbeat-interval", type=float, default=60.0, metavar="SECONDS")
     parser.add_argument("--dedupe-window", type=float, default=300.0, metavar="SECONDS")
     parser.add_argument(
@@ -193,6 +193,8 @@ def _resolve_spool_dir(given: Path | None) -> Path | None:
 
 
 async def build_probe(args: argparse.Namespace) -> Probe:
+    overrides = {"address": args.temporal_address, "namespace": args.namespace, "task_queue": args.task_queue}
+    temporal = Settings().temporal.model_copy(update={k: v for k, v in overrides.items() if v})
     try:
         config = ProbeConfig(
             instance_id=await _resolve_instance_id(args.instance_id),
@@ -203,15 +205,13 @@ async def build_probe(args: argparse.Namespace) -> Probe:
             policy_config=_load_policy_config(args.policy_config),
             heartbeat_interval=timedelta(seconds=args.heartbeat_interval),
             dedupe_window=timedelta(seconds=args.dedupe_window),
-            task_queue=args.task_queue,
+            task_queue=temporal.task_queue,
             spool_dir=_resolve_spool_dir(args.spool_dir),
         )
     except ValidationError as exc:
         raise CliError(f"invalid arguments: {exc.errors()[0]['msg']}") from exc
     # Lazy: the probe must start (and spool) even while Temporal is down; calls connect when they can.
-    client = await Client.connect(
-        args.temporal_address, namespace=args.namespace, data_converter=pydantic_data_converter, lazy=True
-    )
+    client = await connect(temporal, lazy=True)
     return Probe(config, Reporter(client))
 
 

@@ -7,11 +7,13 @@ first signal of a new instance starts it, later ones land on the running one.
 from __future__ import annotations
 
 import asyncio
+import logging
 from datetime import timedelta
 from typing import Protocol
 
 from temporalio.client import Client
-from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
+from temporalio.exceptions import WorkflowAlreadyStartedError
 
 from workflows.ids import health_workflow_id
 from workflows.models import GpuFinding, HealthInput, Heartbeat
@@ -19,6 +21,8 @@ from workflows.models import GpuFinding, HealthInput, Heartbeat
 HEALTH_WORKFLOW = "InstanceHealthWorkflow"
 SIGNAL_GPU_FINDING = "gpu_finding"
 SIGNAL_HEARTBEAT = "heartbeat"
+
+log = logging.getLogger(__name__)
 
 
 class ReporterProtocol(Protocol):
@@ -54,8 +58,14 @@ class Reporter:
             id=health_workflow_id(instance_id),
             task_queue=task_queue,
             id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+            # A completed health workflow means the instance was replaced: a late signal from its dying probe must
+            # not start a second one. A failed or operator-terminated one may start again.
+            id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE_FAILED_ONLY,
             start_signal=signal,
             start_signal_args=[payload],
             rpc_timeout=self._rpc_timeout,
         )
-        await asyncio.wait_for(call, timeout=2 * self._rpc_timeout.total_seconds())
+        try:
+            await asyncio.wait_for(call, timeout=2 * self._rpc_timeout.total_seconds())
+        except WorkflowAlreadyStartedError:
+            log.info("%s was retired by a repair; dropping its %s signal", instance_id, signal)

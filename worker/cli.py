@@ -21,9 +21,10 @@ async def _run_worker_command(args: argparse.Namespace) -> int:
     from worker.client import connect
     from worker.main import run_worker
     from worker.setup import ensure_search_attributes
+    from worker.telemetry import runtime, tracing_interceptors
 
     settings = Settings()
-    client = await connect(settings.temporal)
+    client = await connect(settings.temporal, runtime=runtime(settings), interceptors=tracing_interceptors(settings))
     await ensure_search_attributes(client)
     log.info(
         "worker starting",
@@ -31,6 +32,7 @@ async def _run_worker_command(args: argparse.Namespace) -> int:
         namespace=settings.temporal.namespace,
         task_queue=settings.temporal.task_queue,
         groups=[g.name for g in settings.groups],
+        metrics=settings.metrics_bind_address,
     )
     await run_worker(settings, client)
     return 0

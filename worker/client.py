@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from temporalio.client import Client, TLSConfig
+from collections.abc import Sequence
+
+from temporalio.client import Client, Interceptor, TLSConfig
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.runtime import Runtime
 
@@ -20,7 +22,12 @@ def tls_config(settings: TemporalSettings) -> TLSConfig | bool:
     )
 
 
-async def connect(settings: TemporalSettings, runtime: Runtime | None = None) -> Client:
+async def connect(
+    settings: TemporalSettings,
+    runtime: Runtime | None = None,
+    lazy: bool = False,
+    interceptors: Sequence[Interceptor] = (),
+) -> Client:
     return await Client.connect(
         settings.address,
         namespace=settings.namespace,
@@ -28,4 +35,6 @@ async def connect(settings: TemporalSettings, runtime: Runtime | None = None) ->
         tls=tls_config(settings),
         data_converter=pydantic_data_converter,
         runtime=runtime,
+        lazy=lazy,
+        interceptors=interceptors,
     )

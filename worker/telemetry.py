@@ -1,0 +1,31 @@
+"""OpenTelemetry traces and Prometheus metrics for the worker, both off unless configured."""
+
+from __future__ import annotations
+
+from temporalio.contrib.opentelemetry import TracingInterceptor
+from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
+
+from worker.settings import Settings
+
+
+def runtime(settings: Settings) -> Runtime | None:
+    """Temporal's runtime metrics (workflow/activity latencies, task slots, ...) on a Prometheus endpoint."""
+    if not settings.metrics_bind_address:
+        return None
+    return Runtime(telemetry=TelemetryConfig(metrics=PrometheusConfig(bind_address=settings.metrics_bind_address)))
+
+
+def tracing_interceptors(settings: Settings) -> list[TracingInterceptor]:
+    """One trace per workflow, spans per activity, exported over OTLP/gRPC when an endpoint is configured."""
+    if not settings.otlp_endpoint:
+        return []
+    from opentelemetry import trace
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    provider = TracerProvider(resource=Resource.create({SERVICE_NAME: "gpu-autorepair-worker"}))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=settings.otlp_endpoint)))
+    trace.set_tracer_provider(provider)
+    return [TracingInterceptor()]
