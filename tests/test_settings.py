@@ -1,0 +1,97 @@
+"""The one settings object: environment over TOML, groups, Temporal Cloud credentials, clear errors."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from worker.client import tls_config
+from worker.settings import Settings
+from workflows.models import AutoRepair
+
+TOML = """
+[temporal]
+address = "prod.a1b2c.tmprl.cloud:7233"
+namespace = "prod.a1b2c"
+api_key = "secret-key"
+
+[aws]
+region = "eu-west-1"
+
+[[groups]]
+name = "p5"
+cluster = "training"
+launch_template = "p5-gpu"
+auto_repair = "DISABLED"
+heartbeat_loss_threshold = "PT15M"
+
+[[groups]]
+name = "g6"
+cluster = "inference"
+auto_scaling_group = "g6-asg"
+max_draining_percent = 10
+"""
+
+
+def test_toml_file_with_environment_overrides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "autorepair.toml"
+    config.write_text(TOML)
+    monkeypatch.setenv("AUTOREPAIR_CONFIG", str(config))
+    monkeypatch.setenv("AUTOREPAIR_AWS__REGION", "us-west-2")
+
+    settings = Settings()
+
+    assert settings.aws.region == "us-west-2"  # the environment wins over the file
+    assert settings.temporal.api_key is not None and settings.temporal.api_key.get_secret_value() == "secret-key"
+    assert "secret-key" not in repr(settings)
+    assert tls_config(settings.temporal) is True  # an API key implies TLS
+    p5 = settings.group("p5")
+    assert p5.auto_repair is AutoRepair.DISABLED and p5.heartbeat_loss_threshold == timedelta(minutes=15)
+    g6 = settings.group("g6")
+    assert g6.max_draining(40) == 4 and g6.max_draining(9) == 1
+    with pytest.raises(KeyError, match="unknown capacity group 'nope'"):
+        settings.group("nope")
+
+
+def test_drain_cap_is_ecs_rule() -> None:
+    group = Settings(groups=[{"name": "g", "cluster": "c"}]).group("g")
+    assert [group.max_draining(n) for n in (1, 5, 8, 9, 10, 14, 15, 20, 24, 25, 100)] == [
+        1,
+        1,
+        1,
+        1,
+        2,
+        2,
+        3,
+        4,
+        4,
+        5,
+        20,
+    ]
+
+
+def test_mtls_needs_certificate_and_key_together(tmp_path: Path) -> None:
+    cert = tmp_path / "client.pem"
+    cert.write_text("cert")
+    with pytest.raises(ValidationError, match="tls_client_cert and temporal.tls_client_key"):
+        Settings(temporal={"tls_client_cert": cert})
+    key = tmp_path / "client.key"
+    key.write_text("key")
+    tls = tls_config(Settings(temporal={"tls_client_cert": cert, "tls_client_key": key}).temporal)
+    assert not isinstance(tls, bool) and tls.client_cert == b"cert" and tls.client_private_key == b"key"
+
+
+def test_missing_config_file_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AUTOREPAIR_CONFIG", "/nonexistent/autorepair.toml")
+    with pytest.raises(FileNotFoundError, match="AUTOREPAIR_CONFIG=/nonexistent/autorepair.toml"):
+        Settings()
+
+
+def test_invalid_group_values_are_rejected() -> None:
+    with pytest.raises(ValidationError, match="max_draining_percent"):
+        Settings(groups=[{"name": "g", "cluster": "c", "max_draining_percent": 0}])
+    with pytest.raises(ValidationError, match="auto_repair"):
+        Settings(groups=[{"name": "g", "cluster": "c", "auto_repair": "SOMETIMES"}])
