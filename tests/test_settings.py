@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 from pathlib import Path
 
@@ -76,7 +77,7 @@ def test_drain_cap_is_ecs_rule() -> None:
 def test_mtls_needs_certificate_and_key_together(tmp_path: Path) -> None:
     cert = tmp_path / "client.pem"
     cert.write_text("cert")
-    with pytest.raises(ValidationError, match="tls_client_cert and temporal.tls_client_key"):
+    with pytest.raises(ValidationError, match=r"tls_client_cert and temporal\.tls_client_key"):
         Settings(temporal={"tls_client_cert": cert})
     key = tmp_path / "client.key"
     key.write_text("key")
@@ -86,7 +87,7 @@ def test_mtls_needs_certificate_and_key_together(tmp_path: Path) -> None:
 
 def test_missing_config_file_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AUTOREPAIR_CONFIG", "/nonexistent/autorepair.toml")
-    with pytest.raises(FileNotFoundError, match="AUTOREPAIR_CONFIG=/nonexistent/autorepair.toml"):
+    with pytest.raises(FileNotFoundError, match=re.escape("AUTOREPAIR_CONFIG=/nonexistent/autorepair.toml")):
         Settings()
 
 

@@ -589,8 +589,9 @@ async def _drive(
     if not outcome.done and not outcome.failed:
         console.print("stopped by the user")
         return 0 if not plan.exit_when_done else 1
-    console.print(_summary_line(snap, events.counts, elapsed()))
-    console.print(f"[{'green' if outcome.done else 'red'}]{status}[/]")
+    if not interactive:  # on a terminal the live table's last frame already says all this
+        console.print(_summary_line(snap, events.counts, elapsed()))
+        console.print(f"[{'green' if outcome.done else 'red'}]{status}[/]")
     console.print(f"events: {plan.events_path}  Web UI: {workflows_url}")
     return 0 if outcome.done else 1
 

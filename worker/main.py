@@ -19,8 +19,11 @@ WORKFLOWS = [InstanceHealthWorkflow, InstanceRepairWorkflow, DrainSemaphoreWorkf
 
 # The models are shared with activities and clients: passing them through keeps one class per model, so a model
 # built in a workflow is an instance of the class an activity's input expects (and the sandbox loads less).
+# structlog and rich format the replay-aware workflow logger's records; they import lazily, which the sandbox blocks.
 SANDBOX = SandboxedWorkflowRunner(
-    restrictions=SandboxRestrictions.default.with_passthrough_modules("workflows.models", "activities", "pydantic")
+    restrictions=SandboxRestrictions.default.with_passthrough_modules(
+        "workflows.models", "activities", "pydantic", "structlog", "rich"
+    )
 )
 
 
