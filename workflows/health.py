@@ -18,6 +18,7 @@ from datetime import datetime, timedelta
 from temporalio import workflow
 from temporalio.common import RawValue
 
+from workflows import search_attributes as sa
 from workflows.ids import health_workflow_id
 from workflows.models import (
     SEVERITY,
@@ -79,6 +80,10 @@ class InstanceHealthWorkflow:
 
     @workflow.run
     async def run(self, input: HealthInput) -> InstanceHealthView:
+        if workflow.info().typed_search_attributes.get(sa.INSTANCE_ID) is None:
+            workflow.upsert_search_attributes(
+                [sa.INSTANCE_ID.value_set(self._instance_id), sa.CAPACITY_GROUP.value_set(self._group)]
+            )
         group = await self._group_config()
         workflow.set_current_details(self._details_markdown())
         watchdog = asyncio.create_task(self._watch_heartbeats(group.heartbeat_loss_threshold))

@@ -210,11 +210,30 @@ class RepairInput(BaseModel):
     finding: GpuFinding | None = None
 
 
+class PhaseStep(BaseModel):
+    phase: RepairPhase
+    started_at: datetime
+
+
+class RepairStatus(BaseModel):
+    """What an operator asks of a repair, running or closed: where it is, and how long each phase took."""
+
+    workflow_id: str
+    instance_id: str
+    group: str
+    reason: str
+    phase: RepairPhase
+    replacement_instance_id: str | None = None
+    error: str | None = None
+    timeline: list[PhaseStep] = Field(default_factory=list)
+
+
 class RepairResult(BaseModel):
     instance_id: str
     replacement_instance_id: str
     tasks_stopped: int
     tasks_forced: int
+    timeline: list[PhaseStep] = Field(default_factory=list)
 
 
 # --- Capacity groups -------------------------------------------------------------------------------------------

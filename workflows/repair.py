@@ -27,10 +27,12 @@ from workflows.models import (
     CapacityGroup,
     PermitGrant,
     PermitRelease,
+    PhaseStep,
     RepairInput,
     RepairPhase,
     RepairProgress,
     RepairResult,
+    RepairStatus,
 )
 from workflows.options import CALL_RETRY, CALL_TIMEOUT
 from workflows.signal_input import Rejected, decode
@@ -83,6 +85,7 @@ class InstanceRepairWorkflow:
         self._replacement: str | None = None
         self._error: str | None = None
         self._rejected = 0
+        self._timeline = [PhaseStep(phase=RepairPhase.WAITING_FOR_PERMIT, started_at=workflow.now())]
 
     @workflow.run
     async def run(self, input: RepairInput) -> RepairResult:
@@ -147,6 +150,7 @@ class InstanceRepairWorkflow:
                 replacement_instance_id=self._replacement,
                 tasks_stopped=stopped,
                 tasks_forced=forced,
+                timeline=self._timeline,
             )
         except asyncio.CancelledError:
             self._error = "cancelled by an operator"
@@ -293,6 +297,7 @@ class InstanceRepairWorkflow:
 
     async def _enter(self, phase: RepairPhase, finished: bool = False) -> None:
         self._phase = phase
+        self._timeline.append(PhaseStep(phase=phase, started_at=workflow.now()))
         updates = [sa.REPAIR_PHASE.value_set(phase.value)]
         if finished:
             updates.append(sa.OUTCOME.value_set(phase.value))
@@ -350,13 +355,16 @@ class InstanceRepairWorkflow:
         workflow.logger.warning("dropped signal: %s", why)
 
     @workflow.query
-    def phase(self) -> RepairProgress:
-        return RepairProgress(
+    def status(self) -> RepairStatus:
+        return RepairStatus(
             workflow_id=workflow.info().workflow_id,
+            instance_id=self._input.instance_id,
+            group=self._input.group,
+            reason=self._input.reason,
             phase=self._phase,
             replacement_instance_id=self._replacement,
             error=self._error,
-            finished=self._phase in (RepairPhase.COMPLETED, RepairPhase.FAILED, RepairPhase.CANCELLED),
+            timeline=self._timeline,
         )
 
     def _runbook_markdown(self) -> str:
