@@ -237,3 +237,45 @@ async def test_health_workflow_continues_as_new_carrying_its_state(
         assert view.healthStatus.overallStatus is HealthState.OK
         assert view.healthStatus.details[0].lastStatusChange == ok_since
         await handle.terminate("test over")
+
+
+async def test_initializing_until_first_heartbeat_and_insufficient_data_when_gpu_sources_are_down(
+    client: Client, aws_env: str, tmp_path: Path
+) -> None:
+    group = unique("g")
+    settings = make_settings(
+        client, aws_env, tmp_path / "events.jsonl", group=group, cluster=group, auto_repair=AutoRepair.DISABLED
+    )
+    instance = unique("i")
+    async with running_worker(settings, client):
+        # Started by a warning finding, before the probe's first heartbeat.
+        handle = await client.start_workflow(
+            "InstanceHealthWorkflow",
+            HealthInput(instance_id=instance, group=group),
+            id=health_workflow_id(instance),
+            task_queue=settings.temporal.task_queue,
+            start_signal="gpu_finding",
+            start_signal_args=[finding(instance, group, "w-1", code=43, impairs=False)],
+        )
+        view = await eventually(lambda: health_of(handle), lambda v: v.warning_counts != {})
+        assert view.healthStatus.overallStatus is HealthState.INITIALIZING
+
+        blind = heartbeat(instance, group).model_copy(
+            update={"gpu_health": HealthState.INSUFFICIENT_DATA, "gpu_health_reason": "NVML: driver not loaded"}
+        )
+        await handle.signal("heartbeat", blind)
+        view = await eventually(
+            lambda: health_of(handle), lambda v: v.healthStatus.overallStatus is HealthState.INSUFFICIENT_DATA
+        )
+        accelerated = next(d for d in view.healthStatus.details if d.type is CheckType.ACCELERATED_COMPUTE)
+        assert accelerated.statusReason == "NVML: driver not loaded"
+        assert check(view, CheckType.AGENT_CONNECTIVITY) is HealthState.OK
+
+        # The source comes back: nothing latches.
+        await handle.signal("heartbeat", heartbeat(instance, group))
+        await eventually(lambda: health_of(handle), lambda v: v.healthStatus.overallStatus is HealthState.OK)
+        events = await eventually(
+            lambda: asyncio.sleep(0, read_events(tmp_path / "events.jsonl")), lambda events: len(events) >= 2
+        )
+        assert [e["overall_status"] for e in events] == ["INSUFFICIENT_DATA", "OK"]
+        await handle.terminate("test over")
