@@ -6,7 +6,11 @@ BIN := $(VENV)/bin
 export PATH := $(abspath $(BIN)):$(PATH)
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint install clean
+# The Web UI browser test drives Debian's chromium headless; installed here when missing (root, or sudo).
+CHROMIUM ?= /usr/bin/chromium
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+
+.PHONY: demo test lint install browser clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,10 +20,15 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+$(CHROMIUM):
+	$(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
+
+browser: $(CHROMIUM)
+
 demo: $(STAMP)
 	$(BIN)/autorepair demo $(DEMO_ARGS)
 
-test: $(STAMP)
+test: $(STAMP) $(CHROMIUM)
 	$(BIN)/ruff check .
 	$(BIN)/mypy workflows activities worker node_probe
 	$(BIN)/pytest $(PYTEST_ARGS)
