@@ -1,4 +1,5 @@
-"""Publish fleet events to Amazon EventBridge (ECS's own channel for health changes) and/or a JSON-lines file.
+"""Publish fleet events to Amazon EventBridge (ECS's own channel for health changes), a JSON-lines file and/or a
+webhook (activities/webhook.py), and count them in our metrics (activities/metrics.py).
 
 Delivery is at least once: a retried activity may publish an event twice. Every event carries a deterministic
 `event_id`, so consumers drop the duplicates.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 from datetime import UTC, date, datetime
 from enum import Enum
@@ -18,8 +20,12 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.aws import AwsClients, aws_call
+from activities.metrics import EventMetrics
 from activities.models import EventType, FleetEvent
+from activities.webhook import WebhookSink
 from worker.settings import EventSettings
+
+log = logging.getLogger(__name__)
 
 # Entry error codes that a retry cannot fix (a malformed event or a missing permission); anything else
 # (InternalFailure, ThrottlingException, ...) is retried.
@@ -72,6 +78,7 @@ class EventActivities:
     def __init__(self, aws: AwsClients, settings: EventSettings) -> None:
         self._aws = aws
         self._settings = settings
+        self._webhook = WebhookSink(settings) if settings.webhook_url else None
 
     def activities(self) -> list[Any]:
         return [self.publish_event]
@@ -80,12 +87,37 @@ class EventActivities:
     async def publish_event(self, event: FleetEvent) -> None:
         body = event_body(event)
         text = json.dumps(body, default=_json_default)
+        # Counted on the first attempt only, and before the sinks: a retry (an EventBridge outage) must not count
+        # the step twice, and a sink outage must not hide it from the metrics.
+        metrics = self._metrics()
+        if metrics is not None and activity.info().attempt == 1:
+            self._record(metrics, event)
         # EventBridge first: its transient failures are the common retry, and retrying before the file is
         # written keeps the file free of duplicates from them.
         if self._settings.eventbridge:
             await self._put(event, text)
         if self._settings.jsonl_path is not None:
             await asyncio.to_thread(_append_line, self._settings.jsonl_path, text + "\n")
+        # Last, so that an EventBridge retry does not POST the event again; it never raises.
+        if self._webhook is not None:
+            dropped = await self._webhook.publish(event.event_id, text.encode())
+            if dropped and metrics is not None:
+                metrics.webhook_dropped(len(dropped))
+
+    @staticmethod
+    def _metrics() -> EventMetrics | None:
+        try:
+            return EventMetrics(activity.metric_meter())
+        except Exception as err:  # metrics are never worth failing an event for
+            log.warning("metrics unavailable: %s", err)
+            return None
+
+    @staticmethod
+    def _record(metrics: EventMetrics, event: FleetEvent) -> None:
+        try:
+            metrics.record(event)
+        except Exception as err:
+            log.warning("could not record metrics for %s event %s: %s", event.type.value, event.event_id, err)
 
     async def _put(self, event: FleetEvent, detail: str) -> None:
         bus = self._settings.bus_name

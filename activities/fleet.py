@@ -18,7 +18,10 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from temporalio import activity
+from temporalio.client import Client, WorkflowQueryRejectedError
+from temporalio.common import QueryRejectCondition
 from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError, RPCStatusCode
 
 from activities.aws import AwsClients, aws_call
 from activities.models import (
@@ -34,7 +37,8 @@ from activities.models import (
     TaskInfo,
     TerminateResult,
 )
-from workflows.models import CapacityGroup, GroupCapacity
+from workflows.ids import semaphore_workflow_id
+from workflows.models import CapacityGroup, GroupCapacity, GroupConfigOverrides, GroupConfigState
 
 if TYPE_CHECKING:
     from mypy_boto3_autoscaling.type_defs import AutoScalingGroupTypeDef
@@ -89,9 +93,12 @@ class FleetActivities:
         *,
         poll_interval: timedelta = timedelta(seconds=2),
         task_definition_cache_size: int = 256,
+        client: Client | None = None,
     ) -> None:
         self._aws = aws
         self._groups = groups
+        # Reads the live overrides an operator set on the group's drain semaphore; None: settings only.
+        self._client = client
         self._poll_seconds = poll_interval.total_seconds()
         # Task definition revisions are immutable, so their stop timeouts never go stale; bounded (LRU)
         # because a long-running worker sees every revision ever deployed.
@@ -129,9 +136,10 @@ class FleetActivities:
 
     @activity.defn(name="get_group_config")
     async def get_group_config(self, ref: GroupRef) -> CapacityGroup:
-        # An activity, not a workflow constant: the configuration can change between worker deploys, and the
-        # workflow must see it through history to stay deterministic.
-        return self._group(ref.group)
+        # An activity, not a workflow constant: the configuration can change between worker deploys (and live,
+        # by `autorepair group update`), and the workflow must see it through history to stay deterministic.
+        group = self._group(ref.group)
+        return (await self._live_overrides(group.name)).apply(group)
 
     @activity.defn(name="set_draining")
     async def set_draining(self, ref: InstanceRef) -> DrainResult:
@@ -449,6 +457,27 @@ class FleetActivities:
         return start.astimezone(UTC) if start is not None else None
 
     # --- lookups ------------------------------------------------------------------------------------------
+
+    async def _live_overrides(self, group: str) -> GroupConfigOverrides:
+        """The overrides held by the group's drain semaphore; none when it is not running (never started,
+        or closed by an operator: a new one starts without overrides, so a closed one's must not apply)."""
+        if self._client is None:
+            return GroupConfigOverrides()
+        handle = self._client.get_workflow_handle(semaphore_workflow_id(group))
+        try:
+            state = await handle.query(
+                "group_config",
+                result_type=GroupConfigState,
+                reject_condition=QueryRejectCondition.NOT_OPEN,
+                rpc_timeout=timedelta(seconds=10),
+            )
+        except WorkflowQueryRejectedError:
+            return GroupConfigOverrides()
+        except RPCError as err:
+            if err.status == RPCStatusCode.NOT_FOUND:
+                return GroupConfigOverrides()
+            raise  # anything else is retried: applying the settings alone could undo an operator's DISABLED
+        return state.overrides
 
     def _group(self, name: str) -> CapacityGroup:
         try:

@@ -24,10 +24,13 @@ class EventType(StrEnum):
     REPAIR_COMPLETED = "RepairCompleted"
     REPAIR_FAILED = "RepairFailed"
     DRAIN_PERMIT_RELEASED = "DrainPermitReleased"
+    # A group-level event: instance_id is empty, `changes` holds each changed field's old and new value.
+    GROUP_CONFIG_CHANGED = "GroupConfigChanged"
 
 
 HEALTH_DETAIL_TYPE = "Instance Health Change"
 REPAIR_DETAIL_TYPE = "Instance Repair Step"
+GROUP_DETAIL_TYPE = "Capacity Group Configuration Change"
 
 
 class FleetEvent(BaseModel):
@@ -43,6 +46,8 @@ class FleetEvent(BaseModel):
 
     @property
     def detail_type(self) -> str:
+        if self.type is EventType.GROUP_CONFIG_CHANGED:
+            return GROUP_DETAIL_TYPE
         return HEALTH_DETAIL_TYPE if self.type is EventType.HEALTH_CHANGED else REPAIR_DETAIL_TYPE
 
     def line(self) -> dict[str, Any]:

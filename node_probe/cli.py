@@ -8,6 +8,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 from collections.abc import Iterator
@@ -19,8 +20,10 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
+from node_probe.daemons import DaemonSpec, default_daemons
 from node_probe.imds import ImdsError, imds_instance_id
 from node_probe.kernel_log import KernelRecord, parse_lines
+from node_probe.nvml_source import nvml_available
 from node_probe.policy import POLICY_ECS, POLICY_NAMES, Policy, PolicyConfig, Verdict
 from node_probe.probe import Probe, ProbeConfig
 from node_probe.reporter import Reporter
@@ -153,6 +156,27 @@ def add_probe_arguments(parser: argparse.ArgumentParser) -> None:
     sources = parser.add_mutually_exclusive_group()
     sources.add_argument("--kernel-log", type=Path, default=None, metavar="FILE", help="follow this file (tail -F)")
     sources.add_argument("--kmsg", action="store_true", help="follow /dev/kmsg (the default)")
+    parser.add_argument(
+        "--nvml",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="NVML events and polled state (default: on when NVML initialises)",
+    )
+    parser.add_argument(
+        "--dcgm",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="DCGM health via `dcgmi health -c -j` (default: on when dcgmi is installed)",
+    )
+    parser.add_argument(
+        "--daemon",
+        action="append",
+        default=None,
+        metavar="UNIT[:critical]",
+        help="a systemd unit that must stay up; repeat for more (default: the fabric manager where NVSwitches "
+        "exist (critical), nvidia-persistenced and the DCGM host engine when installed)",
+    )
+    parser.add_argument("--no-daemons", action="store_true", help="watch no systemd units")
     # Unset flags fall back to the shared settings (AUTOREPAIR_TEMPORAL__* or the TOML file), TLS and API key too.
     parser.add_argument("--temporal-address", default=None)
     parser.add_argument("--namespace", default=None)
@@ -192,6 +216,18 @@ def _resolve_spool_dir(given: Path | None) -> Path | None:
     return DEFAULT_SPOOL_DIR if os.access(DEFAULT_SPOOL_DIR, os.W_OK) else None
 
 
+def _daemon_specs(args: argparse.Namespace) -> list[DaemonSpec]:
+    if getattr(args, "no_daemons", False):
+        return []
+    given = getattr(args, "daemon", None)
+    if not given:
+        return default_daemons()
+    try:
+        return [DaemonSpec.parse(text) for text in given]
+    except ValueError as exc:
+        raise CliError(f"--daemon {exc}") from exc
+
+
 async def build_probe(args: argparse.Namespace) -> Probe:
     overrides = {"address": args.temporal_address, "namespace": args.namespace, "task_queue": args.task_queue}
     temporal = Settings().temporal.model_copy(update={k: v for k, v in overrides.items() if v})
@@ -201,6 +237,9 @@ async def build_probe(args: argparse.Namespace) -> Probe:
             group=args.group,
             kernel_log=args.kernel_log,
             kmsg=args.kernel_log is None,
+            nvml=args.nvml if getattr(args, "nvml", None) is not None else await asyncio.to_thread(nvml_available),
+            dcgm=args.dcgm if getattr(args, "dcgm", None) is not None else shutil.which("dcgmi") is not None,
+            daemons=_daemon_specs(args),
             policy=args.policy,
             policy_config=_load_policy_config(args.policy_config),
             heartbeat_interval=timedelta(seconds=args.heartbeat_interval),

@@ -57,6 +57,7 @@ def make_finding(
         source=source,
         gpu=GpuRef(
             pci=record.pci,
+            uuid=record.uuid,
             mig_gpu_instance=record.mig_gpu_instance,
             mig_compute_instance=record.mig_compute_instance,
         ),
@@ -68,8 +69,10 @@ def make_finding(
 
 def dedupe_key(record: KernelRecord, verdict: Verdict) -> DedupeKey:
     """Same reason on the same GPU is one burst. `impairs` is part of the key so that a repeat rule firing on
-    the third Xid 13 is not swallowed by the burst the first two (warnings) opened."""
-    return (verdict.reason, record.pci, record.mig_gpu_instance, record.mig_compute_instance, verdict.impairs)
+    the third Xid 13 is not swallowed by the burst the first two (warnings) opened. The GPU is its PCI address
+    when known (so NVML and kernel-log records of one fault collapse together), else its UUID."""
+    gpu = record.pci or record.uuid
+    return (verdict.reason, gpu, record.mig_gpu_instance, record.mig_compute_instance, verdict.impairs)
 
 
 def burst_rollup(first: GpuFinding, last: GpuFinding, suppressed: int, observed_at: datetime) -> GpuFinding:

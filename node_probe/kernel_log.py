@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, NamedTuple
 
-RecordKind = Literal["xid", "sxid", "gpu_fallen_off_bus", "gpu_init_failed"]
+RecordKind = Literal["xid", "sxid", "gpu_fallen_off_bus", "gpu_init_failed", "nvml", "dcgm", "daemon"]
 
 # Prefixes that log tools put before the kernel's own text. They can stack (syslog's header, then dmesg's
 # uptime stamp), so they are stripped in a loop. Each alternative is anchored so that an application line
@@ -110,6 +110,12 @@ class KernelRecord(NamedTuple):
     nvlink_fatal: bool | None = None
     nvlink_link: int | None = None
     nvswitch: int | None = None
+    # Set by the NVML, DCGM and daemon sources (never by the kernel-log parser): the GPU's UUID, the condition's
+    # name (the finding's reason, e.g. NVML_REMAP_FAILURE), and the source's own "hard failure" verdict (a DCGM
+    # "fail", a daemon marked critical) that the policy turns into impairs.
+    uuid: str | None = None
+    reason: str | None = None
+    critical: bool | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return self._asdict()

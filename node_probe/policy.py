@@ -5,6 +5,11 @@ Two base policies:
     GPU that fell off the bus or failed to initialise. Conservative: a false impair costs a whole instance.
   * `nvidia-catalog`: NVIDIA's resolution buckets; anything NVIDIA sends to the hardware side impairs.
 Operator overrides (`PolicyConfig`) go on top: extra impairing codes, codes never to impair, and repeat rules.
+
+Records from the other sources: NVML Xid events arrive as `xid` records and "GPU is lost" as `gpu_fallen_off_bus`,
+so the rules above apply unchanged. NVML's polled state (`nvml`), DCGM health (`dcgm`) and daemons (`daemon`) carry
+their own reason; DCGM "fail" and a critical daemon impair under both policies (ECS's DCGM and DAEMON checks), the
+NVML conditions only under `nvidia-catalog` (ECS does not act on them).
 """
 
 from __future__ import annotations
@@ -39,6 +44,11 @@ HARDWARE_BUCKETS = frozenset(
 APPLICATION_BUCKETS = frozenset({"RESTART_APP", "IGNORE"})
 # Recovery actions Xid 154 can announce that need the node taken out of service.
 _NODE_ACTION_WORDS = ("reset", "reboot", "drain", "flr")
+# NVML conditions that NVIDIA's guidance sends to the hardware side (a GPU reset or more); see nvml_source.py.
+NVML_REMAP_FAILURE = "NVML_REMAP_FAILURE"  # like Xid 64, bucket RESET_GPU
+NVML_GPU_UNAVAILABLE = "NVML_GPU_UNAVAILABLE"
+NVML_RECOVERY_ACTION_PREFIX = "NVML_RECOVERY_ACTION_"
+_SOURCE_KINDS = frozenset({"nvml", "dcgm", "daemon"})
 # Bounds the repeat-rule memory when a log names many GPUs (or garbage addresses).
 _MAX_REPEAT_KEYS = 1024
 
@@ -70,6 +80,8 @@ class PolicyConfig(BaseModel):
 
 
 def reason_for(record: KernelRecord) -> str:
+    if record.reason is not None:
+        return record.reason
     if record.kind == "xid":
         return f"XID_{record.code}"
     if record.kind == "sxid":
@@ -124,6 +136,25 @@ def _nvidia(record: KernelRecord, catalog: XidCatalog) -> tuple[bool, str]:
     return bucket in HARDWARE_BUCKETS, f"nvidia-catalog:bucket-{bucket}"
 
 
+def _source_record(policy: str, record: KernelRecord) -> tuple[bool, str]:
+    if record.kind == "dcgm":
+        return (True, f"{policy}:dcgm-fail") if record.critical else (False, f"{policy}:dcgm-warn")
+    if record.kind == "daemon":
+        return (True, f"{policy}:daemon-critical") if record.critical else (False, f"{policy}:daemon-not-critical")
+    if policy == POLICY_ECS:
+        return False, "ecs:nvml-not-an-ecs-check"
+    reason = record.reason or ""
+    if reason == NVML_REMAP_FAILURE:
+        return True, "nvidia-catalog:row-remap-failure"
+    if reason == NVML_GPU_UNAVAILABLE:
+        return True, "nvidia-catalog:gpu-unavailable"
+    if reason.startswith(NVML_RECOVERY_ACTION_PREFIX):
+        # The same actions Xid 154 announces, so the same decision.
+        impairs, rule = _recovery_action_impairs(record.recovery_action_to)
+        return impairs, rule.replace(":xid154-", ":recovery-")
+    return False, "nvidia-catalog:nvml-warning"
+
+
 class _RepeatTracker:
     """Times of recent matching records per (rule, GPU): `count` each, _MAX_REPEAT_KEYS keys, at most."""
 
@@ -167,6 +198,8 @@ class Policy:
             return True, f"{self.name}:gpu-fallen-off-bus"
         if record.kind == "gpu_init_failed":
             return True, f"{self.name}:gpu-init-failed"
+        if record.kind in _SOURCE_KINDS:
+            return _source_record(self.name, record)
         fired = self._repeat_rule_fired(record, now)
         if fired is not None:
             return True, fired

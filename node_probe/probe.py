@@ -17,10 +17,13 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field, field_validator
 
+from node_probe.daemons import DaemonSource, DaemonSpec
+from node_probe.dcgm_source import DcgmHealthSource
 from node_probe.dedupe import Burst, BurstCollapser
 from node_probe.file_follow import KernelLogFileSource
 from node_probe.findings import DedupeKey, burst_rollup, dedupe_key, make_finding
 from node_probe.kmsg import KMSG_PATH, KmsgSource
+from node_probe.nvml_source import NvmlSource
 from node_probe.policy import POLICY_NAMES, Policy, PolicyConfig, Verdict
 from node_probe.reporter import ReporterProtocol
 from node_probe.source import Observation, RecordSource
@@ -38,6 +41,12 @@ class ProbeConfig(BaseModel):
     kernel_log: Path | None = None  # followed like tail -F: existing history first, then new lines
     kmsg: bool = False  # follow /dev/kmsg (the ring buffer's history first)
     kmsg_path: Path = KMSG_PATH  # a file in kmsg format stands in for the device in tests and replays
+    nvml: bool = False  # NVML events and polled state (the CLI turns it on where NVML initialises)
+    nvml_poll_interval: timedelta = timedelta(seconds=60)
+    dcgm: bool = False  # `dcgmi health -c -j`, polled
+    dcgm_poll_interval: timedelta = timedelta(seconds=60)
+    daemons: list[DaemonSpec] = Field(default_factory=list)  # systemd units; a DAEMON finding when one stays down
+    daemon_down_threshold: timedelta = timedelta(seconds=60)
     policy: str = "ecs"
     policy_config: PolicyConfig = Field(default_factory=PolicyConfig)
     heartbeat_interval: timedelta = timedelta(seconds=60)
@@ -80,6 +89,16 @@ def build_sources(config: ProbeConfig) -> list[RecordSource]:
         sources.append(KernelLogFileSource(config.kernel_log, poll))
     if config.kmsg:
         sources.append(KmsgSource(config.kmsg_path, poll))
+    nvml: NvmlSource | None = None
+    if config.nvml:
+        nvml = NvmlSource(poll_interval=config.nvml_poll_interval.total_seconds())
+        sources.append(nvml)
+    if config.dcgm:
+        # DCGM names GPUs by index; NVML, when on, turns that into the PCI address and UUID.
+        lookup = nvml.gpu_identity if nvml is not None else None
+        sources.append(DcgmHealthSource(poll_interval=config.dcgm_poll_interval.total_seconds(), gpu_lookup=lookup))
+    if config.daemons:
+        sources.append(DaemonSource(config.daemons, down_threshold=config.daemon_down_threshold.total_seconds()))
     return sources
 
 
@@ -112,10 +131,18 @@ class Probe:
         return len(self._spool)
 
     def gpu_health(self) -> tuple[HealthState, str | None]:
-        """OK while any source can see the GPUs; INSUFFICIENT_DATA (never IMPAIRED) when none can."""
-        if not self._sources:
+        """OK while any GPU source can see the GPUs; INSUFFICIENT_DATA (never IMPAIRED) when none can.
+
+        Daemons are not a GPU source (`gpu_source = False`), and DCGM without dcgmi installed is not configured
+        (`configured = False`): neither counts here."""
+        gpu_sources = [
+            source
+            for source in self._sources
+            if getattr(source, "gpu_source", True) and getattr(source, "configured", True)
+        ]
+        if not gpu_sources:
             return HealthState.INSUFFICIENT_DATA, "no GPU source configured"
-        statuses = [source.status for source in self._sources]
+        statuses = [source.status for source in gpu_sources]
         if any(status.is_ok for status in statuses):
             return HealthState.OK, None
         return HealthState.INSUFFICIENT_DATA, "; ".join(s.reason or "unavailable" for s in statuses)

@@ -63,6 +63,8 @@ class Reporter:
             id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE_FAILED_ONLY,
             start_signal=signal,
             start_signal_args=[payload],
+            # The Web UI's one-line summary; applies only when this call starts the workflow.
+            static_summary=f"health of {instance_id} in {group}",
             rpc_timeout=self._rpc_timeout,
         )
         try:

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from temporalio.client import Client
 
+from activities.webhook import webhook_delivery
 from worker.main import build_worker
 from worker.settings import AwsSettings, EventSettings, Settings, TemporalSettings
 from workflows.models import AutoRepair, CapacityGroup
@@ -72,7 +73,7 @@ def make_settings(
 
 @asynccontextmanager
 async def running_worker(settings: Settings, client: Client) -> AsyncIterator[None]:
-    async with build_worker(settings, client):
+    async with webhook_delivery(settings.events), build_worker(settings, client):
         yield
 
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, NoReturn
 
 import structlog
 from pydantic import ValidationError
@@ -48,11 +49,26 @@ async def _run_setup_command(args: argparse.Namespace) -> int:
     return 0
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """Bad arguments are one line naming the fix, not a usage block: scripts and logs keep it whole."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _one_line(err: ValidationError) -> str:
+    first = err.errors()[0]
+    where = ".".join(str(part) for part in first["loc"])
+    more = f" (and {err.error_count() - 1} more)" if err.error_count() > 1 else ""
+    return f"{where}: {first['msg']}{more}" if where else f"{first['msg']}{more}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from node_probe.cli import add_classify_arguments, add_probe_arguments, run_classify, run_probe_command
     from worker.demo import add_demo_arguments, run_demo
+    from worker.ops_cli import add_ops_commands
 
-    parser = argparse.ArgumentParser(prog="autorepair", description=__doc__)
+    parser = OneLineErrorParser(prog="autorepair", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
     def command(name: str, help: str, run: Callable[[argparse.Namespace], Any]) -> argparse.ArgumentParser:
@@ -65,7 +81,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo_arguments(command("demo", "run a simulated GPU fleet that heals itself, locally", run_demo))
     add_probe_arguments(command("probe", "run the node probe on a GPU host", run_probe_command))
     add_classify_arguments(command("classify", "classify kernel log text under a repair policy", run_classify))
+    add_ops_commands(command)
     return parser
+
+
+def _finish(args: argparse.Namespace, code: int, argv: list[str] | None) -> int:
+    """End a short-lived Temporal client command (`hard_exit`) without interpreter finalization when run as the
+    program (argv None): temporalio's Rust threads can abort CPython's teardown after such a command
+    (sdk-python#300), which would turn exit status 0 or 3 into 134. In-process callers get the code back."""
+    if argv is None and getattr(args, "hard_exit", False):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,17 +101,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings_format = Settings().log_format
     except ValidationError as err:
-        print(f"autorepair: invalid configuration: {err}", file=sys.stderr)
+        print(f"autorepair: invalid configuration: {_one_line(err)}", file=sys.stderr)
         return 2
     configure_logging(settings_format)
     try:
         outcome = args.run(args)
         if isinstance(outcome, Coroutine):
             outcome = asyncio.run(outcome)
-        return int(outcome or 0)
+        return _finish(args, int(outcome or 0), argv)
     except KeyboardInterrupt:
         return 130
-    except (ValidationError, FileNotFoundError, KeyError) as err:
+    except ValidationError as err:
+        print(f"autorepair: {_one_line(err)}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, KeyError) as err:
         print(f"autorepair: {err}", file=sys.stderr)
         return 2
     except RuntimeError as err:

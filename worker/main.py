@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from temporalio.client import Client
+from temporalio.runtime import Runtime
 from temporalio.worker import Worker
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
 from activities.aws import AwsClients
 from activities.events import EventActivities
 from activities.fleet import FleetActivities
+from activities.webhook import webhook_delivery
 from activities.workflow_ops import WorkflowOps
 from worker.settings import Settings
 from workflows.drain_semaphore import DrainSemaphoreWorkflow
@@ -29,7 +31,7 @@ SANDBOX = SandboxedWorkflowRunner(
 
 def build_worker(settings: Settings, client: Client) -> Worker:
     aws = AwsClients(settings.aws)
-    fleet = FleetActivities(aws, settings.group)
+    fleet = FleetActivities(aws, settings.group, client=client)
     events = EventActivities(aws, settings.events)
     ops = WorkflowOps(client, settings.temporal.task_queue)
     return Worker(
@@ -56,4 +58,7 @@ def build_worker(settings: Settings, client: Client) -> Worker:
 
 async def run_worker(settings: Settings, client: Client) -> None:
     """Run until cancelled; in-flight activities are given a chance to finish, workflows simply resume elsewhere."""
-    await build_worker(settings, client).run()
+    # The webhook outbox is drained by this process while it runs (see activities/webhook.py).
+    meter = (client.service_client.config.runtime or Runtime.default()).metric_meter
+    async with webhook_delivery(settings.events, meter):
+        await build_worker(settings, client).run()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,19 @@ class EventSettings(BaseModel):
     source: str = "gpu-autorepair"
     eventbridge: bool = True
     jsonl_path: Path | None = Field(default=None, description="Also append each event to this JSON-lines file")
+    # The webhook sink (activities/webhook.py): at-least-once POSTs of each event's JSON line, never blocking a repair.
+    webhook_url: str | None = Field(default=None, pattern=r"^https?://", description="Also POST each event here")
+    webhook_secret: SecretStr | None = Field(
+        default=None, description="Signs each request: X-Autorepair-Signature: sha256=HMAC-SHA256(secret, body)"
+    )
+    webhook_timeout: timedelta = Field(
+        default=timedelta(seconds=2), gt=timedelta(0), description="Per request; publish_event waits at most this"
+    )
+    webhook_outbox_dir: Path = Field(
+        default=Path("/var/lib/autorepair/webhook-outbox"),
+        description="Events the webhook has not accepted yet wait here, one file each, and survive restarts",
+    )
+    webhook_outbox_max_events: int = Field(default=10_000, ge=1, description="When full, the oldest event is dropped")
 
 
 class Settings(BaseSettings):

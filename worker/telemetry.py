@@ -5,14 +5,23 @@ from __future__ import annotations
 from temporalio.contrib.opentelemetry import TracingInterceptor
 from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 
+from activities.metrics import HISTOGRAM_BUCKETS
 from worker.settings import Settings
 
 
 def runtime(settings: Settings) -> Runtime | None:
-    """Temporal's runtime metrics (workflow/activity latencies, task slots, ...) on a Prometheus endpoint."""
+    """Temporal's runtime metrics (workflow/activity latencies, task slots, ...) on a Prometheus endpoint, and ours
+    (activities/metrics.py), which the activities record through Temporal's metric meter onto the same endpoint."""
     if not settings.metrics_bind_address:
         return None
-    return Runtime(telemetry=TelemetryConfig(metrics=PrometheusConfig(bind_address=settings.metrics_bind_address)))
+    return Runtime(
+        telemetry=TelemetryConfig(
+            metrics=PrometheusConfig(
+                bind_address=settings.metrics_bind_address,
+                histogram_bucket_overrides=HISTOGRAM_BUCKETS,
+            )
+        )
+    )
 
 
 def tracing_interceptors(settings: Settings) -> list[TracingInterceptor]:

@@ -3,6 +3,11 @@
 Requests and releases arrive as signals; a grant goes back to the requester as a signal. Permits are handed out
 first come, first served. A holder that closes without releasing (terminated by an operator, crashed past its
 retries) is found by a periodic check and its permit reclaimed, so one lost repair cannot block a group for good.
+
+The semaphore is also the group's entity for live configuration: `autorepair group update` sends the
+`update_group` update (validated, recorded in this history, published as a GroupConfigChanged event), the
+overrides ride along continue-as-new, and `FleetActivities.get_group_config` reads them with the
+`group_config` query, so every workflow of the group sees a change without a worker restart.
 """
 
 from __future__ import annotations
@@ -12,22 +17,28 @@ from collections.abc import Sequence
 
 from temporalio import workflow
 from temporalio.common import RawValue
-from temporalio.exceptions import FailureError
+from temporalio.exceptions import ActivityError, ApplicationError, FailureError
 
+from workflows.ids import semaphore_workflow_id
 from workflows.models import (
+    GroupConfigOverrides,
+    GroupConfigState,
+    GroupConfigUpdate,
     Permit,
     PermitGrant,
     PermitRelease,
     PermitRequest,
     SemaphoreInput,
     SemaphoreView,
+    drain_cap,
 )
 from workflows.options import CALL_RETRY, CALL_TIMEOUT
 from workflows.signal_input import Rejected, decode
 
 with workflow.unsafe.imports_passed_through():
+    from activities.events import EventActivities
     from activities.fleet import FleetActivities
-    from activities.models import GroupRef, WorkflowRun, WorkflowRuns
+    from activities.models import EventType, FleetEvent, GroupRef, WorkflowRun, WorkflowRuns
     from activities.workflow_ops import WorkflowOps
 
 SIGNAL_REQUEST = "request"
@@ -45,6 +56,9 @@ class DrainSemaphoreWorkflow:
         self._waiters: list[PermitRequest] = list(input.waiters)
         self._max_holders_seen = input.max_holders_seen
         self._rejected = input.rejected_signals
+        self._config = input.config or GroupConfigState(group=input.group)
+        # One configuration change at a time: each reads the group, then applies on top of the previous one.
+        self._config_lock = asyncio.Lock()
         self._capacity = 1
         self._group_size = 0
         self._signals_this_run = 0
@@ -61,6 +75,8 @@ class DrainSemaphoreWorkflow:
             start_to_close_timeout=CALL_TIMEOUT,
             retry_policy=CALL_RETRY,
         )
+        # Applied again on top: an update may have landed while the read was in flight.
+        self._config = self._config.model_copy(update={"effective": self._config.overrides.apply(group)})
         while True:
             if self._waiters and self._changed:
                 self._changed = False
@@ -75,6 +91,7 @@ class DrainSemaphoreWorkflow:
                         waiters=self._waiters,
                         max_holders_seen=self._max_holders_seen,
                         rejected_signals=self._rejected,
+                        config=self._config,
                     )
                 )
             try:
@@ -95,7 +112,10 @@ class DrainSemaphoreWorkflow:
             start_to_close_timeout=CALL_TIMEOUT,
             retry_policy=CALL_RETRY,
         )
-        self._capacity, self._group_size = capacity.max_draining, capacity.instance_count
+        percent = self._config.overrides.max_draining_percent
+        # An operator's live override wins over the settings' percentage the activity computed its cap from.
+        self._capacity = capacity.max_draining if percent is None else drain_cap(capacity.instance_count, percent)
+        self._group_size = capacity.instance_count
         while self._waiters and len(self._holders) < self._capacity:
             request = self._waiters.pop(0)
             permit = Permit(
@@ -173,6 +193,97 @@ class DrainSemaphoreWorkflow:
         self._rejected += 1
         workflow.logger.warning("dropped signal for drain semaphore %s: %s", self._group, why)
 
+    # --- live group configuration --------------------------------------------------------------------------
+
+    @workflow.update
+    async def update_group(self, update: GroupConfigUpdate) -> GroupConfigState:
+        """Change the group's configuration now; the change stays in this history and goes out as an event."""
+        self._signals_this_run += 1
+        async with self._config_lock:
+            try:
+                # Fresh settings merged with the current overrides; also proves the worker knows the group.
+                current = await workflow.execute_activity_method(
+                    FleetActivities.get_group_config,
+                    GroupRef(group=self._group),
+                    summary=f"read capacity group {self._group} before changing it",
+                    start_to_close_timeout=CALL_TIMEOUT,
+                    retry_policy=CALL_RETRY,
+                )
+            except ActivityError as err:
+                raise ApplicationError(
+                    f"cannot change capacity group {self._group}: {_cause(err)}",
+                    type="GroupConfigUnavailable",
+                    non_retryable=True,
+                ) from err
+            old = self._config.overrides.apply(current)
+            overrides = self._config.overrides.model_copy(update=update.changes().model_dump(exclude_none=True))
+            new = overrides.apply(current)
+            changed = {name for name in GroupConfigOverrides.model_fields if getattr(old, name) != getattr(new, name)}
+            self._config = GroupConfigState(
+                group=self._group,
+                overrides=overrides,
+                effective=new,
+                updated_at=workflow.now(),
+                updated_by=update.requested_by,
+                revision=self._config.revision + 1,
+            )
+            if "max_draining_percent" in changed:
+                if self._group_size:
+                    self._capacity = new.max_draining(self._group_size)
+                # A raised cap may let waiters through now, a lowered one simply grants nothing new.
+                self._changed = True
+            workflow.set_current_details(self._details_markdown())
+            if changed:
+                await self._publish_config_change(
+                    update.requested_by,
+                    old.model_dump(mode="json", include=changed),
+                    new.model_dump(mode="json", include=changed),
+                )
+            return self._config
+
+    @update_group.validator
+    def _validate_update_group(self, update: GroupConfigUpdate) -> None:
+        # A rejected update leaves no trace in history; the caller gets this message.
+        problems = update.problems()
+        if problems:
+            raise ApplicationError(
+                f"invalid update of capacity group {self._group}: {'; '.join(problems)}",
+                type="InvalidGroupConfigUpdate",
+                non_retryable=True,
+            )
+
+    async def _publish_config_change(self, requested_by: str, old: dict[str, object], new: dict[str, object]) -> None:
+        event = FleetEvent(
+            event_id=str(workflow.uuid4()),
+            time=workflow.now(),
+            type=EventType.GROUP_CONFIG_CHANGED,
+            group=self._group,
+            instance_id="",
+            workflow_id=semaphore_workflow_id(self._group),
+            fields={
+                "requested_by": requested_by,
+                "revision": self._config.revision,
+                "changes": {name: {"old": old[name], "new": new[name]} for name in sorted(new)},
+                "old": old,
+                "new": new,
+            },
+        )
+        try:
+            await workflow.execute_activity_method(
+                EventActivities.publish_event,
+                event,
+                summary=f"event {EventType.GROUP_CONFIG_CHANGED.value}",
+                start_to_close_timeout=CALL_TIMEOUT,
+                retry_policy=CALL_RETRY,
+            )
+        except ActivityError as err:
+            # The change is in effect and recorded in this history; a lost event must not fail it.
+            workflow.logger.warning("GroupConfigChanged for %s not published: %s", self._group, _cause(err))
+
+    @workflow.query
+    def group_config(self) -> GroupConfigState:
+        return self._config
+
     @workflow.query
     def state(self) -> SemaphoreView:
         return SemaphoreView(
@@ -196,4 +307,14 @@ class DrainSemaphoreWorkflow:
         ]
         lines += [f"- draining: `{p.instance_id}` ({p.holder_workflow_id})" for p in self._holders]
         lines += [f"- waiting: `{w.instance_id}` ({w.holder_workflow_id})" for w in self._waiters]
+        overrides = self._config.overrides.model_dump(mode="json", exclude_none=True)
+        if overrides:
+            pairs = ", ".join(f"{k}={v}" for k, v in overrides.items())
+            by = f" by {self._config.updated_by}" if self._config.updated_by else ""
+            lines += ["", f"Live configuration (revision {self._config.revision}{by}): {pairs}"]
         return "\n".join(lines)
+
+
+def _cause(err: ActivityError) -> str:
+    cause = err.cause
+    return cause.message if isinstance(cause, ApplicationError) else str(cause or err)

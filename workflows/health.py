@@ -7,6 +7,9 @@ Runbook it automates:
   4. The probe saying its GPU sources are down makes ACCELERATED_COMPUTE INSUFFICIENT_DATA, never IMPAIRED.
   5. Every change of status is published as a HealthChanged event.
   6. On IMPAIRED, if the group's auto repair is ENABLED, start the instance's repair once; if DISABLED, watch only.
+  7. The group's configuration is re-read whenever the heartbeat deadline fires: a changed threshold applies from
+     the next deadline, and an instance left impaired while repair was DISABLED is repaired once it is ENABLED.
+  8. Game days: `inject_heartbeat_loss` makes the workflow ignore heartbeats for a while, as if the probe were silent.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from datetime import datetime, timedelta
 
 from temporalio import workflow
 from temporalio.common import RawValue
+from temporalio.exceptions import ActivityError
 
 from workflows import search_attributes as sa
 from workflows.ids import health_workflow_id
@@ -32,6 +36,7 @@ from workflows.models import (
     HealthInput,
     HealthState,
     Heartbeat,
+    HeartbeatLossInjection,
     InstanceHealthView,
     RepairInput,
     RepairPhase,
@@ -50,6 +55,9 @@ with workflow.unsafe.imports_passed_through():
 SIGNAL_GPU_FINDING = "gpu_finding"
 SIGNAL_HEARTBEAT = "heartbeat"
 SIGNAL_REPAIR_PROGRESS = "repair_progress"
+SIGNAL_INJECT_HEARTBEAT_LOSS = "inject_heartbeat_loss"
+# Histories recorded before live group configuration read the group once per run; they replay without it.
+PATCH_LIVE_GROUP_CONFIG = "live-group-config"
 
 RECENT_FINDINGS = 20
 REMEMBERED_FINDING_IDS = 500
@@ -115,6 +123,7 @@ class InstanceHealthWorkflow:
 
     async def _watch_heartbeats(self, threshold: timedelta) -> None:
         """One timer at a time, set for when the agent would count as lost; a heartbeat just moves the deadline."""
+        live_config = workflow.patched(PATCH_LIVE_GROUP_CONFIG)
         while True:
             since = self._state.last_heartbeat or self._state.started_at
             assert since is not None
@@ -122,6 +131,9 @@ class InstanceHealthWorkflow:
             now = workflow.now()
             if now < deadline:
                 await workflow.sleep(deadline - now, summary="heartbeat deadline")
+                if live_config:
+                    # Once per timer, never per heartbeat: a healthy instance pays one activity per threshold.
+                    threshold = await self._reread_group_config(threshold)
                 continue
             before = self._status_key()
             self._set_check(
@@ -131,16 +143,47 @@ class InstanceHealthWorkflow:
                 now,
             )
             self._publish_if_changed(before)
-            await self._next_heartbeat_after(self._state.last_heartbeat)
+            if live_config:
+                await self._next_heartbeat_watching_config(threshold)
+            else:
+                await self._next_heartbeat_after(self._state.last_heartbeat)
 
     async def _next_heartbeat_after(self, seen: datetime | None) -> None:
         await workflow.wait_condition(lambda: self._state.last_heartbeat != seen)
 
-    async def _group_config(self) -> CapacityGroup:
+    async def _next_heartbeat_watching_config(self, threshold: timedelta) -> None:
+        """While the agent is lost, still look at the group once per threshold: a re-ENABLEd group repairs it."""
+        seen = self._state.last_heartbeat
+        while True:
+            try:
+                await workflow.wait_condition(
+                    lambda: self._state.last_heartbeat != seen,
+                    timeout=threshold,
+                    timeout_summary="agent lost: look at the group's configuration again",
+                )
+                return
+            except TimeoutError:
+                threshold = await self._reread_group_config(threshold)
+
+    async def _reread_group_config(self, threshold: timedelta) -> timedelta:
+        """The heartbeat threshold to use from now on; re-arms a repair withheld while the group was DISABLED."""
+        try:
+            group = await self._group_config(summary="re-read group config at the heartbeat deadline")
+        except ActivityError as err:
+            # E.g. the group was removed from the settings: keep watching with what we had.
+            workflow.logger.warning("group %s not re-read (%s); threshold stays %s", self._group, err.cause, threshold)
+            return threshold
+        if self._state.repair_withheld is not None and group.auto_repair is AutoRepair.ENABLED:
+            workflow.logger.info("auto repair ENABLED again for group %s", self._group)
+            self._state.repair_withheld = None
+            self._state.repair_requested = False
+        return group.heartbeat_loss_threshold
+
+    async def _group_config(self, summary: str | None = None) -> CapacityGroup:
         return await workflow.execute_activity_method(
             FleetActivities.get_group_config,
             GroupRef(group=self._group),
-            summary=f"read capacity group {self._group}",
+            summary=summary or f"read capacity group {self._group}",
             start_to_close_timeout=CALL_TIMEOUT,
             retry_policy=CALL_RETRY,
         )
@@ -151,6 +194,7 @@ class InstanceHealthWorkflow:
         self._state.repair_requested = True
         if group.auto_repair is AutoRepair.DISABLED:
             workflow.logger.info("instance impaired; auto repair DISABLED for group %s, monitoring only", self._group)
+            self._state.repair_withheld = f"auto repair DISABLED for group {self._group} at {_iso(workflow.now())}"
             return
         reason, finding = self._impairment()
         gpu = f" on GPU {finding.gpu.pci}" if finding is not None and finding.gpu.pci else ""
@@ -188,6 +232,8 @@ class InstanceHealthWorkflow:
             self._accept(decode(name, payloads, Heartbeat), self._on_heartbeat)
         elif name == SIGNAL_REPAIR_PROGRESS:
             self._accept(decode(name, payloads, RepairProgress), self._on_repair_progress)
+        elif name == SIGNAL_INJECT_HEARTBEAT_LOSS:
+            self._accept(decode(name, payloads, HeartbeatLossInjection), self._on_heartbeat_loss_injection)
         else:
             self._reject(Rejected(f"unknown signal {name!r}"))
 
@@ -230,6 +276,10 @@ class InstanceHealthWorkflow:
             self._reject(Rejected(f"heartbeat for {beat.instance_id} sent to {self._instance_id}"))
             return
         now = workflow.now()
+        ignored_until = self._state.heartbeats_ignored_until
+        if ignored_until is not None and now < ignored_until:
+            # An injected heartbeat loss: the watchdog must see exactly the silence a dead probe leaves.
+            return
         self._state.last_heartbeat = now
         self._set_check(CheckType.AGENT_CONNECTIVITY, HealthState.OK, None, now)
         accelerated = self._state.checks[CheckType.ACCELERATED_COMPUTE]
@@ -245,6 +295,16 @@ class InstanceHealthWorkflow:
             )
         else:
             self._set_check(CheckType.ACCELERATED_COMPUTE, HealthState.OK, None, now)
+
+    def _on_heartbeat_loss_injection(self, injection: HeartbeatLossInjection) -> None:
+        until = workflow.now() + injection.duration
+        self._state.heartbeats_ignored_until = until
+        workflow.logger.warning(
+            "game day: heartbeats of %s ignored until %s (requested by %s)",
+            self._instance_id,
+            _iso(until),
+            injection.requested_by or "unknown",
+        )
 
     def _on_repair_progress(self, progress: RepairProgress) -> None:
         if self._state.repair is None:
@@ -327,6 +387,8 @@ class InstanceHealthWorkflow:
             last_heartbeat=self._state.last_heartbeat,
             rejected_signals=self._state.rejected_signals,
             retired=self._retired,
+            repair_withheld=self._state.repair_withheld,
+            heartbeats_ignored_until=self._state.heartbeats_ignored_until,
         )
 
     def _details_markdown(self) -> str:
@@ -338,6 +400,11 @@ class InstanceHealthWorkflow:
         if self._state.repair is not None:
             r = self._state.repair
             lines += ["", f"Repair `{r.workflow_id}`: {r.phase.value}"]
+        if self._state.repair_withheld:
+            lines += ["", f"Not repaired: {self._state.repair_withheld}"]
+        ignored_until = self._state.heartbeats_ignored_until
+        if ignored_until is not None and workflow.now() < ignored_until:
+            lines += ["", f"Game day: heartbeats ignored until {_iso(ignored_until)}"]
         if self._state.rejected_signals:
             lines += ["", f"{self._state.rejected_signals} malformed or duplicate signals dropped"]
         return "\n".join(lines)

@@ -88,6 +88,13 @@ class Heartbeat(BaseModel):
     gpu_health_reason: str | None = None
 
 
+class HeartbeatLossInjection(BaseModel):
+    """Game day: the health workflow ignores heartbeats for `duration`, exactly as if the probe were silent."""
+
+    duration: timedelta = Field(gt=timedelta(0))
+    requested_by: str = ""
+
+
 class RepairProgress(BaseModel):
     """The repair workflow keeps the instance's health workflow told of where it is."""
 
@@ -135,6 +142,9 @@ class HealthCarry(BaseModel):
     repair: RepairView | None = None
     repair_requested: bool = False
     rejected_signals: int = 0
+    # Why an IMPAIRED instance is not being repaired (auto repair DISABLED); cleared when the group is re-ENABLED.
+    repair_withheld: str | None = None
+    heartbeats_ignored_until: datetime | None = None
 
 
 class HealthInput(BaseModel):
@@ -153,6 +163,8 @@ class InstanceHealthView(BaseModel):
     last_heartbeat: datetime | None
     rejected_signals: int
     retired: bool
+    repair_withheld: str | None = None
+    heartbeats_ignored_until: datetime | None = None
 
 
 # --- Drain semaphore -------------------------------------------------------------------------------------------
@@ -188,6 +200,7 @@ class SemaphoreInput(BaseModel):
     waiters: list[PermitRequest] = Field(default_factory=list)
     max_holders_seen: int = 0
     rejected_signals: int = 0
+    config: GroupConfigState | None = None
 
 
 class SemaphoreView(BaseModel):
@@ -259,7 +272,66 @@ class CapacityGroup(BaseModel):
 
     def max_draining(self, instance_count: int) -> int:
         """ECS's cap: max(1, floor(n * pct / 100)); below 9 instances at 20% that is one at a time."""
-        return max(1, instance_count * self.max_draining_percent // 100)
+        return drain_cap(instance_count, self.max_draining_percent)
+
+
+def drain_cap(instance_count: int, percent: int) -> int:
+    return max(1, instance_count * percent // 100)
+
+
+# --- Live group configuration (held by the group's drain semaphore) -----------------------------------------
+
+MAX_HEARTBEAT_LOSS_THRESHOLD = timedelta(days=1)
+
+
+class GroupConfigOverrides(BaseModel):
+    """What an operator changed on a running group; unset fields fall back to the worker's settings."""
+
+    auto_repair: AutoRepair | None = None
+    max_draining_percent: int | None = None
+    heartbeat_loss_threshold: timedelta | None = None
+
+    def apply(self, group: CapacityGroup) -> CapacityGroup:
+        return group.model_copy(update=self.model_dump(exclude_none=True))
+
+
+class GroupConfigUpdate(BaseModel):
+    """`autorepair group update`: the fields to change (None: leave as is). Checked by the update's validator,
+    not here, so that a bad value reaches the workflow and is refused there with a clear message."""
+
+    auto_repair: AutoRepair | None = None
+    max_draining_percent: int | None = None
+    heartbeat_loss_threshold: timedelta | None = None
+    requested_by: str = ""
+
+    def changes(self) -> GroupConfigOverrides:
+        return GroupConfigOverrides.model_validate(self.model_dump(exclude={"requested_by"}))
+
+    def problems(self) -> list[str]:
+        problems = []
+        if self.auto_repair is None and self.max_draining_percent is None and self.heartbeat_loss_threshold is None:
+            problems.append("nothing to change: give auto_repair, max_draining_percent or heartbeat_loss_threshold")
+        if self.max_draining_percent is not None and not 1 <= self.max_draining_percent <= 100:
+            problems.append(f"max_draining_percent must be between 1 and 100, not {self.max_draining_percent}")
+        threshold = self.heartbeat_loss_threshold
+        if threshold is not None and not timedelta(0) < threshold <= MAX_HEARTBEAT_LOSS_THRESHOLD:
+            problems.append(
+                f"heartbeat_loss_threshold must be more than 0s and at most {MAX_HEARTBEAT_LOSS_THRESHOLD}, "
+                f"not {threshold}"
+            )
+        return problems
+
+
+class GroupConfigState(BaseModel):
+    """The semaphore's `group_config` query and `update_group` result: the overrides, and the effective
+    configuration as the semaphore last read it (worker settings + overrides; None before its first read)."""
+
+    group: str
+    overrides: GroupConfigOverrides = Field(default_factory=GroupConfigOverrides)
+    effective: CapacityGroup | None = None
+    updated_at: datetime | None = None
+    updated_by: str = ""
+    revision: int = 0
 
 
 class GroupCapacity(BaseModel):

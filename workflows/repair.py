@@ -144,7 +144,12 @@ class InstanceRepairWorkflow:
             await self._event(EventType.TERMINATED)
 
             await self._enter(RepairPhase.COMPLETED, finished=True)
-            await self._event(EventType.REPAIR_COMPLETED, replacement_instance_id=self._replacement)
+            await self._event(
+                EventType.REPAIR_COMPLETED,
+                replacement_instance_id=self._replacement,
+                reason=input.reason,
+                timeline=self._steps(),
+            )
             return RepairResult(
                 instance_id=input.instance_id,
                 replacement_instance_id=self._replacement,
@@ -155,12 +160,12 @@ class InstanceRepairWorkflow:
         except asyncio.CancelledError:
             self._error = "cancelled by an operator"
             await self._enter(RepairPhase.CANCELLED, finished=True)
-            await self._event(EventType.REPAIR_FAILED, error=self._error)
+            await self._event(EventType.REPAIR_FAILED, error=self._error, reason=input.reason, timeline=self._steps())
             raise
         except ActivityError as err:
             self._error = _describe(err)
             await self._enter(RepairPhase.FAILED, finished=True)
-            await self._event(EventType.REPAIR_FAILED, error=self._error)
+            await self._event(EventType.REPAIR_FAILED, error=self._error, reason=input.reason, timeline=self._steps())
             raise ApplicationError(
                 f"repair of {input.instance_id} failed: {self._error}",
                 type="RepairFailed",
@@ -318,6 +323,10 @@ class InstanceRepairWorkflow:
             await handle.signal(SIGNAL_REPAIR_PROGRESS, progress)
         except FailureError as err:
             workflow.logger.info("health workflow not told of %s: %s", self._phase.value, err)
+
+    def _steps(self) -> list[dict[str, Any]]:
+        # Closing events carry the phase timeline; activities/metrics.py turns it into per-phase durations.
+        return [s.model_dump(mode="json") for s in self._timeline]
 
     async def _event(self, type: EventType, **fields: Any) -> None:
         event = FleetEvent(

@@ -1,0 +1,197 @@
+"""Critical daemons (ECS's DAEMON health check): systemd units that must run for the GPUs to be usable.
+
+`systemctl is-active` on all units in one call per poll. A unit that stays down past a threshold is one finding
+(kind `daemon`, reason `DAEMON_<unit>`), impairing when the unit is marked critical; it comes back up = the episode
+ends, and a later outage is a new finding. This source says nothing about the GPUs themselves, so it never
+counts for the heartbeat's GPU health (`gpu_source = False`).
+
+Defaults (`default_daemons`): the fabric manager on hosts with NVSwitches (critical: without it CUDA cannot use
+the GPUs), nvidia-persistenced, and the DCGM host engine; the last two only when installed, and not critical.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+from node_probe.host import CommandResult, CommandRunner, boot_id, run_command
+from node_probe.kernel_log import KernelRecord
+from node_probe.source import Observation, SourceStatus
+
+log = logging.getLogger(__name__)
+
+SOURCE_NAME = "daemons"
+# `systemctl is-active` states that mean "running": reloading is a running unit re-reading its config.
+_UP_STATES = frozenset({"active", "reloading"})
+NVSWITCH_DIRS = (Path("/proc/driver/nvidia-nvswitch/devices"),)
+NVSWITCH_DEVICE_GLOB = "nvidia-nvswitch[0-9]*"
+
+
+class DaemonSpec(BaseModel):
+    unit: str = Field(min_length=1)
+    critical: bool = False
+    # Watched only if systemd knows the unit: defaults name units a host may not have installed.
+    only_if_installed: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> DaemonSpec:
+        """`UNIT` or `UNIT:critical` (the command line's --daemon)."""
+        unit, _, flag = text.partition(":")
+        if flag not in ("", "critical"):
+            raise ValueError(f"{text!r}: expected UNIT or UNIT:critical")
+        return cls(unit=unit.strip(), critical=flag == "critical")
+
+
+def has_nvswitches(dev: Path = Path("/dev"), proc_dirs: Sequence[Path] = NVSWITCH_DIRS) -> bool:
+    if any(dev.glob(NVSWITCH_DEVICE_GLOB)):
+        return True
+    return any(path.is_dir() and any(path.iterdir()) for path in proc_dirs)
+
+
+def default_daemons(nvswitches: bool | None = None) -> list[DaemonSpec]:
+    if nvswitches is None:
+        nvswitches = has_nvswitches()
+    specs = []
+    if nvswitches:
+        specs.append(DaemonSpec(unit="nvidia-fabricmanager", critical=True))
+    specs += [
+        DaemonSpec(unit="nvidia-persistenced", only_if_installed=True),
+        DaemonSpec(unit="nvidia-dcgm", only_if_installed=True),
+        DaemonSpec(unit="dcgm", only_if_installed=True),
+    ]
+    return specs
+
+
+class DaemonSource:
+    name = SOURCE_NAME
+    gpu_source = False  # a daemon being down is a finding, not a reason to doubt what the GPU sources see
+
+    def __init__(
+        self,
+        units: Sequence[DaemonSpec],
+        *,
+        down_threshold: float = 60.0,
+        poll_interval: float = 15.0,
+        timeout: float = 10.0,
+        systemctl: str = "systemctl",
+        runner: CommandRunner = run_command,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.units = list(units)
+        self._threshold = down_threshold
+        self._poll = poll_interval
+        self._timeout = timeout
+        self._systemctl = systemctl
+        self._run = runner
+        self._clock = clock
+        self._status = SourceStatus.down("daemons: not checked yet")
+        self._last_reason: str | None = None
+        self._installed: dict[str, bool] = {}  # only for only_if_installed units, once known
+        self._down_since: dict[str, float] = {}
+        self._reported: set[str] = set()
+        self._episodes: dict[str, int] = {}
+
+    @property
+    def status(self) -> SourceStatus:
+        return self._status
+
+    def check(self) -> SourceStatus:
+        return self._status
+
+    async def observations(self) -> AsyncIterator[Observation]:
+        while True:
+            for observation in await self.poll():
+                yield observation
+            await asyncio.sleep(self._poll)
+
+    async def poll(self) -> list[Observation]:
+        await self._learn_installed()
+        watched = [spec for spec in self.units if not spec.only_if_installed or self._installed.get(spec.unit)]
+        if not watched:
+            self._status = SourceStatus.ok()
+            return []
+        result = await self._systemctl_call(["is-active", *(spec.unit for spec in watched)])
+        if result is None:
+            return []
+        states = result.stdout.split()
+        if len(states) != len(watched):
+            self._set_down(f"daemons: systemctl is-active answered {len(states)} lines for {len(watched)} units")
+            return []
+        self._status = SourceStatus.ok()
+        self._last_reason = None
+        now = self._clock()
+        found = []
+        for spec, state in zip(watched, states, strict=True):
+            observation = self._update(spec, state, now)
+            if observation is not None:
+                found.append(observation)
+        return found
+
+    async def _learn_installed(self) -> None:
+        unknown = [s.unit for s in self.units if s.only_if_installed and s.unit not in self._installed]
+        if not unknown:
+            return
+        result = await self._systemctl_call(["show", "--property=LoadState", "--value", *unknown])
+        if result is None:
+            return
+        states = result.stdout.split()
+        if len(states) != len(unknown):
+            return  # an unexpected answer: ask again next poll rather than guess
+        for unit, load_state in zip(unknown, states, strict=True):
+            # A unit not installed now may be installed later (the package arrives after the probe).
+            installed = load_state not in ("not-found", "masked")
+            if installed:
+                self._installed[unit] = True
+                log.info("daemons: watching %s", unit)
+
+    async def _systemctl_call(self, args: list[str]) -> CommandResult | None:
+        argv = [self._systemctl, *args]
+        try:
+            return await self._run(argv, self._timeout)
+        except FileNotFoundError:
+            self._set_down(f"daemons: {self._systemctl} not found (no systemd?)")
+        except TimeoutError:
+            self._set_down(f"daemons: {' '.join(argv)} did not finish within {self._timeout:.0f}s")
+        except OSError as exc:
+            self._set_down(f"daemons: cannot run {self._systemctl}: {exc.strerror or exc}")
+        return None
+
+    def _set_down(self, reason: str) -> None:
+        if reason != self._last_reason:
+            log.warning("%s", reason)
+        self._last_reason = reason
+        self._status = SourceStatus.down(reason)
+
+    def _update(self, spec: DaemonSpec, state: str, now: float) -> Observation | None:
+        unit = spec.unit
+        if state in _UP_STATES:
+            if unit in self._down_since:
+                log.info("daemons: %s is %s again", unit, state)
+                del self._down_since[unit]
+                if unit in self._reported:
+                    self._reported.discard(unit)
+                    self._episodes[unit] = self._episodes.get(unit, 0) + 1
+            return None
+        since = self._down_since.setdefault(unit, now)
+        down_for = now - since
+        if unit in self._reported or down_for < self._threshold:
+            return None
+        self._reported.add(unit)
+        record = KernelRecord(
+            line=0,
+            raw=f"systemctl is-active {unit}: {state}",
+            kind="daemon",
+            code=None,
+            pci=None,
+            message=f"{unit} is {state} for {down_for:.0f}s (threshold {self._threshold:.0f}s)"
+            + (" (critical)" if spec.critical else ""),
+            reason=f"DAEMON_{unit}",
+            critical=spec.critical,
+        )
+        position = f"state:{boot_id()}:{unit}:down:{self._episodes.get(unit, 0)}"
+        return Observation(record, self.name, position)

@@ -1,0 +1,357 @@
+"""A fault-injecting proxy in front of moto: AWS's API as the engine meets it on a bad day.
+
+moto answers every call at once and never runs out of capacity. Real AWS throttles (EC2 `RequestLimitExceeded`,
+ECS `ThrottlingException`), runs out of GPU capacity (`InsufficientInstanceCapacity`) and refuses calls the role
+may not make (`UnauthorizedOperation`). `FlakyAws` listens on loopback, forwards every request to moto unchanged,
+and answers instead with AWS's own error response (same protocol, status and body shape, so botocore parses and
+retries it exactly as it would a real one) whenever a `Fault` rule matches.
+
+It serves from its own threads: the test's event loop (which runs the Temporal worker) is never blocked, and
+the engine's boto3 calls (made from worker threads) are served concurrently.
+
+Only the engine is pointed at the proxy; whatever plays the world (the simulated fleet, the test's own checks)
+keeps talking to moto directly, so its calls neither see faults nor use up a rule's count.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Literal
+from urllib.parse import parse_qs, urlsplit
+from xml.sax.saxutils import escape
+
+# Status codes AWS answers these errors with (EC2 capacity and throttling are server-side: 500 and 503).
+DEFAULT_STATUS = {
+    "InsufficientInstanceCapacity": 500,
+    "InsufficientCapacity": 500,
+    "InternalError": 500,
+    "ServiceUnavailable": 503,
+    "RequestLimitExceeded": 503,
+    "ThrottlingException": 400,
+    "Throttling": 400,
+    "UnauthorizedOperation": 403,
+    "AccessDeniedException": 400,
+    "AccessDenied": 403,
+}
+
+DEFAULT_MESSAGE = {
+    "InsufficientInstanceCapacity": (
+        "We currently do not have sufficient p5.48xlarge capacity in the Availability Zone you requested. "
+        "Our system will be working on provisioning additional capacity."
+    ),
+    "RequestLimitExceeded": "Request limit exceeded.",
+    "ThrottlingException": "Rate exceeded",
+    "Throttling": "Rate exceeded",
+    "UnauthorizedOperation": (
+        "You are not authorized to perform this operation. User: arn:aws:sts::123456789012:assumed-role/"
+        "gpu-autorepair/worker is not authorized to perform: ec2:RunInstances"
+    ),
+}
+
+# Not forwarded: they describe one hop of the connection, not the request (RFC 9110, 7.6.1).
+HOP_BY_HOP = frozenset(
+    {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade", "content-length"}
+)
+
+
+@dataclass(frozen=True)
+class AwsRequest:
+    """What a rule can match on: the API call, and which attempt of which logical SDK call it is."""
+
+    service: str  # signing name from the SigV4 credential scope: ec2, ecs, events, autoscaling
+    action: str  # RunInstances, UpdateContainerInstancesState, ... ("" for a protocol we do not parse)
+    protocol: str  # "json" (X-Amz-Target) or "query" (form-encoded Action=), or "other"
+    attempt: int  # botocore's attempt number within one logical call (amz-sdk-request header), 1 if absent
+    invocation: str  # one logical SDK call, the same on each of its retries (amz-sdk-invocation-id header)
+    # Query protocol: the form's parameters (first value of each), e.g. {"InstanceId.1": "i-0abc..."}, so a test
+    # can tell which instance a call was about. Empty for the json protocol.
+    params: dict[str, str] = field(default_factory=dict, compare=False)
+
+
+@dataclass
+class Fault:
+    """Answer `action` with AWS error `code` instead of forwarding it.
+
+    `per="request"` counts HTTP requests: each of botocore's attempts is a request, so a throttle on the first
+    N requests is partly absorbed by botocore's own retries, as a real throttle is. `per="call"` counts logical
+    SDK calls: every attempt of a failed call fails too, as when a capacity shortage outlasts botocore's few
+    seconds of backoff, so each failed call reaches the activity as an error.
+
+    `times=None` fails every matching request or call; otherwise the first `times` ones after the rule was
+    added fail and later ones go through. `every=k` fails only every k-th one (k, 2k, ...), so a throttle can
+    run through a whole repair without starving any single call.
+    """
+
+    action: str
+    code: str
+    status: int
+    message: str
+    times: int | None = None
+    every: int = 1
+    per: Literal["request", "call"] = "request"
+    service: str | None = None
+    matched: int = 0  # requests or calls (see `per`) that matched the rule while it was active
+    failed: int = 0  # requests or calls (see `per`) answered with the error
+    _doomed: set[str] = field(default_factory=set, init=False, repr=False)
+    _spared: set[str] = field(default_factory=set, init=False, repr=False)
+
+    def applies(self, request: AwsRequest) -> bool:
+        """Count a matching request and say whether to fail it. Called under the proxy's lock."""
+        if request.action != self.action or (self.service is not None and request.service != self.service):
+            return False
+        if self.per == "call":
+            # A retry of a call already decided on gets the same answer; only a new call counts.
+            if request.invocation in self._doomed:
+                return True
+            if request.invocation in self._spared:
+                return False
+        if self.times is not None and self.failed >= self.times:
+            return False
+        self.matched += 1
+        doomed = self.matched % self.every == 0
+        if doomed:
+            self.failed += 1
+        if self.per == "call" and request.invocation:
+            (self._doomed if doomed else self._spared).add(request.invocation)
+        return doomed
+
+
+@dataclass(frozen=True)
+class Seen:
+    """One request as the proxy handled it, in arrival order."""
+
+    request: AwsRequest
+    status: int
+    fault: str | None  # the error code injected, or None when moto answered
+
+
+@dataclass
+class _Log:
+    seen: list[Seen] = field(default_factory=list)
+    calls: Counter[str] = field(default_factory=Counter)
+    injected: Counter[str] = field(default_factory=Counter)
+
+
+class FlakyAws:
+    """Loopback HTTP proxy to `upstream` (moto) that injects AWS error responses by rule.
+
+    Use as a context manager; `url` is what the engine's `settings.aws.endpoint_url` should be.
+    """
+
+    def __init__(self, upstream: str) -> None:
+        parts = urlsplit(upstream)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"upstream must be an http:// URL, not {upstream!r}")
+        self._upstream = (parts.hostname, parts.port or 80)
+        self._faults: list[Fault] = []
+        self._log = _Log()
+        self._lock = threading.Lock()
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
+        # Handler threads end with the process; a keep-alive connection botocore never closes must not hang close().
+        self._server.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host!s}:{port}"
+
+    # --- rules and counters --------------------------------------------------------------------------------
+
+    def fail(
+        self,
+        action: str,
+        code: str,
+        *,
+        times: int | None = None,
+        every: int = 1,
+        per: Literal["request", "call"] = "request",
+        status: int | None = None,
+        message: str | None = None,
+        service: str | None = None,
+    ) -> Fault:
+        """Add a rule; the first rule (in order added) that still has calls to fail is the one applied."""
+        if every < 1 or (times is not None and times < 0):
+            raise ValueError("every must be >= 1 and times >= 0")
+        fault = Fault(
+            action=action,
+            code=code,
+            status=status if status is not None else DEFAULT_STATUS.get(code, 400),
+            message=message if message is not None else DEFAULT_MESSAGE.get(code, f"{code} (injected by FlakyAws)"),
+            times=times,
+            every=every,
+            per=per,
+            service=service,
+        )
+        with self._lock:
+            self._faults.append(fault)
+        return fault
+
+    def heal(self) -> None:
+        """Drop every rule: from now on everything is forwarded."""
+        with self._lock:
+            self._faults.clear()
+
+    def calls(self, action: str) -> int:
+        """Requests seen for `action` (every botocore attempt counts), failed or forwarded."""
+        with self._lock:
+            return self._log.calls[action]
+
+    def injected(self, action: str) -> int:
+        """Requests for `action` answered with an injected error."""
+        with self._lock:
+            return self._log.injected[action]
+
+    def seen(self) -> list[Seen]:
+        with self._lock:
+            return list(self._log.seen)
+
+    # --- lifecycle -----------------------------------------------------------------------------------------
+
+    def start(self) -> FlakyAws:
+        # Short poll interval: shutdown() waits for the serve loop to notice.
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, name="flaky-aws", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._server.shutdown()
+            self._thread.join()
+            self._thread = None
+        self._server.server_close()
+
+    def __enter__(self) -> FlakyAws:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- request handling (proxy threads) ------------------------------------------------------------------
+
+    def _decide(self, request: AwsRequest) -> Fault | None:
+        with self._lock:
+            self._log.calls[request.action] += 1
+            for fault in self._faults:
+                if fault.applies(request):
+                    self._log.injected[request.action] += 1
+                    return fault
+            return None
+
+    def _record(self, request: AwsRequest, status: int, fault: Fault | None) -> None:
+        with self._lock:
+            self._log.seen.append(Seen(request=request, status=status, fault=fault.code if fault else None))
+
+    def _forward(
+        self, method: str, path: str, headers: list[tuple[str, str]], body: bytes
+    ) -> tuple[int, list[tuple[str, str]], bytes]:
+        # One connection per request: simple, and moto is on loopback, so the handshake costs nothing.
+        conn = http.client.HTTPConnection(*self._upstream, timeout=60)
+        try:
+            conn.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
+            for name, value in headers:
+                conn.putheader(name, value)
+            conn.putheader("Content-Length", str(len(body)))
+            conn.endheaders(body)
+            response = conn.getresponse()
+            data = response.read()
+            return response.status, response.getheaders(), data
+        finally:
+            conn.close()
+
+
+def parse_request(headers: dict[str, str], path: str, body: bytes) -> AwsRequest:
+    """Service and action of a botocore request, for the json and query (and ec2) protocols."""
+    service = ""
+    auth = headers.get("authorization", "")
+    if "Credential=" in auth:
+        # Credential=AKID/20240101/us-east-1/ec2/aws4_request
+        scope = auth.split("Credential=", 1)[1].split(",", 1)[0].split("/")
+        if len(scope) >= 5:
+            service = scope[3]
+    attempt = 1
+    for part in headers.get("amz-sdk-request", "").split(";"):
+        key, _, value = part.strip().partition("=")
+        if key == "attempt" and value.isdigit():
+            attempt = int(value)
+    # Without the header (not botocore), each request is a call of its own.
+    invocation = headers.get("amz-sdk-invocation-id") or str(uuid.uuid4())
+    target = headers.get("x-amz-target")
+    if target:
+        action = target.rsplit(".", 1)[-1]
+        return AwsRequest(service=service, action=action, protocol="json", attempt=attempt, invocation=invocation)
+    form = parse_qs(urlsplit(path).query)
+    if "x-www-form-urlencoded" in headers.get("content-type", ""):
+        form.update(parse_qs(body.decode("utf-8", "replace")))
+    action = form.get("Action", [""])[0]
+    protocol = "query" if action else "other"
+    params = {key: values[0] for key, values in form.items()}
+    return AwsRequest(
+        service=service, action=action, protocol=protocol, attempt=attempt, invocation=invocation, params=params
+    )
+
+
+def error_response(request: AwsRequest, fault: Fault) -> tuple[list[tuple[str, str]], bytes]:
+    """AWS's error body for the request's protocol: what botocore's parsers expect from the real service."""
+    request_id = str(uuid.uuid4())
+    if request.protocol == "json":
+        body = json.dumps({"__type": fault.code, "message": fault.message}).encode()
+        return [("Content-Type", "application/x-amz-json-1.1"), ("x-amzn-RequestId", request_id)], body
+    code, message = escape(fault.code), escape(fault.message)
+    if request.service == "ec2":
+        xml = (
+            '<?xml version="1.0" encoding="UTF-8"?>\n'
+            f"<Response><Errors><Error><Code>{code}</Code><Message>{message}</Message></Error></Errors>"
+            f"<RequestID>{request_id}</RequestID></Response>"
+        )
+    else:
+        kind = "Receiver" if fault.status >= 500 else "Sender"
+        xml = (
+            "<ErrorResponse>"
+            f"<Error><Type>{kind}</Type><Code>{code}</Code><Message>{message}</Message></Error>"
+            f"<RequestId>{request_id}</RequestId></ErrorResponse>"
+        )
+    return [("Content-Type", "text/xml;charset=UTF-8"), ("x-amzn-RequestId", request_id)], xml.encode()
+
+
+def _handler_for(proxy: FlakyAws) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        # HTTP/1.1: botocore keeps connections alive; every answer below carries a Content-Length.
+        protocol_version = "HTTP/1.1"
+
+        def _handle(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            body = self.rfile.read(length) if length else b""
+            headers = {k.lower(): v for k, v in self.headers.items()}
+            request = parse_request(headers, self.path, body)
+            fault = proxy._decide(request)
+            if fault is not None:
+                out_headers, out_body = error_response(request, fault)
+                status = fault.status
+            else:
+                forwarded = [(k, v) for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP]
+                status, upstream_headers, out_body = proxy._forward(self.command, self.path, forwarded, body)
+                # send_response() writes its own Server and Date.
+                out_headers = [(k, v) for k, v in upstream_headers if k.lower() not in HOP_BY_HOP | {"server", "date"}]
+            proxy._record(request, status, fault)
+            self.send_response(status)
+            for name, value in out_headers:
+                self.send_header(name, value)
+            self.send_header("Content-Length", str(len(out_body)))
+            self.end_headers()
+            self.wfile.write(out_body)
+
+        do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _handle
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass  # one line per request on stderr would drown pytest's output
+
+    return Handler

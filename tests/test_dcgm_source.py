@@ -1,0 +1,248 @@
+"""DCGM health via `dcgmi health -c -j`, with a fake command runner (no DCGM on this machine).
+
+The JSON below has the shape dcgmi's own code builds (NVIDIA/DCGM dcgmi/Health.cpp + DcgmiOutput.{h,cpp}:
+"header", then "body" -> section -> "children" -> ..., leaves with "value" and "overflow"), in jsoncpp's
+styled-string layout.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+
+from node_probe.dcgm_source import DcgmHealthSource, parse_health_json, system_word
+from node_probe.host import CommandResult
+from node_probe.policy import Policy
+from node_probe.probe import Probe, ProbeConfig
+from tests.test_probe import FakeReporter
+from workflows.models import HealthState
+
+NOW = datetime(2025, 1, 1, tzinfo=UTC)
+
+HEALTHY = """{
+   "body" : {
+      "Overall Health" : {
+         "value" : "Healthy"
+      }
+   },
+   "header" : [ "Health Monitor Report" ]
+}
+"""
+
+
+def report(overall: str, entities: dict[str, dict[str, dict[str, tuple[str, list[str]]]]]) -> str:
+    """entities: group -> entity id -> system -> (result, message chunks)."""
+    body: dict[str, Any] = {"Overall Health": {"value": overall}}
+    for group, by_id in entities.items():
+        children: dict[str, Any] = {}
+        for entity_id, systems in by_id.items():
+            results = [result for result, _ in systems.values()]
+            worst = next((r for r in ("Failure", "Warning") if r in results), results[0])
+            errors = {name: {"value": result, "overflow": chunks} for name, (result, chunks) in systems.items()}
+            children[entity_id] = {"value": worst, "children": {"Errors": {"children": errors}}}
+        body[group] = {"children": children}
+    return json.dumps({"body": body, "header": ["Health Monitor Report"]}, indent=3)
+
+
+MEMORY_FAIL_GPU1 = report(
+    "Failure",
+    {
+        "GPU": {
+            "0": {"PCIe system": ("Warning", ["Detected more than 8 PCIe replays per minute for GPU 0 : 12"])},
+            "1": {
+                "Memory system": (
+                    "Failure",
+                    ["A volatile double-bit ECC error has occurred on GPU 1. Drain the GPU and reset it or", "reboot."],
+                )
+            },
+        }
+    },
+)
+
+
+class FakeRunner:
+    """Answers each argv from a table of canned results (or exceptions); records the calls."""
+
+    def __init__(self, answers: dict[tuple[str, ...], Any]) -> None:
+        self.answers = answers
+        self.calls: list[tuple[str, ...]] = []
+
+    async def __call__(self, argv: Sequence[str], timeout: float) -> CommandResult:
+        key = tuple(argv)
+        self.calls.append(key)
+        answer = self.answers[key]
+        if isinstance(answer, BaseException):
+            raise answer
+        if isinstance(answer, CommandResult):
+            return answer
+        return CommandResult(0, answer)
+
+
+CHECK = ("dcgmi", "health", "-c", "-j")
+ENABLE = ("dcgmi", "health", "-s", "a")
+
+
+def source_with(answers: dict[tuple[str, ...], Any], **kwargs: Any) -> tuple[DcgmHealthSource, FakeRunner]:
+    runner = FakeRunner(answers)
+    return DcgmHealthSource(runner=runner, **kwargs), runner
+
+
+# --- the parser -------------------------------------------------------------------------------------------
+
+
+def test_parse_healthy() -> None:
+    parsed = parse_health_json(HEALTHY)
+    assert parsed.overall == "pass" and parsed.incidents == ()
+
+
+def test_parse_incidents_per_entity_and_system_with_the_message_joined() -> None:
+    parsed = parse_health_json(MEMORY_FAIL_GPU1)
+    assert parsed.overall == "fail"
+    assert [(i.entity_group, i.entity_id, i.system, i.health) for i in parsed.incidents] == [
+        ("GPU", "0", "PCIe system", "warn"),
+        ("GPU", "1", "Memory system", "fail"),
+    ]
+    assert parsed.incidents[1].message.endswith("Drain the GPU and reset it or reboot.")
+    assert [i.reason for i in parsed.incidents] == ["DCGM_PCIE_WARN", "DCGM_MEMORY_FAIL"]
+
+
+@pytest.mark.parametrize(
+    ("system", "word"),
+    [("Memory system", "MEMORY"), ("NVLINK system", "NVLINK"), ("Driver", "DRIVER"), ("NvSwitch F", "NVSWITCH_F")],
+)
+def test_system_words(system: str, word: str) -> None:
+    assert system_word(system) == word
+
+
+def test_parse_tolerates_a_flat_shape_and_leading_text() -> None:
+    flat = {"Overall Health": "Failure", "GPU": {"3": {"value": "Failure", "Errors": {"Thermal system": "Failure"}}}}
+    parsed = parse_health_json("Health Monitor Report\n" + json.dumps(flat))
+    assert [(i.entity_id, i.system, i.health) for i in parsed.incidents] == [("3", "Thermal system", "fail")]
+
+
+def test_an_overall_failure_without_a_readable_incident_still_fails() -> None:
+    parsed = parse_health_json(json.dumps({"body": {"Overall Health": {"value": "Failure"}, "GPU": 42}}))
+    assert [(i.reason, i.health) for i in parsed.incidents] == [("DCGM_OVERALL_FAIL", "fail")]
+
+
+def test_internal_error_is_not_a_fault() -> None:
+    parsed = parse_health_json(report("Internal error", {"GPU": {"0": {"SM system": ("Internal error", [])}}}))
+    assert parsed.incidents == ()
+
+
+# --- the source -------------------------------------------------------------------------------------------
+
+
+async def test_fail_impairs_under_both_policies_and_warn_does_not() -> None:
+    source, _ = source_with({CHECK: MEMORY_FAIL_GPU1})
+    found = await source.poll()
+    assert source.status.is_ok
+    for policy in ("ecs", "nvidia-catalog"):
+        verdicts = [Policy(policy).classify(o.record, NOW) for o in found]
+        assert [(v.reason, v.impairs) for v in verdicts] == [("DCGM_PCIE_WARN", False), ("DCGM_MEMORY_FAIL", True)]
+    assert found[1].record.kind == "dcgm" and "double-bit ECC" in found[1].record.message
+    assert found[1].source == "dcgm"
+
+
+async def test_gpu_ids_become_pci_and_uuid_through_the_lookup() -> None:
+    identities = {1: ("0000:c1:00", "GPU-aaaa")}
+    source, _ = source_with({CHECK: MEMORY_FAIL_GPU1}, gpu_lookup=identities.get)
+    found = await source.poll()
+    assert (found[1].record.pci, found[1].record.uuid) == ("0000:c1:00", "GPU-aaaa")
+    assert found[0].record.pci is None  # GPU 0 unknown to the lookup
+
+
+async def test_a_lasting_incident_is_reported_once_and_again_after_it_cleared() -> None:
+    source, runner = source_with({CHECK: MEMORY_FAIL_GPU1})
+    first = await source.poll()
+    assert len(first) == 2
+    assert await source.poll() == []
+    runner.answers[CHECK] = HEALTHY
+    assert await source.poll() == []
+    runner.answers[CHECK] = MEMORY_FAIL_GPU1
+    again = await source.poll()
+    assert [o.record.reason for o in again] == ["DCGM_PCIE_WARN", "DCGM_MEMORY_FAIL"]
+    assert {o.position for o in again}.isdisjoint({o.position for o in first})  # new episode, new finding id
+
+
+async def test_a_warning_that_becomes_a_failure_is_reported_again() -> None:
+    warn = report("Warning", {"GPU": {"0": {"Memory system": ("Warning", ["SBE rate"])}}})
+    fail = report("Failure", {"GPU": {"0": {"Memory system": ("Failure", ["DBE"])}}})
+    source, runner = source_with({CHECK: warn})
+    assert [o.record.reason for o in await source.poll()] == ["DCGM_MEMORY_WARN"]
+    runner.answers[CHECK] = fail
+    (escalated,) = await source.poll()
+    assert escalated.record.reason == "DCGM_MEMORY_FAIL" and escalated.record.critical
+
+
+async def test_hostengine_down_is_insufficient_data_and_recovers() -> None:
+    down = CommandResult(255, "Error: unable to establish a connection to the specified host: localhost\n")
+    source, runner = source_with({CHECK: down})
+    assert await source.poll() == []
+    status = source.status
+    assert status.state == HealthState.INSUFFICIENT_DATA and "unable to establish a connection" in (status.reason or "")
+    assert source.configured  # installed, just not working: it counts as a down GPU source
+    runner.answers[CHECK] = HEALTHY
+    assert await source.poll() == [] and source.status.is_ok
+
+
+async def test_a_timeout_is_insufficient_data() -> None:
+    source, _ = source_with({CHECK: TimeoutError()}, timeout=3)
+    await source.poll()
+    assert "did not finish within 3s" in (source.status.reason or "")
+
+
+async def test_watches_not_enabled_are_enabled_once() -> None:
+    not_enabled = CommandResult(255, "Error: Health watches not enabled. Please enable watches. \n")
+    source, runner = source_with({CHECK: not_enabled, ENABLE: "Health monitor systems set successfully.\n"})
+
+    async def enabled_then_healthy(argv: Sequence[str], timeout: float) -> CommandResult:
+        result = await FakeRunner.__call__(runner, argv, timeout)
+        if tuple(argv) == ENABLE:
+            runner.answers[CHECK] = HEALTHY
+        return result
+
+    source._run = enabled_then_healthy
+    assert await source.poll() == []
+    assert runner.calls == [CHECK, ENABLE, CHECK] and source.status.is_ok
+
+
+async def test_watches_not_enabled_without_permission_to_enable_is_insufficient_data() -> None:
+    not_enabled = CommandResult(255, "Error: Health watches not enabled. Please enable watches. \n")
+    source, runner = source_with({CHECK: not_enabled}, enable_watches=False)
+    await source.poll()
+    assert not source.status.is_ok and "watches not enabled" in (source.status.reason or "")
+    assert runner.calls == [CHECK]
+
+
+async def test_a_missing_dcgmi_is_not_configured_and_does_not_count_for_gpu_health(tmp_path: Any) -> None:
+    # The real runner, a real (missing) binary: no fake here.
+    source = DcgmHealthSource(dcgmi=str(tmp_path / "no-such-dcgmi"))
+    assert "not configured" in (source.check().reason or "")
+    assert not source.configured
+    await source.poll()
+    assert not source.configured and "not configured" in (source.status.reason or "")
+
+    from node_probe.file_follow import KernelLogFileSource
+
+    log_file = tmp_path / "kern.log"
+    log_file.write_text("")
+    kernel_log = KernelLogFileSource(log_file)
+    kernel_log.check()
+    probe = Probe(ProbeConfig(instance_id="i-1", group="g"), FakeReporter(), sources=[kernel_log, source])
+    assert probe.gpu_health() == (HealthState.OK, None)
+    only_dcgm = Probe(ProbeConfig(instance_id="i-1", group="g"), FakeReporter(), sources=[source])
+    assert only_dcgm.gpu_health() == (HealthState.INSUFFICIENT_DATA, "no GPU source configured")
+
+
+async def test_real_runner_runs_a_command_and_times_out() -> None:
+    from node_probe.host import run_command
+
+    result = await run_command(["sh", "-c", "echo out; echo err >&2; exit 3"], 5)
+    assert (result.returncode, result.stdout, result.stderr) == (3, "out\n", "err\n")
+    with pytest.raises(TimeoutError):
+        await run_command(["sleep", "5"], 0.1)

@@ -1,0 +1,152 @@
+"""Our metrics and Temporal's on one Prometheus endpoint: a worker on a runtime with a Prometheus exporter repairs
+one instance of the simulated fleet, and a scrape of /metrics shows the repair, its phases and Temporal's own series.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import urllib.request
+from datetime import UTC, datetime, timedelta
+
+from temporalio.client import Client
+from temporalio.contrib.pydantic import pydantic_data_converter
+
+from activities.metrics import _finding_to_impaired, reason_label
+from activities.models import EventType, FleetEvent
+from tests.conftest import free_port
+from tests.harness import eventually
+from tests.test_repair_engine import simulated_fleet
+from worker.settings import Settings
+from worker.telemetry import runtime
+from workflows.models import RepairPhase
+
+SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)$")
+LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+REPAIR_PHASES = [
+    RepairPhase.WAITING_FOR_PERMIT,
+    RepairPhase.DRAINING,
+    RepairPhase.LAUNCHING_REPLACEMENT,
+    RepairPhase.WAITING_FOR_REPLACEMENT,
+    RepairPhase.STOPPING_TASKS,
+    RepairPhase.TERMINATING,
+]
+
+
+def parse(text: str) -> list[tuple[str, dict[str, str], float]]:
+    samples = []
+    for line in text.splitlines():
+        match = SAMPLE.match(line)
+        if match and not line.startswith("#"):
+            labels = dict(LABEL.findall(match["labels"] or ""))
+            samples.append((match["name"], labels, float(match["value"])))
+    return samples
+
+
+def total(samples: list[tuple[str, dict[str, str], float]], name: str, **labels: str) -> float:
+    """Sum over every series of `name` whose labels include `labels` (other labels, e.g. task_queue, vary)."""
+    return sum(v for n, ls, v in samples if n == name and all(ls.get(k) == want for k, want in labels.items()))
+
+
+async def scrape(port: int) -> str:
+    def get() -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            return str(response.read().decode())
+
+    return await asyncio.to_thread(get)
+
+
+async def test_a_repair_shows_on_the_prometheus_endpoint_with_temporals_metrics(
+    client: Client, aws_env: str, tmp_path
+) -> None:
+    port = free_port()
+    metrics_runtime = runtime(Settings(metrics_bind_address=f"127.0.0.1:{port}"))
+    assert metrics_runtime is not None
+    # A client on that runtime: the worker built on it reports Temporal's metrics and ours to the one exporter.
+    metrics_client = await Client.connect(
+        client.service_client.config.target_host,
+        namespace=client.namespace,
+        runtime=metrics_runtime,
+        data_converter=pydantic_data_converter,
+    )
+    async with simulated_fleet(metrics_client, aws_env, tmp_path, instances=3) as fleet:
+        await fleet.all_healthy(3)
+        [faulty] = fleet.sim.live_instances()[:1]
+        fleet.sim.inject_fault(faulty, xid=79)
+        assert await fleet.repairs_finished(1) == [faulty]
+        group = fleet.group
+        [completed] = fleet.events("RepairCompleted")
+
+        text = await eventually(
+            lambda: scrape(port), lambda t: total(parse(t), "autorepair_drain_permits_released", group=group) >= 1
+        )
+        samples = parse(text)
+
+        assert total(samples, "autorepair_repairs_started", group=group, reason="XID_79") == 1
+        assert total(samples, "autorepair_repairs_completed", group=group, reason="XID_79") == 1
+        assert total(samples, "autorepair_repairs_failed", group=group) == 0
+        assert total(samples, "autorepair_drain_permits_granted", group=group) == 1
+        assert total(samples, "autorepair_drain_permits_released", group=group) == 1
+        assert total(samples, "autorepair_health_changes", group=group, status="IMPAIRED") == 1
+        # INITIALIZING -> OK for the three instances and for the replacement.
+        assert total(samples, "autorepair_health_changes", group=group, status="OK") >= 4
+        assert total(samples, "autorepair_finding_to_impaired_seconds_count", group=group) == 1
+        assert total(samples, "autorepair_repair_duration_seconds_count", group=group, outcome="Completed") == 1
+        for phase in REPAIR_PHASES:
+            count = total(samples, "autorepair_repair_phase_duration_seconds_count", group=group, phase=phase.value)
+            assert count == 1, phase
+        # The phases add up to the whole repair, which is the timeline the event carried.
+        phases = total(samples, "autorepair_repair_phase_duration_seconds_sum", group=group)
+        whole = total(samples, "autorepair_repair_duration_seconds_sum", group=group)
+        timeline = [datetime.fromisoformat(s["started_at"]) for s in completed["timeline"]]
+        assert abs(phases - whole) < 0.01
+        assert abs(whole - (timeline[-1] - timeline[0]).total_seconds()) < 0.01
+        # The seconds buckets of activities/metrics.py, not Temporal's millisecond defaults.
+        assert any(n == "autorepair_repair_duration_seconds_bucket" and ls.get("le") == "86400" for n, ls, _ in samples)
+
+        # Temporal's own runtime metrics, on the same endpoint.
+        names = {n for n, _, _ in samples}
+        assert "temporal_activity_execution_latency_count" in names, sorted(names)
+        assert any(n.startswith("temporal_workflow_completed") for n in names), sorted(names)
+
+
+def test_reason_labels_stay_few() -> None:
+    assert reason_label("XID_79") == "XID_79"
+    assert reason_label("SXID_20034") == "SXID_20034"
+    assert reason_label("Agent disconnected since 2026-03-01T12:00:00Z") == "AGENT_CONNECTIVITY"
+    assert reason_label("something free-form") == "OTHER"
+    assert reason_label(None) == "UNKNOWN"
+
+
+def test_finding_to_impaired_counts_only_the_change_to_impaired() -> None:
+    now = datetime(2026, 3, 1, 12, 0, 10, tzinfo=UTC)
+    finding = {
+        "finding_id": "f-1",
+        "instance_id": "i-1",
+        "group": "g",
+        "kind": "xid",
+        "code": 79,
+        "reason": "XID_79",
+        "impairs": True,
+        "observed_at": "2026-03-01T12:00:07.500000Z",
+    }
+
+    def event(changed: datetime) -> FleetEvent:
+        details = [
+            {
+                "type": "ACCELERATED_COMPUTE",
+                "status": "IMPAIRED",
+                "statusReason": "XID_79",
+                "lastUpdated": now.isoformat(),
+                "lastStatusChange": changed.isoformat().replace("+00:00", "Z"),
+            }
+        ]
+        fields = {"overall_status": "IMPAIRED", "details": details, "finding": finding}
+        return FleetEvent(
+            event_id="e", time=now, type=EventType.HEALTH_CHANGED, group="g", instance_id="i-1", fields=fields
+        )
+
+    assert _finding_to_impaired(event(now)) == 2.5
+    # A later change (the agent reconnecting) carries the same finding but is not the change to IMPAIRED.
+    assert _finding_to_impaired(event(now - timedelta(minutes=1))) is None
