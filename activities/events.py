@@ -15,6 +15,7 @@ from datetime import UTC, date, datetime
 from enum import Enum
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
@@ -45,9 +46,12 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
-def event_body(event: FleetEvent) -> dict[str, Any]:
-    """The event's flat line, plus ECS's `healthChecks` name for a HealthChanged event's health details."""
+def event_body(event: FleetEvent, workflow_url: str | None = None) -> dict[str, Any]:
+    """The event's flat line, plus ECS's `healthChecks` name for a HealthChanged event's health details, and the
+    Web UI page of the workflow that sent it (what ECS's event cannot give: the repair's story, step by step)."""
     body = event.line()
+    if workflow_url is not None:
+        body["workflow_url"] = workflow_url
     details = event.fields.get("details")
     if (
         event.type is EventType.HEALTH_CHANGED
@@ -75,17 +79,24 @@ def _append_line(path: Path, line: str) -> None:
 
 
 class EventActivities:
-    def __init__(self, aws: AwsClients, settings: EventSettings) -> None:
+    def __init__(self, aws: AwsClients, settings: EventSettings, ui_url: str | None = None) -> None:
         self._aws = aws
         self._settings = settings
+        self._ui_url = ui_url.rstrip("/") if ui_url else None
         self._webhook = WebhookSink(settings) if settings.webhook_url else None
 
     def activities(self) -> list[Any]:
         return [self.publish_event]
 
+    def _workflow_url(self, event: FleetEvent) -> str | None:
+        if self._ui_url is None or not event.workflow_id:
+            return None
+        namespace = quote(activity.info().workflow_namespace or "default", safe="")
+        return f"{self._ui_url}/namespaces/{namespace}/workflows/{quote(event.workflow_id, safe='')}"
+
     @activity.defn(name="publish_event")
     async def publish_event(self, event: FleetEvent) -> None:
-        body = event_body(event)
+        body = event_body(event, self._workflow_url(event))
         text = json.dumps(body, default=_json_default)
         # Counted on the first attempt only, and before the sinks: a retry (an EventBridge outage) must not count
         # the step twice, and a sink outage must not hide it from the metrics.

@@ -68,6 +68,8 @@ class Reporter:
             rpc_timeout=self._rpc_timeout,
         )
         try:
-            await asyncio.wait_for(call, timeout=2 * self._rpc_timeout.total_seconds())
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow the probe's own cancellation.
+            async with asyncio.timeout(2 * self._rpc_timeout.total_seconds()):
+                await call
         except WorkflowAlreadyStartedError:
             log.info("%s was retired by a repair; dropping its %s signal", instance_id, signal)

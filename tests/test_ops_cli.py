@@ -15,16 +15,27 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowHandle
+from temporalio.common import WorkflowIDConflictPolicy
 
 from node_probe.kernel_log import parse_lines
 from node_probe.policy import Policy
 from tests.conftest import free_port
-from tests.harness import eventually
+from tests.harness import eventually, make_settings, running_worker, unique
 from tests.test_repair_engine import Fleet, simulated_fleet, worker_environment
 from worker.ops_cli import parse_duration, parse_since, phase_durations, workflow_url, xid_line
 from worker.settings import Settings, TemporalSettings
-from workflows.models import PhaseStep, RepairPhase
+from workflows.ids import health_workflow_id
+from workflows.models import (
+    AutoRepair,
+    CheckType,
+    HealthInput,
+    HealthState,
+    Heartbeat,
+    InstanceHealthView,
+    PhaseStep,
+    RepairPhase,
+)
 
 CHECK_FIELDS = {"type", "status", "statusReason", "lastUpdated", "lastStatusChange"}
 REPAIR_PHASES = [
@@ -257,6 +268,56 @@ async def test_unreachable_temporal_and_bad_arguments_give_one_line(tmp_path: Pa
         assert code == 2, (args, out, err)
         assert_one_clear_line(err)
         assert expected in err, (args, err)
+
+
+async def test_lost_agents_rereading_their_group_config_continue_as_new_cleanly(
+    client: Client, aws_env: str, tmp_path: Path
+) -> None:
+    # A lost agent's health workflow re-reads its group once per threshold. When continue-as-new is suggested in
+    # the activation where that timer fires, the watchdog is cancelled mid-read; it must end, not carry on (a
+    # swallowed cancellation once left the run unable to finish its workflow task). Extra signals shift where the
+    # test server's 200-event suggestion lands in the 11-event read cycle, so the three cover different offsets.
+    group = unique("g")
+    settings = make_settings(
+        client,
+        aws_env,
+        tmp_path / "events.jsonl",
+        group=group,
+        cluster=group,
+        auto_repair=AutoRepair.DISABLED,
+        heartbeat_loss_threshold=timedelta(seconds=1),
+    )
+    instances = [unique("i-lost") for _ in range(3)]
+    async with running_worker(settings, client):
+        handles = []
+        for shift, instance in enumerate(instances):
+            beat = Heartbeat(instance_id=instance, group=group, sent_at=datetime.now(UTC))
+            handle = await client.start_workflow(
+                "InstanceHealthWorkflow",
+                HealthInput(instance_id=instance, group=group),
+                id=health_workflow_id(instance),
+                task_queue=settings.temporal.task_queue,
+                id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+                start_signal="heartbeat",
+                start_signal_args=[beat],
+            )
+            for _ in range(shift):
+                await handle.signal("not-a-signal")
+            latest = client.get_workflow_handle(health_workflow_id(instance))
+            handles.append((latest, (await latest.describe()).run_id))
+
+        async def carried_on(latest: WorkflowHandle[Any, Any], first_run: str | None) -> None:
+            await eventually(latest.describe, lambda d: d.run_id != first_run, within=120)
+            view = await eventually(
+                lambda: latest.query("health", result_type=InstanceHealthView, rpc_timeout=timedelta(seconds=5)),
+                lambda v: True,
+            )
+            lost = next(d.status for d in view.healthStatus.details if d.type is CheckType.AGENT_CONNECTIVITY)
+            assert lost is HealthState.IMPAIRED and view.repair_withheld is not None
+
+        await asyncio.gather(*(carried_on(latest, first_run) for latest, first_run in handles))
+        for latest, _ in handles:
+            await latest.terminate("test over")
 
 
 def test_durations_times_links_and_the_injected_line() -> None:

@@ -197,6 +197,11 @@ async def test_six_instances_drain_one_at_a_time(client: Client, aws_env: str, t
             assert_start_before_stop(fleet, instance_id)
         assert max_concurrently_draining(fleet.events()) == 1
         assert (await fleet.semaphore()).max_holders_seen == 1
+        # Each event links to the Web UI page of the workflow that sent it.
+        completed = fleet.events("RepairCompleted")[0]
+        assert completed["workflow_url"] == (
+            f"{fleet.settings.temporal.ui_url}/namespaces/default/workflows/repair%2F{completed['instance_id']}"
+        )
 
 
 async def test_disabled_group_impairs_but_never_drains(client: Client, aws_env: str, tmp_path: Path) -> None:

@@ -32,7 +32,7 @@ SANDBOX = SandboxedWorkflowRunner(
 def build_worker(settings: Settings, client: Client) -> Worker:
     aws = AwsClients(settings.aws)
     fleet = FleetActivities(aws, settings.group, client=client)
-    events = EventActivities(aws, settings.events)
+    events = EventActivities(aws, settings.events, ui_url=settings.temporal.ui_url)
     ops = WorkflowOps(client, settings.temporal.task_queue)
     return Worker(
         client,

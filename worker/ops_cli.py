@@ -40,7 +40,12 @@ from temporalio.common import QueryRejectCondition, WorkflowIDConflictPolicy
 from temporalio.exceptions import ApplicationError, TemporalError
 from temporalio.service import RPCError, RPCStatusCode
 
+# The probe's own policy options and loader (private there, shared on purpose: one definition of the flags).
+from node_probe.cli import CliError, _add_policy_arguments, _load_policy_config
+from node_probe.findings import make_finding
 from node_probe.kernel_log import KernelRecord, parse_lines
+from node_probe.policy import Policy
+from node_probe.reporter import Reporter
 from worker.settings import Settings, TemporalSettings
 from workflows import search_attributes as sa
 from workflows.ids import health_workflow_id, semaphore_workflow_id
@@ -87,6 +92,7 @@ STATUS_WORDS = {
 }
 STATUS_STYLES = {"IMPAIRED": "bold red", "INSUFFICIENT_DATA": "yellow", "INITIALIZING": "cyan", "OK": "green"}
 # Names go into visibility queries between single quotes; anything else would need escaping rules we avoid.
+PCI = re.compile(r"^[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}$")
 SAFE_NAME = re.compile(r"^[A-Za-z0-9._:/@+-]{1,255}$")
 
 
@@ -134,6 +140,12 @@ def parse_since(text: str) -> datetime:
     return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
+def _pci(text: str) -> str:
+    if not PCI.match(text):
+        raise argparse.ArgumentTypeError(f"not a PCI address like {DEFAULT_INJECT_PCI}: {text!r}")
+    return text.lower()
+
+
 def _name(kind: str) -> Callable[[str], str]:
     def parse(text: str) -> str:
         if not SAFE_NAME.match(text):
@@ -177,10 +189,10 @@ def add_ops_commands(command: Command) -> None:
     fault.add_argument(
         "--heartbeat-loss", type=parse_duration, metavar="DURATION", help="ignore the probe's heartbeats this long"
     )
-    inject.add_argument("--pci", default=DEFAULT_INJECT_PCI, help=f"GPU PCI address for --xid ({DEFAULT_INJECT_PCI})")
+    inject.add_argument(
+        "--pci", type=_pci, default=DEFAULT_INJECT_PCI, help=f"GPU PCI address for --xid ({DEFAULT_INJECT_PCI})"
+    )
     # The probe's own policy options: the finding is classified exactly as the probe on that host would.
-    from node_probe.cli import _add_policy_arguments
-
     _add_policy_arguments(inject)
     _add_common(inject)
 
@@ -676,11 +688,6 @@ async def _check_instance(client: Client, instance_id: str, group: str) -> None:
 async def _inject_findings(
     client: Client, temporal: TemporalSettings, args: argparse.Namespace, records: list[KernelRecord]
 ) -> int:
-    from node_probe.cli import CliError, _load_policy_config
-    from node_probe.findings import make_finding
-    from node_probe.policy import Policy
-    from node_probe.reporter import Reporter
-
     try:
         policy = Policy(args.policy, _load_policy_config(args.policy_config))
     except CliError as err:

@@ -20,7 +20,7 @@ from datetime import datetime, timedelta
 
 from temporalio import workflow
 from temporalio.common import RawValue
-from temporalio.exceptions import ActivityError
+from temporalio.exceptions import ActivityError, is_cancelled_exception
 
 from workflows import search_attributes as sa
 from workflows.ids import health_workflow_id
@@ -170,6 +170,10 @@ class InstanceHealthWorkflow:
         try:
             group = await self._group_config(summary="re-read group config at the heartbeat deadline")
         except ActivityError as err:
+            if is_cancelled_exception(err):
+                # The watchdog is being stopped (continue-as-new): swallowing that would keep it running after
+                # the run has ended, and the worker would never finish the workflow task.
+                raise asyncio.CancelledError() from err
             # E.g. the group was removed from the settings: keep watching with what we had.
             workflow.logger.warning("group %s not re-read (%s); threshold stays %s", self._group, err.cause, threshold)
             return threshold
