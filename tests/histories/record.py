@@ -1,0 +1,78 @@
+"""Record real workflow histories for the replay test: `python -m tests.histories.record`.
+
+Run it when a workflow change is released: the histories it writes stand for workflows that were running on the
+released code, and tests/test_replay.py proves the new code still replays them (else: `workflow.patched`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+from pathlib import Path
+
+from temporalio.client import Client
+from temporalio.contrib.pydantic import pydantic_data_converter
+
+from tests.conftest import free_port
+from tests.harness import eventually, make_settings, read_events, running_worker
+from tests.test_repair_engine import TIMING
+from worker.fleet_sim import SimulatedFleet
+from worker.servers import MotoServer, TemporalDevServer
+from workflows.ids import health_workflow_id, repair_workflow_id, semaphore_workflow_id
+
+HERE = Path(__file__).parent
+
+
+async def record() -> None:
+    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing")
+    state = Path(tempfile.mkdtemp(prefix="record-histories-"))
+    async with (
+        MotoServer(state / "moto", port=free_port()) as moto,
+        TemporalDevServer(state / "temporal", port=free_port(), ui_port=free_port()) as temporal,
+    ):
+        client = await Client.connect(temporal.address, data_converter=pydantic_data_converter)
+        group = "recorded"
+        settings = make_settings(
+            client,
+            moto.endpoint_url,
+            state / "events.jsonl",
+            group=group,
+            cluster=group,
+            launch_template=f"{group}-lt",
+            heartbeat_loss_threshold=TIMING.heartbeat_loss_threshold,
+        )
+        sim = SimulatedFleet(
+            group=group,
+            cluster=group,
+            state_dir=state / "fleet",
+            instances=3,
+            seed=1,
+            launch_template=f"{group}-lt",
+            endpoint_url=moto.endpoint_url,
+            client=client,
+            task_queue=settings.temporal.task_queue,
+            timing=TIMING,
+        )
+        async with running_worker(settings, client):
+            await sim.setup()
+            await eventually(sim.snapshot, lambda s: s.healthy == 3)
+            faulty = sim.live_instances()[0]
+            sim.inject_fault(faulty, xid=79)
+            await eventually(
+                lambda: asyncio.sleep(0, read_events(state / "events.jsonl")),
+                lambda events: any(e["type"] == "DrainPermitReleased" for e in events),
+            )
+            await sim.close()
+        for name, workflow_id in (
+            ("repair", repair_workflow_id(faulty)),
+            ("health", health_workflow_id(faulty)),
+            ("semaphore", semaphore_workflow_id(group)),
+        ):
+            history = await client.get_workflow_handle(workflow_id).fetch_history()
+            (HERE / f"{name}.json").write_text(history.to_json())
+            print(f"recorded {name}: {len(history.events)} events")
+
+
+if __name__ == "__main__":
+    asyncio.run(record())
