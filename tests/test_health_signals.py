@@ -279,3 +279,31 @@ async def test_initializing_until_first_heartbeat_and_insufficient_data_when_gpu
         )
         assert [e["overall_status"] for e in events] == ["INSUFFICIENT_DATA", "OK"]
         await handle.terminate("test over")
+
+
+async def test_critical_daemon_down_is_an_impaired_daemon_check(client: Client, aws_env: str, tmp_path: Path) -> None:
+    group = unique("g")
+    settings = make_settings(
+        client, aws_env, tmp_path / "events.jsonl", group=group, cluster=group, auto_repair=AutoRepair.DISABLED
+    )
+    instance = unique("i")
+    async with running_worker(settings, client):
+        handle = await start_health(client, settings, instance)
+        await eventually(lambda: health_of(handle), lambda v: v.healthStatus.overallStatus is HealthState.OK)
+        persistenced = finding(instance, group, "d-1", impairs=False).model_copy(
+            update={"kind": "daemon", "code": None, "reason": "DAEMON_nvidia-persistenced", "gpu": GpuRef()}
+        )
+        fabric = persistenced.model_copy(
+            update={"finding_id": "d-2", "reason": "DAEMON_nvidia-fabricmanager", "impairs": True}
+        )
+        await handle.signal("gpu_finding", persistenced)
+        await handle.signal("gpu_finding", fabric)
+
+        view = await eventually(
+            lambda: health_of(handle), lambda v: v.healthStatus.overallStatus is HealthState.IMPAIRED
+        )
+        daemon = next(d for d in view.healthStatus.details if d.type is CheckType.DAEMON)
+        assert (daemon.status, daemon.statusReason) == (HealthState.IMPAIRED, "DAEMON_nvidia-fabricmanager")
+        assert check(view, CheckType.ACCELERATED_COMPUTE) is HealthState.OK
+        assert view.warning_counts == {"unknown/DAEMON_nvidia-persistenced": 1}
+        await handle.terminate("test over")

@@ -265,15 +265,17 @@ class InstanceHealthWorkflow:
         self._state.seen_finding_ids = [*self._state.seen_finding_ids, finding.finding_id][-REMEMBERED_FINDING_IDS:]
         self._state.findings = [*self._state.findings, finding][-RECENT_FINDINGS:]
         now = workflow.now()
-        accelerated = self._state.checks[CheckType.ACCELERATED_COMPUTE]
-        if finding.impairs and accelerated.status is HealthState.IMPAIRED:
-            # The first critical fault is the root cause (Xid 79, then "fallen off the bus" about the same GPU).
-            accelerated.lastUpdated = now
-        elif finding.impairs:
-            self._set_check(CheckType.ACCELERATED_COMPUTE, HealthState.IMPAIRED, finding.reason, now)
-        else:
+        # A critical daemon (fabric manager, ...) down is ECS's DAEMON check; everything else is about the GPUs.
+        check = CheckType.DAEMON if finding.kind == "daemon" else CheckType.ACCELERATED_COMPUTE
+        current = self._state.checks.get(check)
+        if not finding.impairs:
             key = f"{finding.gpu.pci or 'unknown'}/{finding.reason}"
             self._state.warning_counts[key] = self._state.warning_counts.get(key, 0) + finding.count
+        elif current is not None and current.status is HealthState.IMPAIRED:
+            # The first critical fault is the root cause (Xid 79, then "fallen off the bus" about the same GPU).
+            current.lastUpdated = now
+        else:
+            self._set_check(check, HealthState.IMPAIRED, finding.reason, now)
 
     def _on_heartbeat(self, beat: Heartbeat) -> None:
         if beat.instance_id != self._instance_id:
@@ -365,12 +367,11 @@ class InstanceHealthWorkflow:
 
     def _impairment(self) -> tuple[str, GpuFinding | None]:
         """The reason to repair, preferring the GPU finding that caused it (it names the Xid and the GPU)."""
-        accelerated = self._state.checks.get(CheckType.ACCELERATED_COMPUTE)
-        if accelerated is not None and accelerated.status is HealthState.IMPAIRED:
-            finding = next(
-                (f for f in self._state.findings if f.impairs and f.reason == accelerated.statusReason), None
-            )
-            return accelerated.statusReason or "ACCELERATED_COMPUTE", finding
+        for kind in (CheckType.ACCELERATED_COMPUTE, CheckType.DAEMON):
+            check = self._state.checks.get(kind)
+            if check is not None and check.status is HealthState.IMPAIRED:
+                finding = next((f for f in self._state.findings if f.impairs and f.reason == check.statusReason), None)
+                return check.statusReason or kind.value, finding
         agent = self._state.checks.get(CheckType.AGENT_CONNECTIVITY)
         return (agent.statusReason if agent and agent.statusReason else "AGENT_CONNECTIVITY"), None
 
