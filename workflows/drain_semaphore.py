@@ -19,6 +19,7 @@ from temporalio import workflow
 from temporalio.common import RawValue
 from temporalio.exceptions import ActivityError, ApplicationError, FailureError
 
+from workflows.group_config import read_group_config
 from workflows.ids import semaphore_workflow_id
 from workflows.models import (
     GroupConfigOverrides,
@@ -68,13 +69,7 @@ class DrainSemaphoreWorkflow:
 
     @workflow.run
     async def run(self, input: SemaphoreInput) -> None:
-        group = await workflow.execute_activity_method(
-            FleetActivities.get_group_config,
-            GroupRef(group=self._group),
-            summary="read group config",
-            start_to_close_timeout=CALL_TIMEOUT,
-            retry_policy=CALL_RETRY,
-        )
+        group = await read_group_config(self._group, "read group config")
         # Applied again on top: an update may have landed while the read was in flight.
         self._config = self._config.model_copy(update={"effective": self._config.overrides.apply(group)})
         while True:
@@ -202,13 +197,7 @@ class DrainSemaphoreWorkflow:
         async with self._config_lock:
             try:
                 # Fresh settings merged with the current overrides; also proves the worker knows the group.
-                current = await workflow.execute_activity_method(
-                    FleetActivities.get_group_config,
-                    GroupRef(group=self._group),
-                    summary=f"read capacity group {self._group} before changing it",
-                    start_to_close_timeout=CALL_TIMEOUT,
-                    retry_policy=CALL_RETRY,
-                )
+                current = await read_group_config(self._group, f"read capacity group {self._group} before changing it")
             except ActivityError as err:
                 raise ApplicationError(
                     f"cannot change capacity group {self._group}: {_cause(err)}",

@@ -23,6 +23,7 @@ from temporalio.common import RawValue
 from temporalio.exceptions import ActivityError, is_cancelled_exception
 
 from workflows import search_attributes as sa
+from workflows.group_config import read_group_config
 from workflows.ids import health_workflow_id
 from workflows.models import (
     SEVERITY,
@@ -48,8 +49,7 @@ from workflows.signal_input import Rejected, decode
 
 with workflow.unsafe.imports_passed_through():
     from activities.events import EventActivities
-    from activities.fleet import FleetActivities
-    from activities.models import EventType, FleetEvent, GroupRef, StartRepairRequest
+    from activities.models import EventType, FleetEvent, StartRepairRequest
     from activities.workflow_ops import WorkflowOps
 
 SIGNAL_GPU_FINDING = "gpu_finding"
@@ -184,13 +184,7 @@ class InstanceHealthWorkflow:
         return group.heartbeat_loss_threshold
 
     async def _group_config(self, summary: str | None = None) -> CapacityGroup:
-        return await workflow.execute_activity_method(
-            FleetActivities.get_group_config,
-            GroupRef(group=self._group),
-            summary=summary or f"read capacity group {self._group}",
-            start_to_close_timeout=CALL_TIMEOUT,
-            retry_policy=CALL_RETRY,
-        )
+        return await read_group_config(self._group, summary)
 
     async def _start_repair(self) -> None:
         # The switch is read at the moment of the decision, so turning repair off takes effect at once.

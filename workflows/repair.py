@@ -22,6 +22,7 @@ from temporalio.common import RawValue, RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError, FailureError
 
 from workflows import search_attributes as sa
+from workflows.group_config import read_group_config
 from workflows.ids import health_workflow_id, semaphore_workflow_id
 from workflows.models import (
     CapacityGroup,
@@ -44,7 +45,6 @@ with workflow.unsafe.imports_passed_through():
         DrainResult,
         EventType,
         FleetEvent,
-        GroupRef,
         InstanceRef,
         LaunchRequest,
         PermitRequestOrder,
@@ -89,13 +89,7 @@ class InstanceRepairWorkflow:
 
     @workflow.run
     async def run(self, input: RepairInput) -> RepairResult:
-        group = await workflow.execute_activity_method(
-            FleetActivities.get_group_config,
-            GroupRef(group=input.group),
-            summary="read group config",
-            start_to_close_timeout=CALL_TIMEOUT,
-            retry_policy=CALL_RETRY,
-        )
+        group = await read_group_config(input.group, "read group config")
         await self._event(EventType.REPAIR_STARTED, reason=input.reason)
         try:
             await self._acquire_permit()

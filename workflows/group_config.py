@@ -1,0 +1,22 @@
+"""Reading a capacity group's configuration from a workflow: the worker's settings merged with live overrides."""
+
+from __future__ import annotations
+
+from temporalio import workflow
+
+from workflows.models import CapacityGroup
+from workflows.options import CALL_RETRY, CALL_TIMEOUT
+
+with workflow.unsafe.imports_passed_through():
+    from activities.fleet import FleetActivities
+    from activities.models import GroupRef
+
+
+async def read_group_config(group: str, summary: str | None = None) -> CapacityGroup:
+    return await workflow.execute_activity_method(
+        FleetActivities.get_group_config,
+        GroupRef(group=group),
+        summary=summary or f"read capacity group {group}",
+        start_to_close_timeout=CALL_TIMEOUT,
+        retry_policy=CALL_RETRY,
+    )
