@@ -13,47 +13,30 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import ClassVar
 
-import boto3
 import pytest
 from temporalio.api.history.v1 import HistoryEvent
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError
 from temporalio.exceptions import ApplicationError
 
 from tests.flaky_aws import FlakyAws
-from tests.harness import eventually, make_settings, read_events, running_worker, unique
-from tests.test_repair_engine import START_BEFORE_STOP, TIMING
-from worker.fleet_sim import SimulatedFleet
-from worker.settings import Settings
-from workflows.ids import health_workflow_id, repair_workflow_id, semaphore_workflow_id
-from workflows.models import InstanceHealthView, RepairPhase, SemaphoreView
+from tests.fleet import Fleet, assert_start_before_stop, simulated_fleet
+from tests.harness import eventually
+from workflows.ids import health_workflow_id, repair_workflow_id
+from workflows.models import InstanceHealthView, RepairPhase
 
 INSTANCES = 3
 
 
-@dataclass
-class FlakyFleet:
-    sim: SimulatedFleet
-    settings: Settings
-    events_path: Path
-    client: Client
+@dataclass(kw_only=True)
+class FlakyFleet(Fleet):
+    """The simulated fleet, with the proxy the engine talks to AWS through."""
+
     aws: FlakyAws
-    moto_endpoint: str
 
-    @property
-    def group(self) -> str:
-        return self.settings.groups[0].name
-
-    def events(self, type: str | None = None, instance_id: str | None = None) -> list[dict[str, Any]]:
-        # Delivery is at least once: a retried publish repeats an event_id, which counts once.
-        unique_events = {e["event_id"]: e for e in read_events(self.events_path) if e["group"] == self.group}
-        return [
-            e for e in unique_events.values() if type in (None, e["type"]) and instance_id in (None, e["instance_id"])
-        ]
-
-    async def all_healthy(self) -> None:
-        await eventually(self.sim.snapshot, lambda s: s.healthy == INSTANCES and s.running == INSTANCES, within=90)
+    # Bounded, so a poll that gets no answer is retried by `eventually` rather than waited on.
+    query_timeout: ClassVar[timedelta | None] = timedelta(seconds=5)
 
     async def repair_finished(self, instance_id: str) -> None:
         """Completed, and the permit handed back (the last thing a repair does)."""
@@ -65,29 +48,7 @@ class FlakyFleet:
 
     async def health(self, instance_id: str) -> InstanceHealthView:
         handle = self.client.get_workflow_handle(health_workflow_id(instance_id))
-        # Bounded, so a poll that gets no answer is retried by `eventually` rather than waited on.
-        return await handle.query("health", result_type=InstanceHealthView, rpc_timeout=timedelta(seconds=5))
-
-    async def semaphore(self) -> SemaphoreView:
-        handle = self.client.get_workflow_handle(semaphore_workflow_id(self.group))
-        return await handle.query("state", result_type=SemaphoreView, rpc_timeout=timedelta(seconds=5))
-
-    def ec2(self) -> Any:
-        # moto itself, not the proxy: the test's own look must not be throttled nor counted.
-        return boto3.client("ec2", endpoint_url=self.moto_endpoint, region_name="us-east-1")
-
-    def replacements_of(self, instance_id: str) -> list[str]:
-        pages = self.ec2().describe_instances(
-            Filters=[{"Name": "tag:gpu-autorepair:replaces", "Values": [instance_id]}]
-        )
-        return [i["InstanceId"] for r in pages["Reservations"] for i in r["Instances"]]
-
-    def ec2_state(self, instance_id: str) -> str:
-        described = self.ec2().describe_instances(InstanceIds=[instance_id])
-        return str(described["Reservations"][0]["Instances"][0]["State"]["Name"])
-
-    def steps(self, instance_id: str) -> list[str]:
-        return [e["type"] for e in self.events(instance_id=instance_id) if e["type"] != "HealthChanged"]
+        return await handle.query("health", result_type=InstanceHealthView, rpc_timeout=self.query_timeout)
 
     def requests_about(self, action: str, instance_id: str) -> int:
         """EC2 requests the engine sent for `action` naming `instance_id` (another repair's do not count)."""
@@ -95,63 +56,31 @@ class FlakyFleet:
             1 for s in self.aws.seen() if s.request.action == action and instance_id in s.request.params.values()
         )
 
-    def assert_start_before_stop(self, instance_id: str) -> None:
-        steps = [s for s in self.steps(instance_id) if s != "ReplacementLaunchFailed"]
-        assert steps == START_BEFORE_STOP, f"{instance_id}: {steps}"
-        replacements = self.replacements_of(instance_id)
-        assert len(replacements) == 1, f"{instance_id} has replacements {replacements}"
-        assert self.ec2_state(instance_id) == "terminated"
-        assert self.ec2_state(replacements[0]) == "running"
-        # The same order as AWS saw it: the impaired instance's termination was asked for only after its
-        # replacement had been launched (the launch is tagged with the impaired id), and only once.
-        about = [(s.request.action, s.status) for s in self.aws.seen() if instance_id in s.request.params.values()]
-        launched = about.index(("RunInstances", 200))
-        terminations = [i for i, (action, _) in enumerate(about) if action == "TerminateInstances"]
-        assert len(terminations) == 1 and terminations[0] > launched, about
+
+def assert_start_before_stop_as_aws_saw_it(fleet: FlakyFleet, instance_id: str) -> None:
+    assert_start_before_stop(fleet, instance_id, tolerating={"ReplacementLaunchFailed"})
+    # The same order as AWS saw it: the impaired instance's termination was asked for only after its
+    # replacement had been launched (the launch is tagged with the impaired id), and only once.
+    about = [(s.request.action, s.status) for s in fleet.aws.seen() if instance_id in s.request.params.values()]
+    launched = about.index(("RunInstances", 200))
+    terminations = [i for i, (action, _) in enumerate(about) if action == "TerminateInstances"]
+    assert len(terminations) == 1 and terminations[0] > launched, about
 
 
 @asynccontextmanager
 async def fleet_behind_flaky_aws(
     client: Client, moto_endpoint: str, tmp_path: Path, *, max_attempts: int
 ) -> AsyncIterator[FlakyFleet]:
-    group = unique("gpu")
-    events_path = tmp_path / "events.jsonl"
     with FlakyAws(moto_endpoint) as aws:
-        settings = make_settings(
+        async with simulated_fleet(
             client,
-            aws.url,
-            events_path,
-            group=group,
-            cluster=group,
-            launch_template=f"{group}-lt",
-            heartbeat_loss_threshold=TIMING.heartbeat_loss_threshold,
-        )
-        settings.aws = settings.aws.model_copy(update={"max_attempts": max_attempts})
-        sim = SimulatedFleet(
-            group=group,
-            cluster=group,
-            state_dir=tmp_path / "fleet",
+            moto_endpoint,
+            tmp_path,
             instances=INSTANCES,
-            seed=11,
-            launch_template=f"{group}-lt",
-            endpoint_url=moto_endpoint,
-            client=client,
-            task_queue=settings.temporal.task_queue,
-            timing=TIMING,
-        )
-        async with running_worker(settings, client):
-            await sim.setup()
-            try:
-                yield FlakyFleet(
-                    sim=sim,
-                    settings=settings,
-                    events_path=events_path,
-                    client=client,
-                    aws=aws,
-                    moto_endpoint=moto_endpoint,
-                )
-            finally:
-                await sim.close()
+            engine_endpoint=aws.url,
+            aws_max_attempts=max_attempts,
+        ) as fleet:
+            yield FlakyFleet(**vars(fleet), aws=aws)
 
 
 def final_attempts(history: Sequence[HistoryEvent], activity: str) -> list[int]:
@@ -176,7 +105,7 @@ async def test_throttled_drain_and_describes_still_repair_start_before_stop(
     # max_attempts=1: botocore tries each call twice, so four throttled requests fail two activity attempts and
     # both layers of retries (botocore's, then Temporal's) are exercised.
     async with fleet_behind_flaky_aws(client, aws_env, tmp_path, max_attempts=1) as fleet:
-        await fleet.all_healthy()
+        await fleet.all_healthy(INSTANCES)
         drain_throttle = fleet.aws.fail("UpdateContainerInstancesState", "ThrottlingException", times=4)
         # Every second DescribeInstances, for the whole repair: set_draining, the launch's idempotency look-up,
         # the wait for the replacement and the task listing all meet it.
@@ -185,7 +114,7 @@ async def test_throttled_drain_and_describes_still_repair_start_before_stop(
         fleet.sim.inject_fault(faulty)
 
         await fleet.repair_finished(faulty)
-        fleet.assert_start_before_stop(faulty)
+        assert_start_before_stop_as_aws_saw_it(fleet, faulty)
         assert drain_throttle.failed == 4
         # Four throttled requests, then the one that was accepted: the instance was set DRAINING once.
         assert fleet.aws.calls("UpdateContainerInstancesState") == 5
@@ -201,7 +130,7 @@ async def test_capacity_shortage_backs_off_keeps_the_instance_and_completes_when
     client: Client, aws_env: str, tmp_path: Path
 ) -> None:
     async with fleet_behind_flaky_aws(client, aws_env, tmp_path, max_attempts=1) as fleet:
-        await fleet.all_healthy()
+        await fleet.all_healthy(INSTANCES)
         # Per call: a shortage outlasts botocore's backoff, so each call fails on every one of its attempts.
         # No `times`: capacity returns when the test says so, after it has looked at the repair backing off
         # (a fixed count would race that look against the next launch attempt).
@@ -231,7 +160,7 @@ async def test_capacity_shortage_backs_off_keeps_the_instance_and_completes_when
 
         fleet.aws.heal()
         await fleet.repair_finished(faulty)
-        fleet.assert_start_before_stop(faulty)
+        assert_start_before_stop_as_aws_saw_it(fleet, faulty)
         steps = fleet.steps(faulty)
         assert steps.index("ReplacementLaunchFailed") < steps.index("ReplacementLaunched")
         assert steps.index("ReplacementReady") < steps.index("Terminated")
@@ -245,7 +174,7 @@ async def test_permanent_launch_error_fails_at_once_names_the_call_and_keeps_the
 ) -> None:
     # botocore's default budget: a 403 must not be retried by it any more than by Temporal.
     async with fleet_behind_flaky_aws(client, aws_env, tmp_path, max_attempts=5) as fleet:
-        await fleet.all_healthy()
+        await fleet.all_healthy(INSTANCES)
         fleet.aws.fail("RunInstances", "UnauthorizedOperation")
         [faulty] = fleet.sim.live_instances()[:1]
         fleet.sim.inject_fault(faulty)

@@ -15,8 +15,8 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from activities.metrics import _finding_to_impaired, reason_label
 from activities.models import EventType, FleetEvent
 from tests.conftest import free_port
+from tests.fleet import simulated_fleet
 from tests.harness import eventually
-from tests.test_repair_engine import simulated_fleet
 from worker.settings import Settings
 from worker.telemetry import runtime
 from workflows.models import RepairPhase

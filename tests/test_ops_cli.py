@@ -21,8 +21,9 @@ from temporalio.common import WorkflowIDConflictPolicy
 from node_probe.kernel_log import parse_lines
 from node_probe.policy import Policy
 from tests.conftest import free_port
+from tests.fleet import Fleet, simulated_fleet
 from tests.harness import eventually, make_settings, running_worker, unique
-from tests.test_repair_engine import Fleet, simulated_fleet, worker_environment
+from tests.test_repair_engine import worker_environment
 from worker.ops_cli import parse_duration, parse_since, phase_durations, workflow_url, xid_line
 from worker.settings import Settings, TemporalSettings
 from workflows.ids import health_workflow_id

@@ -11,128 +11,16 @@ import json
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import boto3
 from temporalio.client import Client, WorkflowExecutionStatus
 
-from tests.harness import eventually, make_settings, read_events, running_worker, unique
-from worker.fleet_sim import SimTiming, SimulatedFleet
+from tests.fleet import assert_start_before_stop, simulated_fleet
+from tests.harness import eventually
 from worker.settings import Settings
-from workflows.ids import repair_workflow_id, semaphore_workflow_id
-from workflows.models import AutoRepair, HealthState, SemaphoreView
-
-TIMING = SimTiming(
-    boot_delay=timedelta(seconds=2),
-    drain_grace=timedelta(seconds=1),
-    heartbeat_interval=timedelta(seconds=1),
-    heartbeat_loss_threshold=timedelta(seconds=6),
-    blip=timedelta(seconds=3),
-)
-
-START_BEFORE_STOP = [
-    "RepairStarted",
-    "DrainPermitGranted",
-    "Draining",
-    "ReplacementLaunched",
-    "ReplacementReady",
-    "TasksStopped",
-    "Terminated",
-    "RepairCompleted",
-    "DrainPermitReleased",
-]
-
-
-@dataclass
-class Fleet:
-    sim: SimulatedFleet
-    settings: Settings
-    events_path: Path
-    client: Client
-
-    @property
-    def group(self) -> str:
-        return self.settings.groups[0].name
-
-    def events(self, type: str | None = None) -> list[dict[str, Any]]:
-        return [e for e in read_events(self.events_path) if e["group"] == self.group and type in (None, e["type"])]
-
-    async def repairs_finished(self, count: int, within: float = 300) -> list[str]:
-        """Wait until `count` repairs have completed and handed their permit back; returns their instances."""
-
-        def finished() -> list[str]:
-            released = {e["instance_id"] for e in self.events("DrainPermitReleased")}
-            return [e["instance_id"] for e in self.events("RepairCompleted") if e["instance_id"] in released]
-
-        return await eventually(lambda: asyncio.sleep(0, finished()), lambda done: len(done) >= count, within=within)
-
-    async def all_healthy(self, count: int) -> None:
-        await eventually(self.sim.snapshot, lambda s: s.healthy == count and s.running == count, within=90)
-
-    async def semaphore(self) -> SemaphoreView:
-        handle = self.client.get_workflow_handle(semaphore_workflow_id(self.group))
-        return await handle.query("state", result_type=SemaphoreView)
-
-    def ec2(self) -> Any:
-        return boto3.client("ec2", endpoint_url=self.settings.aws.endpoint_url, region_name="us-east-1")
-
-    def replacements_of(self, instance_id: str) -> list[str]:
-        pages = self.ec2().describe_instances(
-            Filters=[{"Name": "tag:gpu-autorepair:replaces", "Values": [instance_id]}]
-        )
-        return [i["InstanceId"] for r in pages["Reservations"] for i in r["Instances"]]
-
-    def ec2_state(self, instance_id: str) -> str:
-        described = self.ec2().describe_instances(InstanceIds=[instance_id])
-        return str(described["Reservations"][0]["Instances"][0]["State"]["Name"])
-
-
-@asynccontextmanager
-async def simulated_fleet(
-    client: Client,
-    moto_endpoint: str,
-    tmp_path: Path,
-    *,
-    instances: int,
-    auto_repair: AutoRepair = AutoRepair.ENABLED,
-    in_process_worker: bool = True,
-    engine_launch_template: str | None = None,
-) -> AsyncIterator[Fleet]:
-    group = unique("gpu")
-    events_path = tmp_path / "events.jsonl"
-    settings = make_settings(
-        client,
-        moto_endpoint,
-        events_path,
-        group=group,
-        cluster=group,
-        launch_template=engine_launch_template or f"{group}-lt",
-        auto_repair=auto_repair,
-        heartbeat_loss_threshold=TIMING.heartbeat_loss_threshold,
-    )
-    sim = SimulatedFleet(
-        group=group,
-        cluster=group,
-        state_dir=tmp_path / "fleet",
-        instances=instances,
-        seed=11,
-        launch_template=f"{group}-lt",
-        endpoint_url=moto_endpoint,
-        client=client,
-        task_queue=settings.temporal.task_queue,
-        timing=TIMING,
-    )
-    async with AsyncExitStack() as stack:
-        if in_process_worker:
-            await stack.enter_async_context(running_worker(settings, client))
-        await sim.setup()
-        stack.push_async_callback(sim.close)
-        yield Fleet(sim=sim, settings=settings, events_path=events_path, client=client)
+from workflows.ids import repair_workflow_id
+from workflows.models import AutoRepair, HealthState
 
 
 def max_concurrently_draining(events: list[dict[str, Any]]) -> int:
@@ -145,17 +33,6 @@ def max_concurrently_draining(events: list[dict[str, Any]]) -> int:
         current += step
         peak = max(peak, current)
     return peak
-
-
-def assert_start_before_stop(fleet: Fleet, instance_id: str) -> None:
-    # An event is delivered at least once (a retried publish); its event_id tells a redelivery apart.
-    unique_events = {e["event_id"]: e for e in fleet.events() if e["instance_id"] == instance_id}.values()
-    steps = [e["type"] for e in unique_events if e["type"] != "HealthChanged"]
-    assert steps == START_BEFORE_STOP, f"{instance_id}: {steps}"
-    replacements = fleet.replacements_of(instance_id)
-    assert len(replacements) == 1, f"{instance_id} has replacements {replacements}"
-    assert fleet.ec2_state(instance_id) == "terminated"
-    assert fleet.ec2_state(replacements[0]) == "running"
 
 
 async def test_twenty_instances_ten_faults_repair_start_before_stop_never_more_than_four_draining(

@@ -26,8 +26,8 @@ from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.contrib.pydantic import pydantic_data_converter
 
 from tests.conftest import free_port
+from tests.fleet import Fleet, simulated_fleet
 from tests.harness import eventually, tool_path
-from tests.test_repair_engine import Fleet, simulated_fleet
 from worker.servers import TemporalDevServer
 from workflows.ids import health_workflow_id, repair_workflow_id, semaphore_workflow_id
 

@@ -15,9 +15,8 @@ from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 
 from tests.conftest import free_port
-from tests.harness import eventually, make_settings, read_events, running_worker
-from tests.test_repair_engine import TIMING
-from worker.fleet_sim import SimulatedFleet
+from tests.fleet import simulated_fleet
+from tests.harness import eventually, read_events
 from worker.servers import MotoServer, TemporalDevServer
 from workflows.ids import health_workflow_id, repair_workflow_id, semaphore_workflow_id
 
@@ -33,37 +32,14 @@ async def record() -> None:
     ):
         client = await Client.connect(temporal.address, data_converter=pydantic_data_converter)
         group = "recorded"
-        settings = make_settings(
-            client,
-            moto.endpoint_url,
-            state / "events.jsonl",
-            group=group,
-            cluster=group,
-            launch_template=f"{group}-lt",
-            heartbeat_loss_threshold=TIMING.heartbeat_loss_threshold,
-        )
-        sim = SimulatedFleet(
-            group=group,
-            cluster=group,
-            state_dir=state / "fleet",
-            instances=3,
-            seed=1,
-            launch_template=f"{group}-lt",
-            endpoint_url=moto.endpoint_url,
-            client=client,
-            task_queue=settings.temporal.task_queue,
-            timing=TIMING,
-        )
-        async with running_worker(settings, client):
-            await sim.setup()
-            await eventually(sim.snapshot, lambda s: s.healthy == 3)
-            faulty = sim.live_instances()[0]
-            sim.inject_fault(faulty, xid=79)
+        async with simulated_fleet(client, moto.endpoint_url, state, instances=3, group=group, seed=1) as fleet:
+            await eventually(fleet.sim.snapshot, lambda s: s.healthy == 3)
+            faulty = fleet.sim.live_instances()[0]
+            fleet.sim.inject_fault(faulty, xid=79)
             await eventually(
-                lambda: asyncio.sleep(0, read_events(state / "events.jsonl")),
+                lambda: asyncio.sleep(0, read_events(fleet.events_path)),
                 lambda events: any(e["type"] == "DrainPermitReleased" for e in events),
             )
-            await sim.close()
         for name, workflow_id in (
             ("repair", repair_workflow_id(faulty)),
             ("health", health_workflow_id(faulty)),

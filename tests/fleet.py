@@ -1,0 +1,165 @@
+"""A simulated fleet and the engine that repairs it, for the end-to-end tests: real Temporal, moto over HTTP, the
+simulated fleet running the real probe, and (by default) an in-process worker.
+
+The simulated fleet and the test's own checks always talk to moto directly; only the engine may be pointed at
+another endpoint (a fault-injecting proxy in front of moto), so the world the engine acts on is never faulted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Collection
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, ClassVar
+
+import boto3
+from temporalio.client import Client
+
+from tests.harness import eventually, make_settings, read_events, running_worker, unique
+from worker.fleet_sim import SimTiming, SimulatedFleet
+from worker.settings import Settings
+from workflows.ids import semaphore_workflow_id
+from workflows.models import AutoRepair, SemaphoreView
+
+TIMING = SimTiming(
+    boot_delay=timedelta(seconds=2),
+    drain_grace=timedelta(seconds=1),
+    heartbeat_interval=timedelta(seconds=1),
+    heartbeat_loss_threshold=timedelta(seconds=6),
+    blip=timedelta(seconds=3),
+)
+
+START_BEFORE_STOP = [
+    "RepairStarted",
+    "DrainPermitGranted",
+    "Draining",
+    "ReplacementLaunched",
+    "ReplacementReady",
+    "TasksStopped",
+    "Terminated",
+    "RepairCompleted",
+    "DrainPermitReleased",
+]
+
+
+@dataclass
+class Fleet:
+    sim: SimulatedFleet
+    settings: Settings
+    events_path: Path
+    client: Client
+    moto_endpoint: str
+
+    # The bound on the test's own queries (None: the client's default).
+    query_timeout: ClassVar[timedelta | None] = None
+
+    @property
+    def group(self) -> str:
+        return self.settings.groups[0].name
+
+    def events(self, type: str | None = None, instance_id: str | None = None) -> list[dict[str, Any]]:
+        # Delivery is at least once: a retried publish repeats an event_id, which counts once.
+        unique_events = {e["event_id"]: e for e in read_events(self.events_path) if e["group"] == self.group}
+        return [
+            e for e in unique_events.values() if type in (None, e["type"]) and instance_id in (None, e["instance_id"])
+        ]
+
+    def steps(self, instance_id: str) -> list[str]:
+        return [e["type"] for e in self.events(instance_id=instance_id) if e["type"] != "HealthChanged"]
+
+    async def repairs_finished(self, count: int, within: float = 300) -> list[str]:
+        """Wait until `count` repairs have completed and handed their permit back; returns their instances."""
+
+        def finished() -> list[str]:
+            released = {e["instance_id"] for e in self.events("DrainPermitReleased")}
+            return [e["instance_id"] for e in self.events("RepairCompleted") if e["instance_id"] in released]
+
+        return await eventually(lambda: asyncio.sleep(0, finished()), lambda done: len(done) >= count, within=within)
+
+    async def all_healthy(self, count: int) -> None:
+        await eventually(self.sim.snapshot, lambda s: s.healthy == count and s.running == count, within=90)
+
+    async def semaphore(self) -> SemaphoreView:
+        handle = self.client.get_workflow_handle(semaphore_workflow_id(self.group))
+        return await handle.query("state", result_type=SemaphoreView, rpc_timeout=self.query_timeout)
+
+    def ec2(self) -> Any:
+        # moto itself, never the engine's endpoint: the test's own look must not be faulted nor counted.
+        return boto3.client("ec2", endpoint_url=self.moto_endpoint, region_name="us-east-1")
+
+    def replacements_of(self, instance_id: str) -> list[str]:
+        pages = self.ec2().describe_instances(
+            Filters=[{"Name": "tag:gpu-autorepair:replaces", "Values": [instance_id]}]
+        )
+        return [i["InstanceId"] for r in pages["Reservations"] for i in r["Instances"]]
+
+    def ec2_state(self, instance_id: str) -> str:
+        described = self.ec2().describe_instances(InstanceIds=[instance_id])
+        return str(described["Reservations"][0]["Instances"][0]["State"]["Name"])
+
+
+@asynccontextmanager
+async def simulated_fleet(
+    client: Client,
+    moto_endpoint: str,
+    tmp_path: Path,
+    *,
+    instances: int,
+    auto_repair: AutoRepair = AutoRepair.ENABLED,
+    in_process_worker: bool = True,
+    engine_launch_template: str | None = None,
+    engine_endpoint: str | None = None,
+    aws_max_attempts: int | None = None,
+    group: str | None = None,
+    seed: int = 11,
+) -> AsyncIterator[Fleet]:
+    """`instances` simulated instances in a new group, and the engine's settings for it.
+
+    `engine_endpoint` (default: moto) and `aws_max_attempts` (default: the settings' own) are the engine's AWS;
+    `engine_launch_template` is the one the engine launches replacements from (default: the fleet's own)."""
+    group = group or unique("gpu")
+    events_path = tmp_path / "events.jsonl"
+    settings = make_settings(
+        client,
+        engine_endpoint or moto_endpoint,
+        events_path,
+        group=group,
+        cluster=group,
+        launch_template=engine_launch_template or f"{group}-lt",
+        auto_repair=auto_repair,
+        heartbeat_loss_threshold=TIMING.heartbeat_loss_threshold,
+    )
+    if aws_max_attempts is not None:
+        settings.aws = settings.aws.model_copy(update={"max_attempts": aws_max_attempts})
+    sim = SimulatedFleet(
+        group=group,
+        cluster=group,
+        state_dir=tmp_path / "fleet",
+        instances=instances,
+        seed=seed,
+        launch_template=f"{group}-lt",
+        endpoint_url=moto_endpoint,
+        client=client,
+        task_queue=settings.temporal.task_queue,
+        timing=TIMING,
+    )
+    async with AsyncExitStack() as stack:
+        if in_process_worker:
+            await stack.enter_async_context(running_worker(settings, client))
+        await sim.setup()
+        stack.push_async_callback(sim.close)
+        yield Fleet(sim=sim, settings=settings, events_path=events_path, client=client, moto_endpoint=moto_endpoint)
+
+
+def assert_start_before_stop(fleet: Fleet, instance_id: str, *, tolerating: Collection[str] = ()) -> None:
+    """The repair of `instance_id` took START_BEFORE_STOP's steps (bar those in `tolerating`), in that order, and
+    left one running replacement and the instance terminated."""
+    steps = [s for s in fleet.steps(instance_id) if s not in tolerating]
+    assert steps == START_BEFORE_STOP, f"{instance_id}: {steps}"
+    replacements = fleet.replacements_of(instance_id)
+    assert len(replacements) == 1, f"{instance_id} has replacements {replacements}"
+    assert fleet.ec2_state(instance_id) == "terminated"
+    assert fleet.ec2_state(replacements[0]) == "running"
