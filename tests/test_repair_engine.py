@@ -148,7 +148,8 @@ async def test_permanent_launch_error_fails_the_repair_clearly_and_keeps_the_ins
         [failed] = await eventually(lambda: asyncio.sleep(0, fleet.events("RepairFailed")), lambda e: len(e) == 1)
         assert "no-such-template" in failed["error"]
         handle = client.get_workflow_handle(repair_workflow_id(faulty))
-        assert (await handle.describe()).status == WorkflowExecutionStatus.FAILED
+        # The event comes first; the workflow fails once it has handed its permit back.
+        await eventually(handle.describe, lambda d: d.status == WorkflowExecutionStatus.FAILED)
         # Never stop before start: without a replacement the impaired instance stays, drained but running.
         assert fleet.ec2_state(faulty) == "running"
         assert fleet.replacements_of(faulty) == []
