@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from opentelemetry import context as otel_context
 from temporalio import activity
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.common import (
@@ -45,6 +46,9 @@ class WorkflowOps:
         ]
         if repair.finding is not None and repair.finding.code is not None:
             attributes.append(SearchAttributePair(sa.XID, repair.finding.code))
+        # A repair is its own story: start it in a fresh trace (one trace per repair), not as one more span of
+        # the instance's long-lived health workflow, which would bury it.
+        token = otel_context.attach(otel_context.Context())
         try:
             await self._client.start_workflow(
                 "InstanceRepairWorkflow",
@@ -59,6 +63,8 @@ class WorkflowOps:
             )
         except WorkflowAlreadyStartedError:
             return StartRepairResult(workflow_id=workflow_id, already_running=True)
+        finally:
+            otel_context.detach(token)
         return StartRepairResult(workflow_id=workflow_id, already_running=False)
 
     @activity.defn
