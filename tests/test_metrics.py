@@ -88,6 +88,10 @@ async def test_a_repair_shows_on_the_prometheus_endpoint_with_temporals_metrics(
         assert total(samples, "autorepair_repairs_failed", group=group) == 0
         assert total(samples, "autorepair_drain_permits_granted", group=group) == 1
         assert total(samples, "autorepair_drain_permits_released", group=group) == 1
+        # The semaphore's gauges: the permit was held, and is free again.
+        assert any(n == "autorepair_drain_permits_in_use" and ls.get("group") == group for n, ls, _ in samples)
+        assert total(samples, "autorepair_drain_permits_in_use", group=group) == 0
+        assert total(samples, "autorepair_drain_permits_waiting", group=group) == 0
         assert total(samples, "autorepair_health_changes", group=group, status="IMPAIRED") == 1
         # INITIALIZING -> OK for the three instances and for the replacement.
         assert total(samples, "autorepair_health_changes", group=group, status="OK") >= 4

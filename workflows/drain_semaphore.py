@@ -46,6 +46,8 @@ SIGNAL_REQUEST = "request"
 SIGNAL_RELEASE = "release"
 SIGNAL_PERMIT_GRANTED = "permit_granted"
 SIGNALS_PER_RUN = 2_000
+PERMITS_IN_USE = "autorepair_drain_permits_in_use"
+PERMITS_WAITING = "autorepair_drain_permits_waiting"
 
 
 @workflow.defn
@@ -73,10 +75,12 @@ class DrainSemaphoreWorkflow:
         # Applied again on top: an update may have landed while the read was in flight.
         self._config = self._config.model_copy(update={"effective": self._config.overrides.apply(group)})
         while True:
-            if self._waiters and self._changed:
+            if self._changed:
+                # Every change wakes the loop, so the details and gauges never show a released permit as held.
                 self._changed = False
-                await self._grant_what_fits()
-            workflow.set_current_details(self._details_markdown())
+                if self._waiters:
+                    await self._grant_what_fits()
+            self._show_state()
             if self._time_to_continue():
                 await workflow.wait_condition(workflow.all_handlers_finished)
                 workflow.continue_as_new(
@@ -91,7 +95,7 @@ class DrainSemaphoreWorkflow:
                 )
             try:
                 await workflow.wait_condition(
-                    lambda: (self._changed and bool(self._waiters)) or self._time_to_continue(),
+                    lambda: self._changed or self._time_to_continue(),
                     # Only a group with holders needs watching: their repairs could be closed without a release.
                     timeout=group.permit_reclaim_interval if self._holders else None,
                     timeout_summary="check permit holders are alive",
@@ -221,7 +225,7 @@ class DrainSemaphoreWorkflow:
                     self._capacity = new.max_draining(self._group_size)
                 # A raised cap may let waiters through now, a lowered one simply grants nothing new.
                 self._changed = True
-            workflow.set_current_details(self._details_markdown())
+            self._show_state()
             if changed:
                 await self._publish_config_change(
                     update.requested_by,
@@ -287,6 +291,14 @@ class DrainSemaphoreWorkflow:
 
     def _time_to_continue(self) -> bool:
         return workflow.info().is_continue_as_new_suggested() or self._signals_this_run >= SIGNALS_PER_RUN
+
+    def _show_state(self) -> None:
+        """The Web UI's details and the permit gauges: this workflow is the one place that knows both numbers."""
+        workflow.set_current_details(self._details_markdown())
+        meter = workflow.metric_meter()  # replay-safe: nothing is recorded while replaying
+        attributes = {"group": self._group}
+        meter.create_gauge(PERMITS_IN_USE, "Drain permits held by repairs").set(len(self._holders), attributes)
+        meter.create_gauge(PERMITS_WAITING, "Repairs waiting for a drain permit").set(len(self._waiters), attributes)
 
     def _details_markdown(self) -> str:
         lines = [
