@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -41,6 +43,25 @@ def finding(instance: str, group: str, finding_id: str, *, code: int = 79, impai
         raw=f"NVRM: Xid (PCI:0000:9b:00): {code}, pid=1, name=python3, test",
         observed_at=datetime.now(UTC),
     )
+
+
+@asynccontextmanager
+async def monitor_only(
+    client: Client, aws_env: str, tmp_path: Path, heartbeat_loss_threshold: timedelta = timedelta(seconds=6)
+) -> AsyncIterator[tuple[Settings, str]]:
+    """A worker for a new group with auto repair DISABLED: health is watched, nothing is ever repaired."""
+    group = unique("g")
+    settings = make_settings(
+        client,
+        aws_env,
+        tmp_path / "events.jsonl",
+        group=group,
+        cluster=group,
+        auto_repair=AutoRepair.DISABLED,
+        heartbeat_loss_threshold=heartbeat_loss_threshold,
+    )
+    async with running_worker(settings, client):
+        yield settings, group
 
 
 async def start_health(client: Client, settings: Settings, instance: str) -> WorkflowHandle:
@@ -82,17 +103,8 @@ async def temporal_cli(client: Client, *args: str) -> int:
 async def test_malformed_empty_and_duplicate_signals_are_counted_and_dropped(
     client: Client, aws_env: str, tmp_path: Path
 ) -> None:
-    group = unique("g")
-    settings = make_settings(
-        client,
-        aws_env,
-        tmp_path / "events.jsonl",
-        group=group,
-        cluster=group,
-        auto_repair=AutoRepair.DISABLED,
-    )
     instance = unique("i")
-    async with running_worker(settings, client):
+    async with monitor_only(client, aws_env, tmp_path) as (settings, group):
         handle = await start_health(client, settings, instance)
         await eventually(lambda: health_of(handle), lambda v: v.healthStatus.overallStatus is HealthState.OK)
 
@@ -165,19 +177,8 @@ async def test_malformed_empty_and_duplicate_signals_are_counted_and_dropped(
 async def test_heartbeat_blip_changes_nothing_and_sustained_loss_impairs(
     client: Client, aws_env: str, tmp_path: Path
 ) -> None:
-    group = unique("g")
-    events_path = tmp_path / "events.jsonl"
-    settings = make_settings(
-        client,
-        aws_env,
-        events_path,
-        group=group,
-        cluster=group,
-        auto_repair=AutoRepair.DISABLED,
-        heartbeat_loss_threshold=timedelta(seconds=4),
-    )
     blip, lost = unique("i-blip"), unique("i-lost")
-    async with running_worker(settings, client):
+    async with monitor_only(client, aws_env, tmp_path, timedelta(seconds=4)) as (settings, group):
         blip_handle = await start_health(client, settings, blip)
         lost_handle = await start_health(client, settings, lost)
         for handle in (blip_handle, lost_handle):
@@ -196,7 +197,7 @@ async def test_heartbeat_blip_changes_nothing_and_sustained_loss_impairs(
 
         blip_view = await health_of(blip_handle)
         assert blip_view.healthStatus.overallStatus is HealthState.OK
-        blip_changes = [e for e in read_events(events_path) if e["instance_id"] == blip]
+        blip_changes = [e for e in read_events(tmp_path / "events.jsonl") if e["instance_id"] == blip]
         assert [e["overall_status"] for e in blip_changes] == ["OK"]  # INITIALIZING -> OK, nothing after
 
         # A heartbeat after the loss reconnects the agent.
@@ -211,12 +212,8 @@ async def test_health_workflow_continues_as_new_carrying_its_state(
 ) -> None:
     # The test server suggests continue-as-new at 200 history events (see conftest), so a few hundred signals
     # take the workflow through at least one new run.
-    group = unique("g")
-    settings = make_settings(
-        client, aws_env, tmp_path / "events.jsonl", group=group, cluster=group, auto_repair=AutoRepair.DISABLED
-    )
     instance = unique("i")
-    async with running_worker(settings, client):
+    async with monitor_only(client, aws_env, tmp_path) as (settings, group):
         handle = await start_health(client, settings, instance)
         latest = client.get_workflow_handle(health_workflow_id(instance))
         first_run = (await latest.describe()).run_id
@@ -242,12 +239,8 @@ async def test_health_workflow_continues_as_new_carrying_its_state(
 async def test_initializing_until_first_heartbeat_and_insufficient_data_when_gpu_sources_are_down(
     client: Client, aws_env: str, tmp_path: Path
 ) -> None:
-    group = unique("g")
-    settings = make_settings(
-        client, aws_env, tmp_path / "events.jsonl", group=group, cluster=group, auto_repair=AutoRepair.DISABLED
-    )
     instance = unique("i")
-    async with running_worker(settings, client):
+    async with monitor_only(client, aws_env, tmp_path) as (settings, group):
         # Started by a warning finding, before the probe's first heartbeat.
         handle = await client.start_workflow(
             "InstanceHealthWorkflow",
@@ -282,12 +275,8 @@ async def test_initializing_until_first_heartbeat_and_insufficient_data_when_gpu
 
 
 async def test_critical_daemon_down_is_an_impaired_daemon_check(client: Client, aws_env: str, tmp_path: Path) -> None:
-    group = unique("g")
-    settings = make_settings(
-        client, aws_env, tmp_path / "events.jsonl", group=group, cluster=group, auto_repair=AutoRepair.DISABLED
-    )
     instance = unique("i")
-    async with running_worker(settings, client):
+    async with monitor_only(client, aws_env, tmp_path) as (settings, group):
         handle = await start_health(client, settings, instance)
         await eventually(lambda: health_of(handle), lambda v: v.healthStatus.overallStatus is HealthState.OK)
         persistenced = finding(instance, group, "d-1", impairs=False).model_copy(
