@@ -11,7 +11,6 @@ the GPUs), nvidia-persistenced, and the DCGM host engine; the last two only when
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -21,7 +20,7 @@ from pydantic import BaseModel, Field
 
 from node_probe.host import CommandResult, CommandRunner, boot_id, run_command
 from node_probe.kernel_log import KernelRecord
-from node_probe.source import Observation, SourceStatus
+from node_probe.source import Observation, SourceStatus, TrackedStatus, polled
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +66,7 @@ def default_daemons(nvswitches: bool | None = None) -> list[DaemonSpec]:
     return specs
 
 
-class DaemonSource:
+class DaemonSource(TrackedStatus):
     name = SOURCE_NAME
     gpu_source = False  # a daemon being down is a finding, not a reason to doubt what the GPU sources see
 
@@ -89,31 +88,23 @@ class DaemonSource:
         self._systemctl = systemctl
         self._run = runner
         self._clock = clock
-        self._status = SourceStatus.down("daemons: not checked yet")
-        self._last_reason: str | None = None
+        super().__init__("daemons: not checked yet")
         self._installed: dict[str, bool] = {}  # only for only_if_installed units, once known
         self._down_since: dict[str, float] = {}
         self._reported: set[str] = set()
         self._episodes: dict[str, int] = {}
 
-    @property
-    def status(self) -> SourceStatus:
-        return self._status
-
     def check(self) -> SourceStatus:
         return self._status
 
-    async def observations(self) -> AsyncIterator[Observation]:
-        while True:
-            for observation in await self.poll():
-                yield observation
-            await asyncio.sleep(self._poll)
+    def observations(self) -> AsyncIterator[Observation]:
+        return polled(self.poll, self._poll)
 
     async def poll(self) -> list[Observation]:
         await self._learn_installed()
         watched = [spec for spec in self.units if not spec.only_if_installed or self._installed.get(spec.unit)]
         if not watched:
-            self._status = SourceStatus.ok()
+            self._mark_ok()
             return []
         result = await self._systemctl_call(["is-active", *(spec.unit for spec in watched)])
         if result is None:
@@ -122,8 +113,7 @@ class DaemonSource:
         if len(states) != len(watched):
             self._set_down(f"daemons: systemctl is-active answered {len(states)} lines for {len(watched)} units")
             return []
-        self._status = SourceStatus.ok()
-        self._last_reason = None
+        self._mark_ok()
         now = self._clock()
         found = []
         for spec, state in zip(watched, states, strict=True):
@@ -160,12 +150,6 @@ class DaemonSource:
         except OSError as exc:
             self._set_down(f"daemons: cannot run {self._systemctl}: {exc.strerror or exc}")
         return None
-
-    def _set_down(self, reason: str) -> None:
-        if reason != self._last_reason:
-            log.warning("%s", reason)
-        self._last_reason = reason
-        self._status = SourceStatus.down(reason)
 
     def _update(self, spec: DaemonSpec, state: str, now: float) -> Observation | None:
         unit = spec.unit

@@ -23,7 +23,6 @@ be found still yields one impairing finding (`DCGM_OVERALL_FAIL`), so a shape ch
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import re
@@ -34,7 +33,7 @@ from typing import Any, Literal
 
 from node_probe.host import CommandResult, CommandRunner, boot_id, first_line, run_command
 from node_probe.kernel_log import KernelRecord
-from node_probe.source import Observation, SourceStatus
+from node_probe.source import Observation, SourceStatus, TrackedStatus, polled
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +149,7 @@ def _incidents(body: Mapping[str, Any]) -> Iterator[DcgmIncident]:
 GpuLookup = Callable[[int], "tuple[str | None, str | None] | None"]
 
 
-class DcgmHealthSource:
+class DcgmHealthSource(TrackedStatus):
     name = SOURCE_NAME
 
     def __init__(
@@ -170,15 +169,10 @@ class DcgmHealthSource:
         self._enable_watches = enable_watches
         self._gpu_lookup = gpu_lookup
         self._configured = True
-        self._status = SourceStatus.down("dcgm: not checked yet")
-        self._last_reason: str | None = None
+        super().__init__("dcgm: not checked yet")
         # (group, entity, system) -> the health last reported; a finding goes out when one appears or worsens.
         self._open: dict[tuple[str, str, str], Health] = {}
         self._episodes: dict[tuple[str, str, str], int] = {}
-
-    @property
-    def status(self) -> SourceStatus:
-        return self._status
 
     @property
     def configured(self) -> bool:
@@ -190,11 +184,8 @@ class DcgmHealthSource:
             self._not_configured()
         return self._status
 
-    async def observations(self) -> AsyncIterator[Observation]:
-        while True:
-            for observation in await self.poll():
-                yield observation
-            await asyncio.sleep(self._poll)
+    def observations(self) -> AsyncIterator[Observation]:
+        return polled(self.poll, self._poll)
 
     async def poll(self) -> list[Observation]:
         """Run dcgmi once; update the status; return the findings that are new since the last poll."""
@@ -243,16 +234,7 @@ class DcgmHealthSource:
         self._set_down(f"dcgm: {self.dcgmi} not found (source not configured)")
 
     def _set_ok(self) -> None:
-        if not self._status.is_ok:
-            log.info("dcgm: health checks work")
-        self._status = SourceStatus.ok()
-        self._last_reason = None
-
-    def _set_down(self, reason: str) -> None:
-        if reason != self._last_reason:
-            log.warning("%s", reason)
-        self._last_reason = reason
-        self._status = SourceStatus.down(reason)
+        self._mark_ok("dcgm: health checks work")
 
     def _diff(self, report: DcgmHealthReport) -> list[Observation]:
         current: dict[tuple[str, str, str], DcgmIncident] = {}

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 from node_probe.host import boot_id
 from node_probe.kernel_log import KernelRecord
 from node_probe.policy import NVML_GPU_UNAVAILABLE, NVML_RECOVERY_ACTION_PREFIX, NVML_REMAP_FAILURE
-from node_probe.source import Observation, SourceStatus
+from node_probe.source import Observation, SourceStatus, TrackedStatus
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ def _handle_key(handle: Any) -> int:
     return address if address is not None else id(handle)
 
 
-class NvmlSource:
+class NvmlSource(TrackedStatus):
     name = SOURCE_NAME
 
     def __init__(
@@ -219,13 +219,12 @@ class NvmlSource:
         self._check_timeout = min(check_timeout, call_timeout)
         self._retry_initial = retry_initial
         self._retry_max = retry_max
-        self._status = SourceStatus.down("nvml: not initialised yet")
+        super().__init__("nvml: not initialised yet")
         self._worker = _Worker("nvml")
         self._session: _Session | None = None
         self._hung: concurrent.futures.Future[Any] | None = None
         self._hung_call = ""
         self._hung_since = 0.0
-        self._last_reason: str | None = None
         self._event_seq = 0
         self._instance = time.time_ns()  # with _event_seq, a unique position for one-off events
         self._wanted_events = (
@@ -244,10 +243,6 @@ class NvmlSource:
                     self._recovery_actions[code] = (suffix, suffix.replace("_", " ").title())
 
     # --- the RecordSource protocol -------------------------------------------------------------------------
-
-    @property
-    def status(self) -> SourceStatus:
-        return self._status
 
     @property
     def gpus(self) -> list[NvmlGpu]:
@@ -380,17 +375,10 @@ class NvmlSource:
             log.debug("nvml: shutdown: %s", exc)
 
     def _set_ok(self) -> None:
-        if not self._status.is_ok:
-            gpus = ", ".join(f"{g.label} ({g.uuid})" for g in self.gpus)
-            log.info("nvml: watching %d GPU(s): %s", len(self.gpus), gpus)
-        self._status = SourceStatus.ok()
-        self._last_reason = None
-
-    def _set_down(self, reason: str) -> None:
-        if reason != self._last_reason:
-            log.warning("%s", reason)
-        self._last_reason = reason
-        self._status = SourceStatus.down(reason)
+        if self._status.is_ok:  # called on every successful NVML round trip: build the message only on recovery
+            return
+        gpus = ", ".join(f"{g.label} ({g.uuid})" for g in self.gpus)
+        self._mark_ok(f"nvml: watching {len(self.gpus)} GPU(s): {gpus}")
 
     def _describe(self, exc: BaseException, what: str) -> str:
         if isinstance(exc, _Unavailable | _NoGpus):

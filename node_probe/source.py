@@ -6,12 +6,16 @@ reports INSUFFICIENT_DATA only when every configured source is down: we cannot t
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 from node_probe.kernel_log import KernelLogParser, KernelRecord
 from workflows.models import HealthState
+
+log = logging.getLogger(__name__)
 
 # A line without a newline this long is cut, so a writer that never ends its line cannot grow memory.
 MAX_LINE_BYTES = 64 * 1024
@@ -53,6 +57,39 @@ class RecordSource(Protocol):
         ...
 
     def observations(self) -> AsyncIterator[Observation]: ...
+
+
+class TrackedStatus:
+    """A source's status, for sources that are polled: each new reason for being down is logged once, not once per
+    poll, and a recovery is logged when the source comes back."""
+
+    def __init__(self, initial_reason: str) -> None:
+        self._status = SourceStatus.down(initial_reason)
+        self._last_reason: str | None = None
+
+    @property
+    def status(self) -> SourceStatus:
+        return self._status
+
+    def _mark_ok(self, recovered: str | None = None) -> None:
+        if recovered is not None and not self._status.is_ok:
+            log.info("%s", recovered)
+        self._status = SourceStatus.ok()
+        self._last_reason = None
+
+    def _set_down(self, reason: str) -> None:
+        if reason != self._last_reason:
+            log.warning("%s", reason)
+        self._last_reason = reason
+        self._status = SourceStatus.down(reason)
+
+
+async def polled(poll: Callable[[], Awaitable[list[Observation]]], interval: float) -> AsyncIterator[Observation]:
+    """A polled source's observations: what each poll found, then a pause."""
+    while True:
+        for observation in await poll():
+            yield observation
+        await asyncio.sleep(interval)
 
 
 class LineAssembler:
