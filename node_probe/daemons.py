@@ -1,9 +1,10 @@
 """Critical daemons (ECS's DAEMON health check): systemd units that must run for the GPUs to be usable.
 
 `systemctl is-active` on all units in one call per poll. A unit that stays down past a threshold is one finding
-(kind `daemon`, reason `DAEMON_<unit>`), impairing when the unit is marked critical; it comes back up = the episode
-ends, and a later outage is a new finding. This source says nothing about the GPUs themselves, so it never
-counts for the heartbeat's GPU health (`gpu_source = False`).
+(kind `daemon`, reason `DAEMON_<unit>`), impairing when the unit is marked critical. When a reported unit comes
+back up, that is a finding too (kind `daemon_recovered`, same reason, never impairing), so the health workflow can
+clear its DAEMON check; a later outage is a new episode and a new finding. This source says nothing about the GPUs
+themselves, so it never counts for the heartbeat's GPU health (`gpu_source = False`).
 
 Defaults (`default_daemons`): the fabric manager on hosts with NVSwitches (critical: without it CUDA cannot use
 the GPUs), nvidia-persistenced, and the DCGM host engine; the last two only when installed, and not critical.
@@ -19,7 +20,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from node_probe.host import CommandResult, CommandRunner, boot_id, run_command
-from node_probe.kernel_log import KernelRecord
+from node_probe.kernel_log import KernelRecord, RecordKind
 from node_probe.source import Observation, SourceStatus, TrackedStatus, polled
 
 log = logging.getLogger(__name__)
@@ -154,28 +155,42 @@ class DaemonSource(TrackedStatus):
     def _update(self, spec: DaemonSpec, state: str, now: float) -> Observation | None:
         unit = spec.unit
         if state in _UP_STATES:
-            if unit in self._down_since:
-                log.info("daemons: %s is %s again", unit, state)
-                del self._down_since[unit]
-                if unit in self._reported:
-                    self._reported.discard(unit)
-                    self._episodes[unit] = self._episodes.get(unit, 0) + 1
-            return None
+            if unit not in self._down_since:
+                return None
+            log.info("daemons: %s is %s again", unit, state)
+            down_for = now - self._down_since.pop(unit)
+            if unit not in self._reported:
+                return None  # back within the threshold: never reported, so nothing to take back
+            self._reported.discard(unit)
+            episode = self._episodes.get(unit, 0)
+            self._episodes[unit] = episode + 1
+            # Reported so that the DAEMON check does not latch: the health workflow clears it unless a repair began.
+            return self._observation(
+                spec, "daemon_recovered", state, f"{unit} is {state} again after {down_for:.0f}s", f"up:{episode}"
+            )
         since = self._down_since.setdefault(unit, now)
         down_for = now - since
         if unit in self._reported or down_for < self._threshold:
             return None
         self._reported.add(unit)
+        message = f"{unit} is {state} for {down_for:.0f}s (threshold {self._threshold:.0f}s)"
+        return self._observation(
+            spec,
+            "daemon",
+            state,
+            message + (" (critical)" if spec.critical else ""),
+            f"down:{self._episodes.get(unit, 0)}",
+        )
+
+    def _observation(self, spec: DaemonSpec, kind: RecordKind, state: str, message: str, episode: str) -> Observation:
         record = KernelRecord(
             line=0,
-            raw=f"systemctl is-active {unit}: {state}",
-            kind="daemon",
+            raw=f"systemctl is-active {spec.unit}: {state}",
+            kind=kind,
             code=None,
             pci=None,
-            message=f"{unit} is {state} for {down_for:.0f}s (threshold {self._threshold:.0f}s)"
-            + (" (critical)" if spec.critical else ""),
-            reason=f"DAEMON_{unit}",
+            message=message,
+            reason=f"DAEMON_{spec.unit}",
             critical=spec.critical,
         )
-        position = f"state:{boot_id()}:{unit}:down:{self._episodes.get(unit, 0)}"
-        return Observation(record, self.name, position)
+        return Observation(record, self.name, f"state:{boot_id()}:{spec.unit}:{episode}")

@@ -15,7 +15,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, NamedTuple
 
-RecordKind = Literal["xid", "sxid", "gpu_fallen_off_bus", "gpu_init_failed", "nvml", "dcgm", "daemon"]
+RecordKind = Literal[
+    "xid", "sxid", "gpu_fallen_off_bus", "gpu_init_failed", "nvml", "dcgm", "daemon", "daemon_recovered"
+]
 
 # Prefixes that log tools put before the kernel's own text. They can stack (syslog's header, then dmesg's
 # uptime stamp), so they are stripped in a loop. Each alternative is anchored so that an application line

@@ -48,7 +48,7 @@ _NODE_ACTION_WORDS = ("reset", "reboot", "drain", "flr")
 NVML_REMAP_FAILURE = "NVML_REMAP_FAILURE"  # like Xid 64, bucket RESET_GPU
 NVML_GPU_UNAVAILABLE = "NVML_GPU_UNAVAILABLE"
 NVML_RECOVERY_ACTION_PREFIX = "NVML_RECOVERY_ACTION_"
-_SOURCE_KINDS = frozenset({"nvml", "dcgm", "daemon"})
+_SOURCE_KINDS = frozenset({"nvml", "dcgm", "daemon", "daemon_recovered"})
 # Bounds the repeat-rule memory when a log names many GPUs (or garbage addresses).
 _MAX_REPEAT_KEYS = 1024
 
@@ -141,6 +141,8 @@ def _source_record(policy: str, record: KernelRecord) -> tuple[bool, str]:
         return (True, f"{policy}:dcgm-fail") if record.critical else (False, f"{policy}:dcgm-warn")
     if record.kind == "daemon":
         return (True, f"{policy}:daemon-critical") if record.critical else (False, f"{policy}:daemon-not-critical")
+    if record.kind == "daemon_recovered":
+        return False, f"{policy}:daemon-recovered"
     if policy == POLICY_ECS:
         return False, "ecs:nvml-not-an-ecs-check"
     reason = record.reason or ""

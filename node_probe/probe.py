@@ -33,6 +33,7 @@ from workflows.models import GpuFinding, HealthState, Heartbeat
 log = logging.getLogger(__name__)
 
 DEFAULT_TASK_QUEUE = "gpu-autorepair"
+_STATE_TRANSITIONS = frozenset({"daemon", "daemon_recovered"})
 
 
 class ProbeConfig(BaseModel):
@@ -182,8 +183,11 @@ class Probe:
             self.stats.records += 1
             seen = _Seen(observation, verdict, now)
             # Only the first of a burst becomes a finding here: building one per line of an 800K-line flood
-            # would cost more than parsing it.
-            if self._bursts.offer(dedupe_key(observation.record, verdict), seen, now):
+            # would cost more than parsing it. Daemon transitions are not a flood (one per episode, from the
+            # source itself), and folding "down" after "back up" into a burst would hide that it is down again.
+            if observation.record.kind in _STATE_TRANSITIONS or self._bursts.offer(
+                dedupe_key(observation.record, verdict), seen, now
+            ):
                 self._enqueue(self._finding(seen))
             else:
                 self.stats.suppressed += 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -13,7 +15,7 @@ from node_probe.daemons import DaemonSource, DaemonSpec, default_daemons, has_nv
 from node_probe.host import CommandResult
 from node_probe.policy import Policy
 from node_probe.probe import Probe, ProbeConfig, build_sources
-from tests.test_probe import FakeReporter
+from tests.test_probe import FakeReporter, eventually
 from workflows.models import HealthState
 
 NOW = datetime(2025, 1, 1, tzinfo=UTC)
@@ -122,6 +124,51 @@ async def test_a_unit_that_comes_back_in_time_is_nothing_and_a_new_outage_is_a_n
     clock.now += 60
     (second,) = await source.poll()
     assert first.position != second.position
+
+
+async def test_a_reported_unit_back_up_is_a_recovery_finding_that_never_impairs() -> None:
+    systemctl = FakeSystemctl({"nvidia-fabricmanager": "failed"})
+    clock = Clock()
+    source = make([DaemonSpec(unit="nvidia-fabricmanager", critical=True)], systemctl, clock, threshold=0)
+    (down,) = await source.poll()
+    clock.now += 42
+    systemctl.states["nvidia-fabricmanager"] = "active"
+    (up,) = await source.poll()
+    assert (up.record.kind, up.record.reason) == ("daemon_recovered", "DAEMON_nvidia-fabricmanager")
+    assert "active again after 42s" in up.record.message
+    for policy in ("ecs", "nvidia-catalog"):
+        verdict = Policy(policy).classify(up.record, NOW)
+        assert not verdict.impairs and verdict.rule == f"{policy}:daemon-recovered"
+        assert verdict.reason == "DAEMON_nvidia-fabricmanager"
+    assert await source.poll() == []  # up and staying up: said once
+    assert len({down.position, up.position}) == 2
+
+
+async def test_the_probe_never_folds_daemon_transitions_into_a_burst() -> None:
+    """Down, up, down within the dedupe window: three findings, or the last outage would be hidden."""
+    systemctl = FakeSystemctl({"nvidia-fabricmanager": "failed"})
+    source = DaemonSource(
+        [DaemonSpec(unit="nvidia-fabricmanager", critical=True)], down_threshold=0, poll_interval=0.01, runner=systemctl
+    )
+    reporter = FakeReporter()
+    probe = Probe(ProbeConfig(instance_id="i-1", group="g", heartbeat_interval=60), reporter, sources=[source])
+    task = asyncio.create_task(probe.run())
+    try:
+        await eventually(lambda: len(reporter.findings) == 1)
+        systemctl.states["nvidia-fabricmanager"] = "active"
+        await eventually(lambda: len(reporter.findings) == 2)
+        systemctl.states["nvidia-fabricmanager"] = "failed"
+        await eventually(lambda: len(reporter.findings) == 3)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    assert [(f.kind, f.impairs) for f in reporter.findings] == [
+        ("daemon", True),
+        ("daemon_recovered", False),
+        ("daemon", True),
+    ]
+    assert probe.stats.suppressed == 0
 
 
 async def test_optional_units_are_watched_only_when_installed() -> None:

@@ -288,11 +288,35 @@ async def test_critical_daemon_down_is_an_impaired_daemon_check(client: Client, 
         await handle.signal("gpu_finding", persistenced)
         await handle.signal("gpu_finding", fabric)
 
-        view = await eventually(
-            lambda: health_of(handle), lambda v: v.healthStatus.overallStatus is HealthState.IMPAIRED
-        )
+        # Monitor only: impaired, and the repair decision recorded as withheld.
+        view = await eventually(lambda: health_of(handle), lambda v: v.repair_withheld is not None)
         daemon = next(d for d in view.healthStatus.details if d.type is CheckType.DAEMON)
         assert (daemon.status, daemon.statusReason) == (HealthState.IMPAIRED, "DAEMON_nvidia-fabricmanager")
         assert check(view, CheckType.ACCELERATED_COMPUTE) is HealthState.OK
         assert view.warning_counts == {"unknown/DAEMON_nvidia-persistenced": 1}
+
+        # A second critical unit goes down; the first comes back: still IMPAIRED, now for the second.
+        dcgm = fabric.model_copy(update={"finding_id": "d-3", "reason": "DAEMON_nvidia-dcgm"})
+        await handle.signal("gpu_finding", dcgm)
+        await handle.signal("gpu_finding", recovered(fabric, "d-4"))
+        view = await eventually(
+            lambda: health_of(handle),
+            lambda v: any(d.statusReason == "DAEMON_nvidia-dcgm" for d in v.healthStatus.details),
+        )
+        assert check(view, CheckType.DAEMON) is HealthState.IMPAIRED
+
+        # Both back: nothing latches, and the withheld repair decision is void.
+        await handle.signal("gpu_finding", recovered(dcgm, "d-5"))
+        view = await eventually(lambda: health_of(handle), lambda v: v.healthStatus.overallStatus is HealthState.OK)
+        assert check(view, CheckType.DAEMON) is HealthState.OK
+        assert view.repair_withheld is None and view.repair is None
+        assert view.warning_counts == {"unknown/DAEMON_nvidia-persistenced": 1}  # a recovery is not a warning
+        events = await eventually(
+            lambda: asyncio.sleep(0, read_events(tmp_path / "events.jsonl")), lambda events: len(events) >= 4
+        )
+        assert [e["overall_status"] for e in events][-1] == "OK"
         await handle.terminate("test over")
+
+
+def recovered(down: GpuFinding, finding_id: str) -> GpuFinding:
+    return down.model_copy(update={"finding_id": finding_id, "kind": "daemon_recovered", "impairs": False})

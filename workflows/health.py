@@ -2,7 +2,8 @@
 
 Runbook it automates:
   1. Until the probe's first heartbeat the instance is INITIALIZING.
-  2. A critical GPU finding makes ACCELERATED_COMPUTE IMPAIRED (the probe's policy decides what is critical).
+  2. A critical GPU finding makes ACCELERATED_COMPUTE IMPAIRED (the probe's policy decides what is critical); it
+     stays so until the instance is replaced. A critical daemon down makes DAEMON IMPAIRED until it is back up.
   3. No heartbeat for the group's threshold makes AGENT_CONNECTIVITY IMPAIRED; a shorter gap changes nothing.
   4. The probe saying its GPU sources are down makes ACCELERATED_COMPUTE INSUFFICIENT_DATA, never IMPAIRED.
   5. Every change of status is published as a HealthChanged event.
@@ -221,6 +222,10 @@ class InstanceHealthWorkflow:
         self._signals_this_run += 1
         before = self._status_key()
         self._dispatch(name, payloads)
+        if self._state.repair_withheld is not None and not self._is_impaired():
+            # Healthy again while repair was DISABLED: the decision not to repair is void, a new fault decides anew.
+            self._state.repair_withheld = None
+            self._state.repair_requested = False
         self._publish_if_changed(before)
 
     def _dispatch(self, name: str, payloads: Sequence[RawValue]) -> None:
@@ -259,8 +264,13 @@ class InstanceHealthWorkflow:
         self._state.seen_finding_ids = [*self._state.seen_finding_ids, finding.finding_id][-REMEMBERED_FINDING_IDS:]
         self._state.findings = [*self._state.findings, finding][-RECENT_FINDINGS:]
         now = workflow.now()
+        if finding.kind == "daemon_recovered":
+            self._on_daemon_recovered(finding.reason, now)
+            return
         # A critical daemon (fabric manager, ...) down is ECS's DAEMON check; everything else is about the GPUs.
         check = CheckType.DAEMON if finding.kind == "daemon" else CheckType.ACCELERATED_COMPUTE
+        if check is CheckType.DAEMON and finding.impairs and finding.reason not in self._state.daemons_down:
+            self._state.daemons_down = [*self._state.daemons_down, finding.reason]
         current = self._state.checks.get(check)
         if not finding.impairs:
             key = f"{finding.gpu.pci or 'unknown'}/{finding.reason}"
@@ -270,6 +280,18 @@ class InstanceHealthWorkflow:
             current.lastUpdated = now
         else:
             self._set_check(check, HealthState.IMPAIRED, finding.reason, now)
+
+    def _on_daemon_recovered(self, reason: str, now: datetime) -> None:
+        """Unlike a GPU fault, a daemon that is back is healthy again, unless its repair has begun: a repair
+        that started finishes (the host restarted its fabric manager once; it may again)."""
+        self._state.daemons_down = [down for down in self._state.daemons_down if down != reason]
+        daemon = self._state.checks.get(CheckType.DAEMON)
+        if daemon is None or daemon.status is not HealthState.IMPAIRED or self._state.repair is not None:
+            return
+        if self._state.daemons_down:
+            self._set_check(CheckType.DAEMON, HealthState.IMPAIRED, self._state.daemons_down[0], now)
+        else:
+            self._set_check(CheckType.DAEMON, HealthState.OK, None, now)
 
     def _on_heartbeat(self, beat: Heartbeat) -> None:
         if beat.instance_id != self._instance_id:
@@ -369,8 +391,11 @@ class InstanceHealthWorkflow:
         agent = self._state.checks.get(CheckType.AGENT_CONNECTIVITY)
         return (agent.statusReason if agent and agent.statusReason else "AGENT_CONNECTIVITY"), None
 
+    def _is_impaired(self) -> bool:
+        return self._health_status().overallStatus is HealthState.IMPAIRED
+
     def _repair_due(self) -> bool:
-        return not self._state.repair_requested and self._health_status().overallStatus is HealthState.IMPAIRED
+        return not self._state.repair_requested and self._is_impaired()
 
     def _time_to_continue(self) -> bool:
         return workflow.info().is_continue_as_new_suggested() or self._signals_this_run >= SIGNALS_PER_RUN

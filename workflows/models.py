@@ -66,7 +66,9 @@ class GpuFinding(BaseModel):
     finding_id: str = Field(min_length=1, description="Stable id: a redelivered finding is recognised and dropped")
     instance_id: str = Field(min_length=1)
     group: str = Field(min_length=1)
-    kind: str = Field(min_length=1, description="xid, sxid, gpu_fallen_off_bus, gpu_init_failed, nvml, dcgm, daemon")
+    kind: str = Field(
+        min_length=1, description="xid, sxid, gpu_fallen_off_bus, gpu_init_failed, nvml, dcgm, daemon, daemon_recovered"
+    )
     code: int | None = None
     reason: str = Field(min_length=1, description="ECS-style status reason, e.g. XID_79")
     impairs: bool
@@ -145,6 +147,8 @@ class HealthCarry(BaseModel):
     # Why an IMPAIRED instance is not being repaired (auto repair DISABLED); cleared when the group is re-ENABLED.
     repair_withheld: str | None = None
     heartbeats_ignored_until: datetime | None = None
+    # Reasons (DAEMON_<unit>) of critical daemons reported down and not yet back, oldest first.
+    daemons_down: list[str] = Field(default_factory=list)
 
 
 class HealthInput(BaseModel):
