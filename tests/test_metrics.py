@@ -16,10 +16,12 @@ from activities.metrics import _finding_to_impaired, reason_label
 from activities.models import EventType, FleetEvent
 from tests.conftest import free_port
 from tests.fleet import simulated_fleet
-from tests.harness import eventually
+from tests.harness import eventually, unique
+from tests.test_health_signals import finding, health_of, heartbeat, monitor_only, start_health
+from worker.health_gauges import INSTANCES, health_gauges
 from worker.settings import Settings
 from worker.telemetry import runtime
-from workflows.models import RepairPhase
+from workflows.models import HealthInput, HealthState, RepairPhase
 
 SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)$")
 LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
@@ -113,6 +115,50 @@ async def test_a_repair_shows_on_the_prometheus_endpoint_with_temporals_metrics(
         names = {n for n, _, _ in samples}
         assert "temporal_activity_execution_latency_count" in names, sorted(names)
         assert any(n.startswith("temporal_workflow_completed") for n in names), sorted(names)
+
+
+async def test_instances_by_health_status_is_a_gauge_counted_from_visibility(
+    client: Client, aws_env: str, tmp_path
+) -> None:
+    """Two OK, one IMPAIRED (monitor only, so it stays), one INITIALIZING: the gauge says so per group, and a
+    change of status moves an instance from one series to another."""
+    port = free_port()
+    metrics_runtime = runtime(Settings(metrics_bind_address=f"127.0.0.1:{port}"))
+    assert metrics_runtime is not None
+    meter = metrics_runtime.metric_meter
+    async with monitor_only(client, aws_env, tmp_path) as (settings, group):
+        ok = [await start_health(client, settings, unique("i")) for _ in range(3)]
+        silent = await client.start_workflow(
+            "InstanceHealthWorkflow",
+            HealthInput(instance_id=unique("i"), group=group),
+            id=unique("health-silent"),
+            task_queue=settings.temporal.task_queue,
+        )
+        impaired = ok.pop()
+        impaired_id = (await health_of(impaired)).instance_id
+        await impaired.signal("gpu_finding", finding(impaired_id, group, "f-1"))
+
+        async with health_gauges(client, [group], meter, interval=timedelta(milliseconds=200)):
+            expected = {"OK": 2, "IMPAIRED": 1, "INITIALIZING": 1, "INSUFFICIENT_DATA": 0}
+            text = await eventually(
+                lambda: scrape(port),
+                lambda t: {s: total(parse(t), INSTANCES, group=group, health_status=s) for s in expected} == expected,
+            )
+            # Every status has a series, zero included, so an alert on IMPAIRED > 0 has something to read.
+            statuses = {ls["health_status"] for n, ls, _ in parse(text) if n == INSTANCES and ls["group"] == group}
+            assert statuses == set(expected)
+
+            blind = heartbeat((await health_of(ok[0])).instance_id, group).model_copy(
+                update={"gpu_health": HealthState.INSUFFICIENT_DATA, "gpu_health_reason": "NVML: driver not loaded"}
+            )
+            await ok[0].signal("heartbeat", blind)
+            expected = {"OK": 1, "IMPAIRED": 1, "INITIALIZING": 1, "INSUFFICIENT_DATA": 1}
+            await eventually(
+                lambda: scrape(port),
+                lambda t: {s: total(parse(t), INSTANCES, group=group, health_status=s) for s in expected} == expected,
+            )
+        for handle in [*ok, impaired, silent]:
+            await handle.terminate("test over")
 
 
 def test_reason_labels_stay_few() -> None:

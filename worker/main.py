@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import AsyncExitStack
+
 from temporalio.client import Client
 from temporalio.runtime import Runtime
 from temporalio.worker import Worker
@@ -12,6 +14,7 @@ from activities.events import EventActivities
 from activities.fleet import FleetActivities
 from activities.webhook import webhook_delivery
 from activities.workflow_ops import WorkflowOps
+from worker.health_gauges import health_gauges
 from worker.settings import Settings
 from workflows.drain_semaphore import DrainSemaphoreWorkflow
 from workflows.health import InstanceHealthWorkflow
@@ -60,5 +63,9 @@ async def run_worker(settings: Settings, client: Client) -> None:
     """Run until cancelled; in-flight activities are given a chance to finish, workflows simply resume elsewhere."""
     # The webhook outbox is drained by this process while it runs (see activities/webhook.py).
     meter = (client.service_client.config.runtime or Runtime.default()).metric_meter
-    async with webhook_delivery(settings.events, meter):
+    async with AsyncExitStack() as stack:
+        await stack.enter_async_context(webhook_delivery(settings.events, meter))
+        if settings.metrics_bind_address:
+            groups = [group.name for group in settings.groups]
+            await stack.enter_async_context(health_gauges(client, groups, meter, settings.health_gauge_interval))
         await build_worker(settings, client).run()

@@ -76,6 +76,9 @@ class Settings(BaseSettings):
     groups: list[CapacityGroup] = Field(default_factory=list)
     log_format: str = Field(default="auto", pattern="^(auto|json|console)$")
     metrics_bind_address: str | None = None
+    health_gauge_interval: timedelta = Field(
+        default=timedelta(seconds=30), gt=timedelta(0), description="How often instances by health status are counted"
+    )
     otlp_endpoint: str | None = None
 
     @classmethod

@@ -6,7 +6,7 @@ Runbook it automates:
      stays so until the instance is replaced. A critical daemon down makes DAEMON IMPAIRED until it is back up.
   3. No heartbeat for the group's threshold makes AGENT_CONNECTIVITY IMPAIRED; a shorter gap changes nothing.
   4. The probe saying its GPU sources are down makes ACCELERATED_COMPUTE INSUFFICIENT_DATA, never IMPAIRED.
-  5. Every change of status is published as a HealthChanged event.
+  5. Every change of status is published as a HealthChanged event and kept in the HealthStatus search attribute.
   6. On IMPAIRED, if the group's auto repair is ENABLED, start the instance's repair once; if DISABLED, watch only.
   7. The group's configuration is re-read whenever the heartbeat deadline fires: a changed threshold applies from
      the next deadline, and an instance left impaired while repair was DISABLED is repaired once it is ENABLED.
@@ -57,8 +57,6 @@ SIGNAL_GPU_FINDING = "gpu_finding"
 SIGNAL_HEARTBEAT = "heartbeat"
 SIGNAL_REPAIR_PROGRESS = "repair_progress"
 SIGNAL_INJECT_HEARTBEAT_LOSS = "inject_heartbeat_loss"
-# Histories recorded before live group configuration read the group once per run; they replay without it.
-PATCH_LIVE_GROUP_CONFIG = "live-group-config"
 
 RECENT_FINDINGS = 20
 REMEMBERED_FINDING_IDS = 500
@@ -93,6 +91,7 @@ class InstanceHealthWorkflow:
             workflow.upsert_search_attributes(
                 [sa.INSTANCE_ID.value_set(self._instance_id), sa.CAPACITY_GROUP.value_set(self._group)]
             )
+        self._sync_status_attribute()
         group = await self._group_config()
         workflow.set_current_details(self._details_markdown())
         watchdog = asyncio.create_task(self._watch_heartbeats(group.heartbeat_loss_threshold))
@@ -124,7 +123,6 @@ class InstanceHealthWorkflow:
 
     async def _watch_heartbeats(self, threshold: timedelta) -> None:
         """One timer at a time, set for when the agent would count as lost; a heartbeat just moves the deadline."""
-        live_config = workflow.patched(PATCH_LIVE_GROUP_CONFIG)
         while True:
             since = self._state.last_heartbeat or self._state.started_at
             assert since is not None
@@ -132,9 +130,8 @@ class InstanceHealthWorkflow:
             now = workflow.now()
             if now < deadline:
                 await workflow.sleep(deadline - now, summary="heartbeat deadline")
-                if live_config:
-                    # Once per timer, never per heartbeat: a healthy instance pays one activity per threshold.
-                    threshold = await self._reread_group_config(threshold)
+                # Once per timer, never per heartbeat: a healthy instance pays one activity per threshold.
+                threshold = await self._reread_group_config(threshold)
                 continue
             before = self._status_key()
             self._set_check(
@@ -144,13 +141,7 @@ class InstanceHealthWorkflow:
                 now,
             )
             self._publish_if_changed(before)
-            if live_config:
-                await self._next_heartbeat_watching_config(threshold)
-            else:
-                await self._next_heartbeat_after(self._state.last_heartbeat)
-
-    async def _next_heartbeat_after(self, seen: datetime | None) -> None:
-        await workflow.wait_condition(lambda: self._state.last_heartbeat != seen)
+            await self._next_heartbeat_watching_config(threshold)
 
     async def _next_heartbeat_watching_config(self, threshold: timedelta) -> None:
         """While the agent is lost, still look at the group once per threshold: a re-ENABLEd group repairs it."""
@@ -358,6 +349,7 @@ class InstanceHealthWorkflow:
         """One HealthChanged event per change, however many checks one signal moved."""
         if self._status_key() == before:
             return
+        self._sync_status_attribute()
         health = self._health_status()
         _, finding = self._impairment()
         self._outbox.append(
@@ -375,6 +367,12 @@ class InstanceHealthWorkflow:
                 },
             )
         )
+
+    def _sync_status_attribute(self) -> None:
+        """Only on a change of the overall status: an upsert is an event in the history."""
+        overall = self._health_status().overallStatus.value
+        if workflow.info().typed_search_attributes.get(sa.HEALTH_STATUS) != overall:
+            workflow.upsert_search_attributes([sa.HEALTH_STATUS.value_set(overall)])
 
     def _health_status(self) -> ContainerInstanceHealthStatus:
         details = sorted(self._state.checks.values(), key=lambda d: d.type.value)

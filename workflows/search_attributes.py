@@ -9,5 +9,7 @@ INSTANCE_ID = SearchAttributeKey.for_keyword("InstanceId")
 CAPACITY_GROUP = SearchAttributeKey.for_keyword("CapacityGroup")
 XID = SearchAttributeKey.for_int("Xid")
 OUTCOME = SearchAttributeKey.for_keyword("Outcome")
+# A health workflow's overall status: the fleet's health is a count query (worker/health_gauges.py).
+HEALTH_STATUS = SearchAttributeKey.for_keyword("HealthStatus")
 
-ALL: list[SearchAttributeKey[Any]] = [REPAIR_PHASE, INSTANCE_ID, CAPACITY_GROUP, XID, OUTCOME]
+ALL: list[SearchAttributeKey[Any]] = [REPAIR_PHASE, INSTANCE_ID, CAPACITY_GROUP, XID, OUTCOME, HEALTH_STATUS]

@@ -1,0 +1,81 @@
+"""Instances by health status, a gauge counted from Temporal visibility rather than kept by any one worker.
+
+Each health workflow keeps its overall status in the `HealthStatus` search attribute, so "how many instances of
+group G are IMPAIRED" is a count query that any worker can answer, whichever workers ran those workflows. Temporal
+groups counts only by ExecutionStatus, so it is one query per (group, status) per refresh; a refresh every 30 s for
+ten groups is 40 cheap queries.
+
+Every worker exports the same fleet-wide numbers: aggregate with `max by (group, health_status)`, never `sum`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from datetime import timedelta
+
+from temporalio.client import Client
+from temporalio.common import MetricMeter
+
+from workflows import search_attributes as sa
+from workflows.health import InstanceHealthWorkflow
+from workflows.models import HealthState
+
+log = logging.getLogger(__name__)
+
+INSTANCES = "autorepair_instances"
+
+
+def _quoted(value: str) -> str:
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def count_query(group: str, status: HealthState) -> str:
+    return (
+        f"WorkflowType={_quoted(InstanceHealthWorkflow.__name__)} AND ExecutionStatus='Running'"
+        f" AND {sa.CAPACITY_GROUP.name}={_quoted(group)} AND {sa.HEALTH_STATUS.name}={_quoted(status.value)}"
+    )
+
+
+class HealthGauges:
+    def __init__(self, client: Client, groups: Sequence[str], meter: MetricMeter) -> None:
+        self._client = client
+        self._groups = list(groups)
+        self._gauge = meter.create_gauge(
+            INSTANCES, "Instances by overall health status (running health workflows), per group"
+        )
+
+    async def refresh(self) -> dict[tuple[str, HealthState], int]:
+        """Counts every (group, status); one that cannot be read keeps its last value rather than reading 0."""
+        counts = {}
+        for group in self._groups:
+            for status in HealthState:
+                try:
+                    result = await self._client.count_workflows(count_query(group, status))
+                except Exception as exc:  # an unreachable server: stale for one refresh, not a dead worker
+                    log.warning("instances of %s that are %s not counted: %s", group, status.value, exc)
+                    continue
+                counts[group, status] = result.count
+                self._gauge.set(result.count, {"group": group, "health_status": status.value})
+        return counts
+
+
+@asynccontextmanager
+async def health_gauges(
+    client: Client, groups: Sequence[str], meter: MetricMeter, interval: timedelta
+) -> AsyncIterator[HealthGauges]:
+    gauges = HealthGauges(client, groups, meter)
+
+    async def refresh_forever() -> None:
+        while True:
+            await gauges.refresh()
+            await asyncio.sleep(interval.total_seconds())
+
+    task = asyncio.create_task(refresh_forever(), name="health-gauges")
+    try:
+        yield gauges
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
