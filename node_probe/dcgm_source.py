@@ -5,7 +5,7 @@ installed = the source is not configured (it never counts for GPU health); nv-ho
 failing command = INSUFFICIENT_DATA, and the next poll that works makes it OK again.
 
 The JSON shape parsed here is the one dcgmi's own code builds (NVIDIA/DCGM, dcgmi/Health.cpp and
-DcgmiOutput.{h,cpp}: DcgmiOutputJson prints jsoncpp's styled string of this tree):
+DcgmiOutput.{h,cpp}: DcgmiOutputJson prints jsoncpp's styled string of this tree, tab-indented):
 
     {"header": ["Health Monitor Report"],
      "body": {"Overall Health": {"value": "Failure"},
@@ -14,11 +14,20 @@ DcgmiOutput.{h,cpp}: DcgmiOutputJson prints jsoncpp's styled string of this tree
                                              "Memory system": {"value": "Failure",
                                                                "overflow": ["<message, cut in chunks>", ...]}}}}}}}}}
 
-Entity groups are DCGM's names ("GPU", "NvSwitch", ...), entity keys their DCGM ids, systems "PCIe system",
-"NVLINK system", "Memory system", "SM system", "InfoROM system", "Thermal system", "Power system", "Driver", ...,
-results "Healthy", "Warning", "Failure", "Internal error". The parser is tolerant: "children" wrappers may be
-absent, results are matched by word (pass/healthy, warn, fail), and an overall "Failure" whose incidents cannot
-be found still yields one impairing finding (`DCGM_OVERALL_FAIL`), so a shape change cannot hide a failure.
+Entity groups are DCGM's names ("GPU", "Switch", "ConnectX", "CPU", ...), entity keys their DCGM ids, systems
+"PCIe system", "NVLINK system", "Memory system", "SM system", "InfoROM system", "Thermal system", "Power system",
+"Driver", "PMU system", "MCU system", "ConnectX system", and "Internal error" for any other (NvSwitch incidents
+included); results "Healthy", "Warning", "Failure", "Internal error". The parser is tolerant: "children" wrappers
+may be absent, results are matched by word (pass/healthy, warn, fail), and an overall "Failure" whose incidents
+cannot be found still yields one impairing finding (`DCGM_OVERALL_FAIL`), so a shape change cannot hide a failure.
+Output that is not JSON (dcgmi's text table) is a parse error, never "healthy".
+
+Checked against real output (the samples, and where each came from, are in tests/test_dcgm_source.py): healthy
+`dcgmi health -c -j` from two independent runs (tab-indented, as above), and a real `dcgmi health -c` Warning from
+DCGM 4.6.1, whose text tree (GPU -> 0 -> Errors -> Power system, message in 54-character chunks) is the tree this
+JSON carries. No real JSON with a Warning or Failure was found in public material; that part rests on the source.
+dcgmi 2.3 and older keyed each entity by its first incident's health code (0/10/20) instead of its id, and could
+drop an entity's systems ("Errors": null): ids from those versions are not GPU ids, but a failure still surfaces.
 """
 
 from __future__ import annotations

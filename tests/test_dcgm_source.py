@@ -1,8 +1,8 @@
 """DCGM health via `dcgmi health -c -j`, with a fake command runner (no DCGM on this machine).
 
-The JSON below has the shape dcgmi's own code builds (NVIDIA/DCGM dcgmi/Health.cpp + DcgmiOutput.{h,cpp}:
-"header", then "body" -> section -> "children" -> ..., leaves with "value" and "overflow"), in jsoncpp's
-styled-string layout.
+The built JSON below has the shape dcgmi's own code builds (NVIDIA/DCGM dcgmi/Health.cpp + DcgmiOutput.{h,cpp}:
+"header", then "body" -> section -> "children" -> ..., leaves with "value" and "overflow"). The "real dcgmi output"
+section holds output captured from real runs, each with where it was published.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from node_probe.dcgm_source import DcgmHealthSource, parse_health_json, system_word
+from node_probe.dcgm_source import DcgmHealthSource, DcgmParseError, parse_health_json, system_word
 from node_probe.host import CommandResult
 from node_probe.policy import Policy
 from node_probe.probe import Probe, ProbeConfig
@@ -134,6 +134,170 @@ def test_internal_error_is_not_a_fault() -> None:
     assert parsed.incidents == ()
 
 
+# --- real dcgmi output -----------------------------------------------------------------------------------
+# Output of real runs as published, with where (the power-warning JSON is a transcription, as said below). jsoncpp
+# indents with tabs; the issue paste shows them as 8 spaces. dcgmi prints its "Error: ..." lines on stdout and then
+# exits 253 (DCGM_ST_GENERIC_ERROR, -3).
+
+# microsoft/VirtualClient, src/VirtualClient/VirtualClient.Actions.UnitTests/Examples/DCGMI/
+# DCGMIHealthCheckResults.json (commit 0a346b188678734d6fbbfa8532ef36a8aab6848b): the `dcgmi health -c -j` output
+# their DCGMI parser is tested with, byte for byte jsoncpp's layout.
+REAL_HEALTHY_VIRTUALCLIENT = (
+    '{\n\t"body" : \n\t{\n\t\t"Overall Health" : \n\t\t{\n\t\t\t"value" : "Healthy"\n\t\t}\n\t},'
+    '\n\t"header" : \n\t[\n\t\t"Health Monitor Report"\n\t]\n}\n'
+)
+
+# https://github.com/NVIDIA/DCGM/issues/263 (2025-11-06): `dcgmi health -s a` then `dcgmi health -c -j` on an 8-GPU
+# node (one GPU needing a reset that DCGM's health watches do not see).
+_ISSUE_263 = """{
+        "body" :_
+        {
+                "Overall Health" :_
+                {
+                        "value" : "Healthy"
+                }
+        },
+        "header" :_
+        [
+                "Health Monitor Report"
+        ]
+}
+"""
+REAL_HEALTHY_DCGM_ISSUE_263 = _ISSUE_263.replace(":_", ": ")  # the paste has a space after those colons
+
+# https://github.com/NVIDIA/DCGM/issues/176 (DCGM 3.3.6 container): `dcgmi health --check -g 1` before any
+# `dcgmi health -s`; the text is dcgmi/Health.cpp's, which also prints the trailing space.
+WATCHES_NOT_ENABLED = "Error: Health watches not enabled. Please enable watches. \n"
+
+# https://github.com/NVIDIA/DCGM/issues/314 (DCGM 4.7.0): `dcgmi health --set a` on a host whose health module
+# refuses the API version.
+SET_API_MISMATCH = "Error: Unable to set health watches. Return: API version mismatch\n"
+
+# A public GitHub markdown page, "NVIDIA DCGM Command Reference" (section 5, "Check GPU Health": DCGM 4.6.1 on one
+# NVIDIA L4 under a training load, run twice with the same result); its repository could not be pinned down with
+# the search tools at hand. This is dcgmi's text table (DcgmiOutputTree(28, 60)), not JSON.
+REAL_POWER_WARNING_TEXT = """\
++---------------------------+----------------------------------------------------------+
+| Health Monitor Report                                                                |
++===========================+==========================================================+
+| Overall Health            | Warning                                                  |
+| GPU                       |                                                          |
+| -> 0                      | Warning                                                  |
+|    -> Errors              |                                                          |
+|       -> Power system     | Warning                                                  |
+|                           | Detected clocks event due to power violation in GPU 0.   |
+|                           | Monitor the power conditions. This GPU can still         |
+|                           | perform workload.                                        |
++---------------------------+----------------------------------------------------------+
+"""
+# The same run as JSON: DcgmiOutputJson prints the tree DcgmiOutputTree draws above, node for node (a transcription,
+# not a capture); the three message lines are the three "overflow" chunks (Health::AddErrorMessage, 54 characters).
+REAL_POWER_WARNING_JSON = json.dumps(
+    {
+        "body": {
+            "GPU": {
+                "children": {
+                    "0": {
+                        "children": {
+                            "Errors": {
+                                "children": {
+                                    "Power system": {
+                                        "overflow": [
+                                            "Detected clocks event due to power violation in GPU 0.",
+                                            "Monitor the power conditions. This GPU can still",
+                                            "perform workload.",
+                                        ],
+                                        "value": "Warning",
+                                    }
+                                }
+                            }
+                        },
+                        "value": "Warning",
+                    }
+                }
+            },
+            "Overall Health": {"value": "Warning"},
+        },
+        "header": ["Health Monitor Report"],
+    },
+    indent="\t",
+)
+
+
+@pytest.mark.parametrize("output", [REAL_HEALTHY_VIRTUALCLIENT, REAL_HEALTHY_DCGM_ISSUE_263])
+async def test_real_healthy_outputs_are_healthy(output: str) -> None:
+    parsed = parse_health_json(output)
+    assert parsed.overall == "pass" and parsed.incidents == ()
+    source, _ = source_with({CHECK: output})
+    assert await source.poll() == [] and source.status.is_ok
+
+
+async def test_real_power_warning_is_one_warning_on_gpu_0_with_its_message() -> None:
+    parsed = parse_health_json(REAL_POWER_WARNING_JSON)
+    assert parsed.overall == "warn"
+    assert [(i.entity_group, i.entity_id, i.system, i.health, i.reason) for i in parsed.incidents] == [
+        ("GPU", "0", "Power system", "warn", "DCGM_POWER_WARN")
+    ]
+    assert parsed.incidents[0].message == (
+        "Detected clocks event due to power violation in GPU 0. Monitor the power conditions. This GPU can still"
+        " perform workload."
+    )
+    source, _ = source_with({CHECK: REAL_POWER_WARNING_JSON}, gpu_lookup={0: ("0000:00:03.0", "GPU-0b5f")}.get)
+    (found,) = await source.poll()
+    assert not found.record.critical and (found.record.pci, found.record.uuid) == ("0000:00:03.0", "GPU-0b5f")
+    for policy in ("ecs", "nvidia-catalog"):
+        assert not Policy(policy).classify(found.record, NOW).impairs
+
+
+async def test_real_text_output_is_a_parse_error_and_never_healthy() -> None:
+    # A dcgmi that ignored -j: its table carries a Warning, so it must not read as a clean bill of health.
+    with pytest.raises(DcgmParseError):
+        parse_health_json(REAL_POWER_WARNING_TEXT)
+    source, _ = source_with({CHECK: REAL_POWER_WARNING_TEXT})
+    assert await source.poll() == []
+    assert source.status.state == HealthState.INSUFFICIENT_DATA and not source.status.is_ok
+
+
+async def test_real_set_failure_while_enabling_watches_is_insufficient_data() -> None:
+    source, runner = source_with(
+        {CHECK: CommandResult(253, WATCHES_NOT_ENABLED), ENABLE: CommandResult(253, SET_API_MISMATCH)}
+    )
+    assert await source.poll() == []
+    assert runner.calls == [CHECK, ENABLE]
+    assert source.status.state == HealthState.INSUFFICIENT_DATA
+    assert "API version mismatch" in (source.status.reason or "")
+
+
+# --- shapes from dcgmi's source (no real capture found) ---------------------------------------------------
+
+
+def test_nvswitch_incidents_named_internal_error_still_fail() -> None:
+    # NVIDIA/DCGM dcgmi/Health.cpp HelperSystemToString (DCGM 4.x) has no name for the NvSwitch fatal/non-fatal
+    # systems, so their incidents print as "Internal error"; DcgmFieldsGetEntityGroupString names the group "Switch".
+    output = report("Failure", {"Switch": {"3": {"Internal error": ("Failure", ["NvSwitch fatal error"])}}})
+    parsed = parse_health_json(output)
+    assert [(i.entity_group, i.entity_id, i.system, i.health) for i in parsed.incidents] == [
+        ("Switch", "3", "Internal error", "fail")
+    ]
+
+
+def test_dcgmi_2_3_entity_without_systems_still_fails() -> None:
+    # NVIDIA/DCGM v2.3.4 dcgmi/Health.cpp CheckWatches: the entity key is the first incident's health code (20 =
+    # DCGM_HEALTH_RESULT_FAIL), and an entity with a single incident gets no system under "Errors" (null).
+    legacy = {
+        "body": {
+            "GPU": {"children": {"20": {"children": {"Errors": None}, "value": "Failure"}}},
+            "Overall Health": {"value": "Failure"},
+        },
+        "header": ["Health Monitor Report"],
+    }
+    parsed = parse_health_json(json.dumps(legacy, indent="\t"))
+    # "20" is a health code, not GPU 20: ids from these versions cannot be trusted, the failure can.
+    assert [(i.entity_group, i.entity_id, i.system, i.health) for i in parsed.incidents] == [
+        ("GPU", "20", "UNKNOWN", "fail")
+    ]
+
+
 # --- the source -------------------------------------------------------------------------------------------
 
 
@@ -197,7 +361,7 @@ async def test_a_timeout_is_insufficient_data() -> None:
 
 
 async def test_watches_not_enabled_are_enabled_once() -> None:
-    not_enabled = CommandResult(255, "Error: Health watches not enabled. Please enable watches. \n")
+    not_enabled = CommandResult(253, WATCHES_NOT_ENABLED)
     source, runner = source_with({CHECK: not_enabled, ENABLE: "Health monitor systems set successfully.\n"})
 
     async def enabled_then_healthy(argv: Sequence[str], timeout: float) -> CommandResult:
@@ -212,7 +376,7 @@ async def test_watches_not_enabled_are_enabled_once() -> None:
 
 
 async def test_watches_not_enabled_without_permission_to_enable_is_insufficient_data() -> None:
-    not_enabled = CommandResult(255, "Error: Health watches not enabled. Please enable watches. \n")
+    not_enabled = CommandResult(253, WATCHES_NOT_ENABLED)
     source, runner = source_with({CHECK: not_enabled}, enable_watches=False)
     await source.poll()
     assert not source.status.is_ok and "watches not enabled" in (source.status.reason or "")
