@@ -18,15 +18,14 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from temporalio import activity
-from temporalio.client import Client, WorkflowQueryRejectedError
-from temporalio.common import QueryRejectCondition
+from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
-from temporalio.service import RPCError, RPCStatusCode
 
 from activities.aws import AwsClients, aws_call
 from activities.models import (
     ContainerInstanceRef,
     DrainResult,
+    GroupConfigRequest,
     GroupRef,
     InstanceRef,
     InstanceTasks,
@@ -37,8 +36,8 @@ from activities.models import (
     TaskInfo,
     TerminateResult,
 )
-from workflows.ids import semaphore_workflow_id
-from workflows.models import CapacityGroup, GroupCapacity, GroupConfigOverrides, GroupConfigState
+from activities.workflow_ops import live_group_config
+from workflows.models import CapacityGroup, GroupCapacity, GroupConfigOverrides
 
 if TYPE_CHECKING:
     from mypy_boto3_autoscaling.type_defs import AutoScalingGroupTypeDef
@@ -135,10 +134,12 @@ class FleetActivities:
         )
 
     @activity.defn(name="get_group_config")
-    async def get_group_config(self, ref: GroupRef) -> CapacityGroup:
+    async def get_group_config(self, request: GroupConfigRequest) -> CapacityGroup:
         # An activity, not a workflow constant: the configuration can change between worker deploys (and live,
         # by `autorepair group update`), and the workflow must see it through history to stay deterministic.
-        group = self._group(ref.group)
+        group = self._group(request.group)
+        if not request.live_overrides:
+            return group
         return (await self._live_overrides(group.name)).apply(group)
 
     @activity.defn(name="set_draining")
@@ -459,25 +460,13 @@ class FleetActivities:
     # --- lookups ------------------------------------------------------------------------------------------
 
     async def _live_overrides(self, group: str) -> GroupConfigOverrides:
-        """The overrides held by the group's drain semaphore; none when it is not running (never started,
-        or closed by an operator: a new one starts without overrides, so a closed one's must not apply)."""
+        """The overrides of the group's drain semaphore, or those its last run left when none runs now (the next
+        one takes them over). Any error but "no such workflow" is retried: applying the settings alone could undo
+        an operator's DISABLED."""
         if self._client is None:
             return GroupConfigOverrides()
-        handle = self._client.get_workflow_handle(semaphore_workflow_id(group))
-        try:
-            state = await handle.query(
-                "group_config",
-                result_type=GroupConfigState,
-                reject_condition=QueryRejectCondition.NOT_OPEN,
-                rpc_timeout=timedelta(seconds=10),
-            )
-        except WorkflowQueryRejectedError:
-            return GroupConfigOverrides()
-        except RPCError as err:
-            if err.status == RPCStatusCode.NOT_FOUND:
-                return GroupConfigOverrides()
-            raise  # anything else is retried: applying the settings alone could undo an operator's DISABLED
-        return state.overrides
+        state, _ = await live_group_config(self._client, group)
+        return state.overrides if state is not None else GroupConfigOverrides()
 
     def _group(self, name: str) -> CapacityGroup:
         try:

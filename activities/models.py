@@ -67,6 +67,12 @@ class GroupRef(BaseModel):
     group: str
 
 
+class GroupConfigRequest(BaseModel):
+    group: str
+    # The drain semaphore holds the overrides and applies them itself: it asks for the settings alone.
+    live_overrides: bool = True
+
+
 class InstanceRef(BaseModel):
     group: str
     instance_id: str

@@ -3,12 +3,14 @@ signal-with-start, look at another workflow's status)."""
 
 from __future__ import annotations
 
+from datetime import datetime, timedelta
 from typing import Any
 
 from opentelemetry import context as otel_context
 from temporalio import activity
-from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowQueryRejectedError
 from temporalio.common import (
+    QueryRejectCondition,
     SearchAttributePair,
     TypedSearchAttributes,
     WorkflowIDConflictPolicy,
@@ -18,6 +20,7 @@ from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.models import (
+    GroupRef,
     PermitRequestOrder,
     StartRepairRequest,
     StartRepairResult,
@@ -25,7 +28,39 @@ from activities.models import (
 )
 from workflows import search_attributes as sa
 from workflows.ids import repair_workflow_id, semaphore_workflow_id
-from workflows.models import PermitRequest, SemaphoreInput
+from workflows.models import (
+    GROUP_CONFIG_MEMO,
+    GroupConfigState,
+    PermitRequest,
+    PreviousGroupConfig,
+    SemaphoreInput,
+)
+
+# Enough closed runs to find the latest: visibility lists the most recently closed first.
+_PREVIOUS_RUNS_LOOKED_AT = 20
+
+
+async def live_group_config(
+    client: Client, group: str, rpc_timeout: timedelta = timedelta(seconds=10)
+) -> tuple[GroupConfigState | None, bool]:
+    """The group's live configuration and whether its drain semaphore is running: from the running semaphore, else
+    what its last run left in its memo (the next run takes that over); (None, False) when none ever ran."""
+    handle = client.get_workflow_handle(semaphore_workflow_id(group))
+    try:
+        state = await handle.query(
+            "group_config",
+            result_type=GroupConfigState,
+            reject_condition=QueryRejectCondition.NOT_OPEN,
+            rpc_timeout=rpc_timeout,
+        )
+        return state, True
+    except WorkflowQueryRejectedError:
+        description = await handle.describe(rpc_timeout=rpc_timeout)
+        return await description.memo_value(GROUP_CONFIG_MEMO, None, type_hint=GroupConfigState), False
+    except RPCError as err:
+        if err.status == RPCStatusCode.NOT_FOUND:
+            return None, False
+        raise
 
 
 class WorkflowOps:
@@ -103,3 +138,19 @@ class WorkflowOps:
             if description.status != WorkflowExecutionStatus.RUNNING:
                 closed.append(run)
         return WorkflowRuns(runs=closed)
+
+    @activity.defn
+    async def previous_group_config(self, ref: GroupRef) -> PreviousGroupConfig:
+        """The live configuration of the group's most recently closed semaphore run, from its memo."""
+        workflow_id = semaphore_workflow_id(ref.group)
+        query = f"WorkflowId = {sa.quoted(workflow_id)} AND ExecutionStatus != 'Running'"
+        closed = [
+            execution
+            async for execution in self._client.list_workflows(query, limit=_PREVIOUS_RUNS_LOOKED_AT)
+            if execution.close_time is not None
+        ]
+        if not closed:
+            return PreviousGroupConfig()
+        latest = max(closed, key=lambda execution: execution.close_time or datetime.min)
+        state = await latest.memo_value(GROUP_CONFIG_MEMO, None, type_hint=GroupConfigState)
+        return PreviousGroupConfig(state=state, run_id=latest.run_id)

@@ -19,7 +19,7 @@ from temporalio.testing import ActivityEnvironment
 from activities.aws import AwsClients, aws_call
 from activities.errors import aws_errors, is_retryable
 from activities.fleet import DETACHED_AT_TAG, GROUP_TAG, REPLACES_TAG, FleetActivities
-from activities.models import GroupRef, InstanceRef, LaunchRequest, StopTasksRequest
+from activities.models import GroupConfigRequest, GroupRef, InstanceRef, LaunchRequest, StopTasksRequest
 from worker.settings import AwsSettings
 from workflows.models import CapacityGroup
 
@@ -139,7 +139,7 @@ async def test_capacity_counts_draining_and_drops_deregistered(fleet: Fleet) -> 
 
 
 async def test_get_group_config_and_unknown_group(fleet: Fleet) -> None:
-    assert await run(fleet.acts.get_group_config, GroupRef(group=fleet.group.name)) == fleet.group
+    assert await run(fleet.acts.get_group_config, GroupConfigRequest(group=fleet.group.name)) == fleet.group
     with pytest.raises(ApplicationError) as exc:
         await run(fleet.acts.describe_group_capacity, GroupRef(group="no-such-group"))
     assert "no-such-group" in permanent(exc, "UnknownCapacityGroup")

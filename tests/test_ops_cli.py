@@ -17,18 +17,23 @@ from typing import Any
 import pytest
 from temporalio.client import Client, WorkflowHandle
 from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.testing import ActivityEnvironment
 
+from activities.aws import AwsClients
+from activities.fleet import FleetActivities
+from activities.models import GroupConfigRequest
 from node_probe.kernel_log import parse_lines
 from node_probe.policy import Policy
 from tests.conftest import free_port
 from tests.fleet import Fleet, simulated_fleet
-from tests.harness import eventually, make_settings, running_worker, unique
+from tests.harness import eventually, make_settings, read_events, running_worker, unique
 from tests.test_repair_engine import worker_environment
 from worker.ops_cli import parse_duration, parse_since, phase_durations, workflow_url, xid_line
 from worker.settings import Settings, TemporalSettings
-from workflows.ids import health_workflow_id
+from workflows.ids import health_workflow_id, semaphore_workflow_id
 from workflows.models import (
     AutoRepair,
+    CapacityGroup,
     CheckType,
     HealthInput,
     HealthState,
@@ -235,6 +240,53 @@ async def test_group_update_applies_live_is_evented_and_heartbeat_loss_impairs(
         reasons = {e["instance_id"]: e["reason"] for e in fleet.events("RepairStarted")}
         assert reasons[faulty] == "XID_79" and reasons[lost].startswith("Agent disconnected since ")
         assert len(fleet.events("GroupConfigChanged")) == 2
+
+
+async def test_live_overrides_survive_a_terminated_semaphore_and_reset_drops_them(
+    client: Client, aws_env: str, tmp_path: Path
+) -> None:
+    group = unique("g")
+    settings = make_settings(client, aws_env, tmp_path / "events.jsonl", group=group, cluster=group)
+    fleet_activities = FleetActivities(AwsClients(settings.aws), settings.group, client=client)
+    semaphore = client.get_workflow_handle(semaphore_workflow_id(group))
+
+    async def group_config_seen_by_workflows() -> CapacityGroup:
+        return await ActivityEnvironment().run(fleet_activities.get_group_config, GroupConfigRequest(group=group))
+
+    async with running_worker(settings, client):
+        await cli_json(
+            settings, "group", "update", "--name", group, "--auto-repair", "DISABLED", "--max-draining-percent", "50"
+        )
+        # An operator terminates the semaphore (say it looked stuck). Its overrides are not lost in between...
+        await semaphore.terminate("operator: semaphore looked stuck")
+        described = await cli_json(settings, "group", "describe", "--name", group)
+        assert described["semaphoreRunning"] is False and described["revision"] == 1
+        assert described["overrides"] == {"auto_repair": "DISABLED", "max_draining_percent": 50}
+        assert (await group_config_seen_by_workflows()).auto_repair is AutoRepair.DISABLED
+
+        # ... and the next run takes them over: here started by the next update, which applies on top.
+        updated = await cli_json(settings, "group", "update", "--name", group, "--heartbeat-loss-threshold", "2m")
+        assert updated["revision"] == 2
+        assert set(updated["overrides"]) == {"auto_repair", "max_draining_percent", "heartbeat_loss_threshold"}
+        assert updated["effective"]["auto_repair"] == "DISABLED"
+
+        # --reset: back to the settings, recorded and evented like any other change.
+        code, out, err = await autorepair(cli_env(settings), "group", "update", "--name", group, "--reset")
+        assert code == 0, err
+        assert "revision 3, no live overrides (the settings apply)" in out
+        described = await cli_json(settings, "group", "describe", "--name", group)
+        assert described["overrides"] == {} and described["effective"]["auto_repair"] == "ENABLED"
+        assert (await group_config_seen_by_workflows()).max_draining_percent == settings.groups[0].max_draining_percent
+        changes = [e["changes"] for e in read_events(tmp_path / "events.jsonl") if e["type"] == "GroupConfigChanged"]
+        assert len(changes) == 3
+        assert changes[-1]["auto_repair"] == {"old": "DISABLED", "new": "ENABLED"}
+        assert set(changes[-1]) == {"auto_repair", "max_draining_percent", "heartbeat_loss_threshold"}
+
+        # A reset is taken over like any other state: a later run does not bring the old overrides back.
+        await semaphore.terminate("operator: again")
+        reset_then_more = await cli_json(settings, "group", "update", "--name", group, "--max-draining-percent", "30")
+        assert reset_then_more["overrides"] == {"max_draining_percent": 30} and reset_then_more["revision"] == 4
+        await semaphore.terminate("test over")
 
 
 async def test_unreachable_temporal_and_bad_arguments_give_one_line(tmp_path: Path) -> None:

@@ -28,14 +28,10 @@ log = logging.getLogger(__name__)
 INSTANCES = "autorepair_instances"
 
 
-def _quoted(value: str) -> str:
-    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
-
-
 def count_query(group: str, status: HealthState) -> str:
     return (
-        f"WorkflowType={_quoted(InstanceHealthWorkflow.__name__)} AND ExecutionStatus='Running'"
-        f" AND {sa.CAPACITY_GROUP.name}={_quoted(group)} AND {sa.HEALTH_STATUS.name}={_quoted(status.value)}"
+        f"WorkflowType={sa.quoted(InstanceHealthWorkflow.__name__)} AND ExecutionStatus='Running'"
+        f" AND {sa.CAPACITY_GROUP.name}={sa.quoted(group)} AND {sa.HEALTH_STATUS.name}={sa.quoted(status.value)}"
     )
 
 

@@ -55,6 +55,7 @@ def build_worker(settings: Settings, client: Client) -> Worker:
             ops.start_repair,
             ops.request_drain_permit,
             ops.find_closed_workflows,
+            ops.previous_group_config,
         ],
     )
 

@@ -36,9 +36,11 @@ from temporalio.client import (
     WorkflowUpdateFailedError,
     WorkflowUpdateRPCTimeoutOrCancelledError,
 )
-from temporalio.common import QueryRejectCondition, WorkflowIDConflictPolicy
+from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.exceptions import ApplicationError, TemporalError
 from temporalio.service import RPCError, RPCStatusCode
+
+from activities.workflow_ops import live_group_config
 
 # The probe's own policy options and loader (private there, shared on purpose: one definition of the flags).
 from node_probe.cli import CliError, _add_policy_arguments, _load_policy_config
@@ -208,6 +210,9 @@ def add_ops_commands(command: Command) -> None:
     update.add_argument("--auto-repair", type=str.upper, choices=[a.value for a in AutoRepair])
     update.add_argument("--max-draining-percent", type=int, metavar="P")
     update.add_argument("--heartbeat-loss-threshold", type=parse_duration, metavar="DURATION")
+    update.add_argument(
+        "--reset", action="store_true", help="drop every live override (back to the settings), then apply the rest"
+    )
     update.add_argument("--timeout", type=parse_duration, default=timedelta(seconds=60), help="wait this long (60s)")
     _add_common(update)
 
@@ -765,21 +770,9 @@ async def group_describe(args: argparse.Namespace) -> int:
     temporal = _temporal(args)
     client = await _connect(temporal)
     handle = client.get_workflow_handle(semaphore_workflow_id(args.name))
-    state: GroupConfigState | None = None
-    view: SemaphoreView | None = None
-    try:
-        state = await handle.query(
-            "group_config",
-            result_type=GroupConfigState,
-            reject_condition=QueryRejectCondition.NOT_OPEN,
-            rpc_timeout=QUERY_TIMEOUT,
-        )
-        view = await handle.query("state", result_type=SemaphoreView, rpc_timeout=QUERY_TIMEOUT)
-    except WorkflowQueryRejectedError:
-        pass
-    except RPCError as err:
-        if err.status != RPCStatusCode.NOT_FOUND:
-            raise
+    # A semaphore that is not running still has the overrides its last run left: the next one takes them over.
+    state, running = await live_group_config(client, args.name, QUERY_TIMEOUT)
+    view = await handle.query("state", result_type=SemaphoreView, rpc_timeout=QUERY_TIMEOUT) if running else None
     local = _local_group(args.name)
     effective, source = (
         (state.effective, "drain semaphore (worker settings + live overrides)")
@@ -790,7 +783,7 @@ async def group_describe(args: argparse.Namespace) -> int:
     )
     document = {
         "name": args.name,
-        "semaphoreRunning": state is not None,
+        "semaphoreRunning": running,
         "effective": effective.model_dump(mode="json") if effective is not None else None,
         "effectiveSource": source,
         "overrides": state.overrides.model_dump(mode="json", exclude_none=True) if state else {},
@@ -848,7 +841,8 @@ def _print_group(document: dict[str, Any]) -> None:
             + (f", waiting: {', '.join(draining['waiting'])}" if draining["waiting"] else "")
         )
     elif not document["semaphoreRunning"]:
-        console.print("no drain semaphore running for this group yet: no live overrides")
+        kept = " (its last run's overrides apply, and the next run takes them over)" if document["revision"] else ""
+        console.print(f"no drain semaphore running for this group now{kept}")
 
 
 async def group_update(args: argparse.Namespace) -> int:
@@ -856,6 +850,7 @@ async def group_update(args: argparse.Namespace) -> int:
         auto_repair=AutoRepair(args.auto_repair) if args.auto_repair else None,
         max_draining_percent=args.max_draining_percent,
         heartbeat_loss_threshold=args.heartbeat_loss_threshold,
+        reset=args.reset,
         requested_by=_operator(),
     )
     settings_groups = [g.name for g in Settings().groups]
@@ -905,5 +900,6 @@ async def group_update(args: argparse.Namespace) -> int:
         )
     else:
         changed = ", ".join(f"{k}={v}" for k, v in state.overrides.model_dump(mode="json", exclude_none=True).items())
-        _console().print(f"capacity group {args.name}: revision {state.revision}, live overrides now {changed}")
+        overrides = f"live overrides now {changed}" if changed else "no live overrides (the settings apply)"
+        _console().print(f"capacity group {args.name}: revision {state.revision}, {overrides}")
     return 0

@@ -7,7 +7,9 @@ retries) is found by a periodic check and its permit reclaimed, so one lost repa
 The semaphore is also the group's entity for live configuration: `autorepair group update` sends the
 `update_group` update (validated, recorded in this history, published as a GroupConfigChanged event), the
 overrides ride along continue-as-new, and `FleetActivities.get_group_config` reads them with the
-`group_config` query, so every workflow of the group sees a change without a worker restart.
+`group_config` query, so every workflow of the group sees a change without a worker restart. They are also kept in
+the run's memo: a semaphore started after an operator terminated the last one takes them over from there.
+`--reset` drops them (back to the worker's settings).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from temporalio.exceptions import ActivityError, ApplicationError, FailureError
 from workflows.group_config import read_group_config
 from workflows.ids import semaphore_workflow_id
 from workflows.models import (
+    GROUP_CONFIG_MEMO,
     GroupConfigOverrides,
     GroupConfigState,
     GroupConfigUpdate,
@@ -60,6 +63,9 @@ class DrainSemaphoreWorkflow:
         self._max_holders_seen = input.max_holders_seen
         self._rejected = input.rejected_signals
         self._config = input.config or GroupConfigState(group=input.group)
+        # A fresh start (not continue-as-new) first takes over what an earlier run left, e.g. one an operator
+        # terminated: overrides such as auto_repair=DISABLED must not silently revert to the settings.
+        self._config_taken_over = input.config is not None
         # One configuration change at a time: each reads the group, then applies on top of the previous one.
         self._config_lock = asyncio.Lock()
         self._capacity = 1
@@ -71,9 +77,12 @@ class DrainSemaphoreWorkflow:
 
     @workflow.run
     async def run(self, input: SemaphoreInput) -> None:
-        group = await read_group_config(self._group, "read group config")
-        # Applied again on top: an update may have landed while the read was in flight.
-        self._config = self._config.model_copy(update={"effective": self._config.overrides.apply(group)})
+        async with self._config_lock:
+            await self._take_over_previous_config()
+        settings = await read_group_config(self._group, "read group settings", live_overrides=False)
+        # Applied after the read: an update may have landed while it was in flight.
+        group = self._config.overrides.apply(settings)
+        self._config = self._config.model_copy(update={"effective": group})
         while True:
             if self._changed:
                 # Every change wakes the loop, so the details and gauges never show a released permit as held.
@@ -91,7 +100,8 @@ class DrainSemaphoreWorkflow:
                         max_holders_seen=self._max_holders_seen,
                         rejected_signals=self._rejected,
                         config=self._config,
-                    )
+                    ),
+                    memo=self._config_memo(),
                 )
             try:
                 await workflow.wait_condition(
@@ -199,18 +209,22 @@ class DrainSemaphoreWorkflow:
         """Change the group's configuration now; the change stays in this history and goes out as an event."""
         self._signals_this_run += 1
         async with self._config_lock:
+            await self._take_over_previous_config()
             try:
-                # Fresh settings merged with the current overrides; also proves the worker knows the group.
-                current = await read_group_config(self._group, f"read capacity group {self._group} before changing it")
+                # Fresh settings; also proves the worker knows the group.
+                settings = await read_group_config(
+                    self._group, f"read capacity group {self._group} before changing it", live_overrides=False
+                )
             except ActivityError as err:
                 raise ApplicationError(
                     f"cannot change capacity group {self._group}: {_cause(err)}",
                     type="GroupConfigUnavailable",
                     non_retryable=True,
                 ) from err
-            old = self._config.overrides.apply(current)
-            overrides = self._config.overrides.model_copy(update=update.changes().model_dump(exclude_none=True))
-            new = overrides.apply(current)
+            old = self._config.overrides.apply(settings)
+            base = GroupConfigOverrides() if update.reset else self._config.overrides
+            overrides = base.model_copy(update=update.changes().model_dump(exclude_none=True))
+            new = overrides.apply(settings)
             changed = {name for name in GroupConfigOverrides.model_fields if getattr(old, name) != getattr(new, name)}
             self._config = GroupConfigState(
                 group=self._group,
@@ -220,6 +234,7 @@ class DrainSemaphoreWorkflow:
                 updated_by=update.requested_by,
                 revision=self._config.revision + 1,
             )
+            workflow.upsert_memo(self._config_memo())
             if "max_draining_percent" in changed:
                 if self._group_size:
                     self._capacity = new.max_draining(self._group_size)
@@ -233,6 +248,32 @@ class DrainSemaphoreWorkflow:
                     new.model_dump(mode="json", include=changed),
                 )
             return self._config
+
+    async def _take_over_previous_config(self) -> None:
+        if self._config_taken_over:
+            return
+        self._config_taken_over = True
+        previous = await workflow.execute_activity_method(
+            WorkflowOps.previous_group_config,
+            GroupRef(group=self._group),
+            summary="take over the live configuration an earlier run left",
+            start_to_close_timeout=CALL_TIMEOUT,
+            retry_policy=CALL_RETRY,
+        )
+        if previous.state is None or previous.state.revision <= self._config.revision:
+            return
+        self._config = previous.state
+        workflow.upsert_memo(self._config_memo())
+        workflow.logger.warning(
+            "drain semaphore %s took over live configuration revision %d from run %s: %s",
+            self._group,
+            previous.state.revision,
+            previous.run_id,
+            previous.state.overrides.model_dump(mode="json", exclude_none=True),
+        )
+
+    def _config_memo(self) -> dict[str, object]:
+        return {GROUP_CONFIG_MEMO: self._config.model_dump(mode="json")} if self._config.revision else {}
 
     @update_group.validator
     def _validate_update_group(self, update: GroupConfigUpdate) -> None:

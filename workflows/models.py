@@ -306,15 +306,19 @@ class GroupConfigUpdate(BaseModel):
     auto_repair: AutoRepair | None = None
     max_draining_percent: int | None = None
     heartbeat_loss_threshold: timedelta | None = None
+    # Drop every live override first (back to the worker's settings), then apply the fields above, if any.
+    reset: bool = False
     requested_by: str = ""
 
     def changes(self) -> GroupConfigOverrides:
-        return GroupConfigOverrides.model_validate(self.model_dump(exclude={"requested_by"}))
+        return GroupConfigOverrides.model_validate(self.model_dump(exclude={"requested_by", "reset"}))
 
     def problems(self) -> list[str]:
         problems = []
-        if self.auto_repair is None and self.max_draining_percent is None and self.heartbeat_loss_threshold is None:
-            problems.append("nothing to change: give auto_repair, max_draining_percent or heartbeat_loss_threshold")
+        if not self.reset and self.changes() == GroupConfigOverrides():
+            problems.append(
+                "nothing to change: give auto_repair, max_draining_percent, heartbeat_loss_threshold or reset"
+            )
         if self.max_draining_percent is not None and not 1 <= self.max_draining_percent <= 100:
             problems.append(f"max_draining_percent must be between 1 and 100, not {self.max_draining_percent}")
         threshold = self.heartbeat_loss_threshold
@@ -336,6 +340,18 @@ class GroupConfigState(BaseModel):
     updated_at: datetime | None = None
     updated_by: str = ""
     revision: int = 0
+
+
+# The semaphore keeps its GroupConfigState in this memo key, so that a run started after an operator terminated the
+# last one can take the live overrides over (WorkflowOps.previous_group_config).
+GROUP_CONFIG_MEMO = "group_config"
+
+
+class PreviousGroupConfig(BaseModel):
+    """The live configuration an earlier, closed run of the group's semaphore left in its memo (None: none)."""
+
+    state: GroupConfigState | None = None
+    run_id: str = ""
 
 
 class GroupCapacity(BaseModel):

@@ -13,3 +13,8 @@ OUTCOME = SearchAttributeKey.for_keyword("Outcome")
 HEALTH_STATUS = SearchAttributeKey.for_keyword("HealthStatus")
 
 ALL: list[SearchAttributeKey[Any]] = [REPAIR_PHASE, INSTANCE_ID, CAPACITY_GROUP, XID, OUTCOME, HEALTH_STATUS]
+
+
+def quoted(value: str) -> str:
+    """A string literal for a visibility query."""
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
