@@ -1,28 +1,89 @@
 """Follow a kernel log file like `tail -F`: the existing history first, then what is appended, across rotation
-(a new file at the path) and truncation (copytruncate)."""
+(a new file at the path) and truncation (copytruncate).
+
+With a cursor (the probe has a spool dir), a restarted probe continues after the last complete line it handled
+instead of re-reading the history: the cursor keeps the file's inode, that line's end offset and line number, so
+finding ids stay what an uninterrupted probe would give. A file rotated or truncated since is read from the start.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import BinaryIO
 
+from node_probe.cursor import CursorStore, FileCursor
+from node_probe.kernel_log import BANNER_MAX_GAP, KernelRecord
 from node_probe.source import LineAssembler, Observation, SourceStatus
 
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20
+# Enough to tell one file's content from another's at the cursor (see FileCursor.tail).
+TAIL_BYTES = 64
+# The first line of the three-line "GPU has fallen off the bus" banner (kernel_log._BANNER_1).
+_BANNER_START = b"NVRM: The NVIDIA GPU "
+
+
+def _digest(tail: bytes) -> str:
+    return hashlib.sha256(tail).hexdigest()[:32]
+
+
+class _ResumableLines(LineAssembler):
+    """A LineAssembler that knows where its complete lines end, so a cursor can resume there, and that numbers
+    lines from where it resumed."""
+
+    def __init__(self, offset: int = 0, line: int = 0, tail: bytes = b"") -> None:
+        super().__init__()
+        self._first_line = line
+        self._end = offset
+        self._tail = tail
+        self._banner: tuple[int, int, bytes] | None = None  # where the last banner's first line starts
+
+    def feed(self, chunk: bytes) -> list[KernelRecord]:
+        data = self.partial + chunk
+        lines_before = self._first_line + self.parser.lines_seen
+        records = super().feed(chunk)
+        complete = data[: len(data) - len(self.partial)]  # starts at a line start: the old partial is in it
+        if complete:
+            banner = complete.rfind(_BANNER_START)
+            if banner >= 0:
+                start = complete.rfind(b"\n", 0, banner) + 1
+                tail = (self._tail + complete[max(0, start - TAIL_BYTES) : start])[-TAIL_BYTES:]
+                self._banner = (self._end + start, lines_before + complete.count(b"\n", 0, start), tail)
+            self._end += len(complete)
+            self._tail = (self._tail + complete[-TAIL_BYTES:])[-TAIL_BYTES:]
+        if self._first_line:
+            records = [record._replace(line=record.line + self._first_line) for record in records]
+        if self._banner is not None:
+            banner_line = self._banner[1] + 1
+            if any(record.line == banner_line and record.kind == "gpu_fallen_off_bus" for record in records):
+                self._banner = None
+        return records
+
+    def resume_point(self) -> tuple[int, int, bytes]:
+        """(offset, line, tail) after the last complete line; but before a banner's first line while the record
+        it may become has not come: the parser holds those lines in memory only, and a cursor past them would
+        lose the banner on a restart. Records after it are then read again after a restart, with the same ids."""
+        line = self._first_line + self.parser.lines_seen
+        if self._banner is not None and line - (self._banner[1] + 1) < BANNER_MAX_GAP:
+            return self._banner
+        return self._end, line, self._tail
 
 
 class KernelLogFileSource:
-    def __init__(self, path: Path, poll_interval: float = 0.5) -> None:
+    def __init__(self, path: Path, poll_interval: float = 0.5, cursor: CursorStore[FileCursor] | None = None) -> None:
         self.path = path
         self.name = f"kernel_log:{path}"
         self._poll = poll_interval
         self._status = SourceStatus.down(f"kernel log {path}: not read yet")
+        self._cursor = cursor
+        self._position: FileCursor | None = None
+        self._loaded = False
 
     @property
     def status(self) -> SourceStatus:
@@ -52,6 +113,9 @@ class KernelLogFileSource:
         return handle
 
     async def observations(self) -> AsyncIterator[Observation]:
+        if self._cursor is not None and not self._loaded:
+            self._position = self._cursor.load()
+            self._loaded = True
         while True:
             handle = self._open()
             if handle is None:
@@ -61,11 +125,40 @@ class KernelLogFileSource:
                 async for observation in self._follow(handle):
                     yield observation
 
+    def _start(self, handle: BinaryIO, inode: int) -> _ResumableLines:
+        """Where to read this file from: after the cursor when it is this file as the cursor left it, else the
+        start."""
+        saved = self._position
+        if saved is None or saved.offset == 0:
+            return _ResumableLines()
+        if saved.path != str(self.path) or saved.inode != inode:
+            log.info("%s is not the file the cursor was saved for (rotated?); reading it from the start", self.path)
+            return _ResumableLines()
+        size = os.fstat(handle.fileno()).st_size
+        tail_start = max(0, saved.offset - TAIL_BYTES)
+        handle.seek(tail_start)
+        tail = handle.read(saved.offset - tail_start)
+        if size < saved.offset or _digest(tail) != saved.tail:
+            log.info("%s changed since the cursor was saved (truncated?); reading it from the start", self.path)
+            handle.seek(0)
+            return _ResumableLines()
+        log.info("%s: resuming after line %d (byte %d)", self.path, saved.line, saved.offset)
+        return _ResumableLines(saved.offset, saved.line, tail)
+
+    def _save(self, lines: _ResumableLines, inode: int) -> None:
+        """Called only between reads: everything yielded before has been consumed (spooled) by then."""
+        if self._cursor is None:
+            return
+        offset, line, tail = lines.resume_point()
+        self._position = FileCursor(path=str(self.path), inode=inode, offset=offset, line=line, tail=_digest(tail))
+        self._cursor.update(self._position)
+
     async def _follow(self, handle: BinaryIO) -> AsyncIterator[Observation]:
         """Read one file generation; return when the path names another file (rotation)."""
         inode = os.fstat(handle.fileno()).st_ino
-        lines = LineAssembler()
+        lines = self._start(handle, inode) if self._cursor is not None else _ResumableLines()
         while True:
+            self._save(lines, inode)
             try:
                 chunk = handle.read(CHUNK_BYTES)
             except OSError as exc:
@@ -78,6 +171,8 @@ class KernelLogFileSource:
                 # Let heartbeats and delivery run while a long history is being read.
                 await asyncio.sleep(0)
                 continue
+            if self._cursor is not None:
+                self._cursor.flush()
             try:
                 stat = os.stat(self.path)
             except OSError as exc:
@@ -93,6 +188,6 @@ class KernelLogFileSource:
             if stat.st_size < handle.tell():
                 log.info("%s was truncated; reading it from the start", self.path)
                 handle.seek(0)
-                lines = LineAssembler()
+                lines = _ResumableLines()
             self._status = SourceStatus.ok()
             await asyncio.sleep(self._poll)

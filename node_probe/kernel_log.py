@@ -77,7 +77,7 @@ _SXID: Final = re.compile(
 )
 
 # A banner whose later lines never come (the log was cut) must not capture an unrelated line much later.
-_BANNER_MAX_GAP = 8
+BANNER_MAX_GAP = 8
 _UNKNOWN_VALUES = frozenset({"", "<unknown>", "'<unknown>'", "...", "'...'"})
 
 
@@ -364,7 +364,7 @@ class KernelLogParser:
     def _continue_banner(self, banner: _Banner, raw: str, body: str, prefix: _Prefix) -> KernelRecord | None:
         """Advance the three-line banner; a line that does not continue it drops it (self._banner = None)."""
         expected = _BANNER_2 if len(banner.raws) == 1 else _BANNER_3
-        if self._line_no - banner.line > _BANNER_MAX_GAP or expected.match(body) is None:
+        if self._line_no - banner.line > BANNER_MAX_GAP or expected.match(body) is None:
             self._banner = None
             return None
         banner.raws.append(raw)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field, field_validator
 
+from node_probe.cursor import FileCursor, KmsgCursor, open_cursor
 from node_probe.daemons import DaemonSource, DaemonSpec
 from node_probe.dcgm_source import DcgmHealthSource
 from node_probe.dedupe import Burst, BurstCollapser
@@ -54,7 +55,10 @@ class ProbeConfig(BaseModel):
     poll_interval: timedelta = timedelta(seconds=0.5)
     dedupe_window: timedelta = timedelta(minutes=5)
     task_queue: str = DEFAULT_TASK_QUEUE
-    spool_dir: Path | None = None  # None: findings wait in memory only (bounded), lost if the probe dies
+    # None: findings wait in memory only (bounded), lost if the probe dies. With a dir, the log sources also keep
+    # their read cursors there, so a restart resumes instead of re-reading the history. A repeat rule then counts
+    # only the records read since the restart (re-reading would have counted old ones as new).
+    spool_dir: Path | None = None
     spool_max_bytes: int = Field(default=DEFAULT_MAX_BYTES, gt=0)
     retry_max_backoff: timedelta = timedelta(seconds=30)
 
@@ -87,9 +91,12 @@ def build_sources(config: ProbeConfig) -> list[RecordSource]:
     poll = config.poll_interval.total_seconds()
     sources: list[RecordSource] = []
     if config.kernel_log is not None:
-        sources.append(KernelLogFileSource(config.kernel_log, poll))
+        # Resume points are kept only beside a file spool: what they skip must have been spooled durably.
+        file_cursor = open_cursor(config.spool_dir, config.instance_id, "kernel_log", FileCursor)
+        sources.append(KernelLogFileSource(config.kernel_log, poll, file_cursor))
     if config.kmsg:
-        sources.append(KmsgSource(config.kmsg_path, poll))
+        kmsg_cursor = open_cursor(config.spool_dir, config.instance_id, "kmsg", KmsgCursor)
+        sources.append(KmsgSource(config.kmsg_path, poll, kmsg_cursor))
     nvml: NvmlSource | None = None
     if config.nvml:
         nvml = NvmlSource(poll_interval=config.nvml_poll_interval.total_seconds())

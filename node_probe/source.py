@@ -99,6 +99,11 @@ class LineAssembler:
         self.parser = KernelLogParser()
         self._partial = b""
 
+    @property
+    def partial(self) -> bytes:
+        """The incomplete last line, waiting for its newline."""
+        return self._partial
+
     def feed(self, chunk: bytes) -> list[KernelRecord]:
         data = self._partial + chunk
         lines = data.split(b"\n")
