@@ -220,6 +220,12 @@ async def test_group_update_applies_live_is_evented_and_heartbeat_loss_impairs(
         entry = await eventually(lambda: describe(fleet, faulty), lambda e: e["repairWithheld"] is not None)
         assert entry["healthStatus"]["overallStatus"] == "IMPAIRED" and entry["repair"] is None
         assert "DISABLED" in entry["repairWithheld"]
+        # The impaired ones only, by the HealthStatus search attribute (lower case accepted).
+        impaired = await eventually(
+            lambda: cli_json(settings, "describe-instances", "--group", group, "--status", "impaired"),
+            lambda entries: [e["ec2InstanceId"] for e in entries] == [faulty],
+        )
+        assert impaired[0]["healthStatus"]["overallStatus"] == "IMPAIRED"
 
         # A heartbeat loss impairs AGENT_CONNECTIVITY once the threshold passes, as a silent probe would.
         injected = await cli_json(settings, "inject", "--instance", lost, "--group", group, "--heartbeat-loss", "10m")

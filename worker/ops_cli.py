@@ -57,6 +57,7 @@ from workflows.models import (
     GpuFinding,
     GroupConfigState,
     GroupConfigUpdate,
+    HealthState,
     HeartbeatLossInjection,
     InstanceHealthView,
     PhaseStep,
@@ -170,6 +171,12 @@ def add_ops_commands(command: Command) -> None:
     describe.add_argument("--group", type=_name("group name"), help="capacity group (lists its running instances)")
     describe.add_argument(
         "--instance", type=_name("instance id"), action="append", default=[], help="instance id (repeatable)"
+    )
+    describe.add_argument(
+        "--status",
+        type=str.upper,
+        choices=[state.value for state in HealthState],
+        help="with --group: only instances whose overall status is this (e.g. IMPAIRED)",
     )
     _add_common(describe)
 
@@ -316,10 +323,6 @@ async def _list(client: Client, query: str, limit: int | None = None) -> list[Wo
     return found
 
 
-def _quoted(value: str) -> str:
-    return f"'{value}'"  # values are checked against SAFE_NAME when parsed
-
-
 def _console() -> Console:
     # Made per call, not at import, so it writes to whatever sys.stdout is now.
     return Console(file=sys.stdout)
@@ -369,9 +372,11 @@ async def describe_instances(args: argparse.Namespace) -> int:
         instances: list[tuple[str, str | None]] = [(i, None) for i in dict.fromkeys(args.instance)]
     else:
         query = (
-            f"WorkflowType = '{HEALTH_WORKFLOW}' AND CapacityGroup = {_quoted(args.group)} "
+            f"WorkflowType = '{HEALTH_WORKFLOW}' AND CapacityGroup = {sa.quoted(args.group)} "
             "AND ExecutionStatus = 'Running'"
         )
+        if args.status:
+            query += f" AND {sa.HEALTH_STATUS.name} = {sa.quoted(args.status)}"
         executions = await _list(client, query)
         instances = sorted(
             (
@@ -498,9 +503,9 @@ async def repair_history(args: argparse.Namespace) -> int:
     client = await _connect(temporal)
     clauses = [f"WorkflowType = '{REPAIR_WORKFLOW}'"]
     if args.group:
-        clauses.append(f"CapacityGroup = {_quoted(args.group)}")
+        clauses.append(f"CapacityGroup = {sa.quoted(args.group)}")
     if args.instance:
-        clauses.append(f"InstanceId = {_quoted(args.instance)}")
+        clauses.append(f"InstanceId = {sa.quoted(args.instance)}")
     if args.since:
         clauses.append(f"StartTime >= '{_iso(args.since)}'")
     executions = await _list(client, " AND ".join(clauses), limit=args.limit)
