@@ -8,6 +8,8 @@ STAMP := $(VENV)/.installed
 
 # The Web UI browser test drives Debian's chromium headless; installed here when missing (root, or sudo).
 CHROMIUM ?= /usr/bin/chromium
+# The journald source's tests write real journal files with Debian's systemd-journal-remote; installed the same way.
+JOURNAL_REMOTE ?= /lib/systemd/systemd-journal-remote
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
 .PHONY: demo test lint install browser clean
@@ -25,10 +27,13 @@ $(CHROMIUM):
 
 browser: $(CHROMIUM)
 
+$(JOURNAL_REMOTE):
+	$(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd-journal-remote
+
 demo: $(STAMP)
 	$(BIN)/autorepair demo $(DEMO_ARGS)
 
-test: $(STAMP) $(CHROMIUM)
+test: $(STAMP) $(CHROMIUM) $(JOURNAL_REMOTE)
 	$(BIN)/ruff check .
 	$(BIN)/mypy workflows activities worker node_probe
 	$(BIN)/pytest $(PYTEST_ARGS)

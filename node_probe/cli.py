@@ -156,6 +156,7 @@ def add_probe_arguments(parser: argparse.ArgumentParser) -> None:
     sources = parser.add_mutually_exclusive_group()
     sources.add_argument("--kernel-log", type=Path, default=None, metavar="FILE", help="follow this file (tail -F)")
     sources.add_argument("--kmsg", action="store_true", help="follow /dev/kmsg (the default)")
+    sources.add_argument("--journald", action="store_true", help="follow the journal's kernel entries (journalctl -k)")
     parser.add_argument(
         "--nvml",
         action=argparse.BooleanOptionalAction,
@@ -236,7 +237,8 @@ async def build_probe(args: argparse.Namespace) -> Probe:
             instance_id=await _resolve_instance_id(args.instance_id),
             group=args.group,
             kernel_log=args.kernel_log,
-            kmsg=args.kernel_log is None,
+            kmsg=args.kernel_log is None and not getattr(args, "journald", False),
+            journald=getattr(args, "journald", False),
             nvml=args.nvml if getattr(args, "nvml", None) is not None else await asyncio.to_thread(nvml_available),
             dcgm=args.dcgm if getattr(args, "dcgm", None) is not None else shutil.which("dcgmi") is not None,
             daemons=_daemon_specs(args),

@@ -1,7 +1,7 @@
 """The node probe: follow GPU fault sources, classify, collapse bursts, deliver findings at once, heartbeat.
 
-Runs on real hosts (kernel log / kmsg) and in the demo, where each simulated instance follows a kernel-log
-file that the fault injector appends real-format lines to. Pipeline per record:
+Runs on real hosts (kernel log / kmsg / journald) and in the demo, where each simulated instance follows a
+kernel-log file that the fault injector appends real-format lines to. Pipeline per record:
     source -> policy verdict -> burst collapse -> spool (durable when a spool dir is set) -> reporter
 Heartbeats run on their own timer and never wait behind findings.
 """
@@ -23,6 +23,7 @@ from node_probe.dcgm_source import DcgmHealthSource
 from node_probe.dedupe import Burst, BurstCollapser
 from node_probe.file_follow import KernelLogFileSource
 from node_probe.findings import DedupeKey, burst_rollup, dedupe_key, make_finding
+from node_probe.journald import JournalCursor, JournaldSource
 from node_probe.kmsg import KMSG_PATH, KmsgSource
 from node_probe.nvml_source import NvmlSource
 from node_probe.policy import POLICY_NAMES, Policy, PolicyConfig, Verdict
@@ -43,6 +44,7 @@ class ProbeConfig(BaseModel):
     kernel_log: Path | None = None  # followed like tail -F: existing history first, then new lines
     kmsg: bool = False  # follow /dev/kmsg (the ring buffer's history first)
     kmsg_path: Path = KMSG_PATH  # a file in kmsg format stands in for the device in tests and replays
+    journald: bool = False  # follow the journal's kernel entries (journalctl -k), this boot's history first
     nvml: bool = False  # NVML events and polled state (the CLI turns it on where NVML initialises)
     nvml_poll_interval: timedelta = timedelta(seconds=60)
     dcgm: bool = False  # `dcgmi health -c -j`, polled
@@ -97,6 +99,9 @@ def build_sources(config: ProbeConfig) -> list[RecordSource]:
     if config.kmsg:
         kmsg_cursor = open_cursor(config.spool_dir, config.instance_id, "kmsg", KmsgCursor)
         sources.append(KmsgSource(config.kmsg_path, poll, kmsg_cursor))
+    if config.journald:
+        journal_cursor = open_cursor(config.spool_dir, config.instance_id, "journald", JournalCursor)
+        sources.append(JournaldSource(poll, journal_cursor))
     nvml: NvmlSource | None = None
     if config.nvml:
         nvml = NvmlSource(poll_interval=config.nvml_poll_interval.total_seconds())

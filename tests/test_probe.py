@@ -1,5 +1,4 @@
-"""The probe loop with a recording fake reporter: file following, heartbeats, burst roll-ups, outage "
-"spooling."""
+"""The probe loop with a recording fake reporter: file following, heartbeats, burst roll-ups, outage spooling."""
 
 from __future__ import annotations
 
