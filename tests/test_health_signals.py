@@ -318,5 +318,29 @@ async def test_critical_daemon_down_is_an_impaired_daemon_check(client: Client, 
         await handle.terminate("test over")
 
 
+async def test_a_daemon_back_up_after_its_repair_began_stays_impaired(
+    client: Client, aws_env: str, tmp_path: Path
+) -> None:
+    """A repair that started finishes: the host lost its fabric manager once and may again."""
+    instance, group = unique("i"), unique("g")
+    # Repairs ENABLED; the group's cluster does not exist, so the repair starts and then waits (its semaphore keeps
+    # retrying the instance count), which is all this test needs of it.
+    settings = make_settings(client, aws_env, tmp_path / "events.jsonl", group=group, cluster=group)
+    async with running_worker(settings, client):
+        handle = await start_health(client, settings, instance)
+        fabric = finding(instance, group, "d-1").model_copy(
+            update={"kind": "daemon", "code": None, "reason": "DAEMON_nvidia-fabricmanager", "gpu": GpuRef()}
+        )
+        await handle.signal("gpu_finding", fabric)
+        view = await eventually(lambda: health_of(handle), lambda v: v.repair is not None)
+        await handle.signal("gpu_finding", recovered(fabric, "d-2"))
+        view = await eventually(lambda: health_of(handle), lambda v: len(v.recent_findings) == 2)
+        daemon = next(d for d in view.healthStatus.details if d.type is CheckType.DAEMON)
+        assert (daemon.status, daemon.statusReason) == (HealthState.IMPAIRED, "DAEMON_nvidia-fabricmanager")
+        assert view.repair is not None and view.repair.reason == "DAEMON_nvidia-fabricmanager"
+        for workflow_id in (view.repair.workflow_id, f"drain-semaphore/{group}", health_workflow_id(instance)):
+            await client.get_workflow_handle(workflow_id).terminate("test over")
+
+
 def recovered(down: GpuFinding, finding_id: str) -> GpuFinding:
     return down.model_copy(update={"finding_id": finding_id, "kind": "daemon_recovered", "impairs": False})
