@@ -29,8 +29,28 @@ TAIL_BYTES = 64
 _BANNER_START = b"NVRM: The NVIDIA GPU "
 
 
+_COMPRESSED = frozenset({".gz", ".xz", ".bz2", ".zst", ".lz4"})
+
+
 def _digest(tail: bytes) -> str:
     return hashlib.sha256(tail).hexdigest()[:32]
+
+
+def _tail_if_cursor_fits(handle: BinaryIO, saved: FileCursor) -> bytes | None:
+    """The bytes before the cursor when this file holds them as the cursor saw them; None otherwise."""
+    if os.fstat(handle.fileno()).st_size < saved.offset:
+        return None
+    start = max(0, saved.offset - TAIL_BYTES)
+    handle.seek(start)
+    tail = handle.read(saved.offset - start)
+    return tail if _digest(tail) == saved.tail else None
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 class _ResumableLines(LineAssembler):
@@ -116,6 +136,8 @@ class KernelLogFileSource:
         if self._cursor is not None and not self._loaded:
             self._position = self._cursor.load()
             self._loaded = True
+            async for observation in self._rest_of_rotated_file():
+                yield observation
         while True:
             handle = self._open()
             if handle is None:
@@ -134,16 +156,75 @@ class KernelLogFileSource:
         if saved.path != str(self.path) or saved.inode != inode:
             log.info("%s is not the file the cursor was saved for (rotated?); reading it from the start", self.path)
             return _ResumableLines()
-        size = os.fstat(handle.fileno()).st_size
-        tail_start = max(0, saved.offset - TAIL_BYTES)
-        handle.seek(tail_start)
-        tail = handle.read(saved.offset - tail_start)
-        if size < saved.offset or _digest(tail) != saved.tail:
+        tail = _tail_if_cursor_fits(handle, saved)
+        if tail is None:
             log.info("%s changed since the cursor was saved (truncated?); reading it from the start", self.path)
             handle.seek(0)
             return _ResumableLines()
         log.info("%s: resuming after line %d (byte %d)", self.path, saved.line, saved.offset)
         return _ResumableLines(saved.offset, saved.line, tail)
+
+    async def _rest_of_rotated_file(self) -> AsyncIterator[Observation]:
+        """After a restart: if the log was rotated while the probe was down, the lines the cursor had not reached
+        are in the rotated file (kern.log.1, renamed or copied by copytruncate), not at the path. Read them first,
+        with the ids of the generation the cursor was in; the file at the path is then read from its start."""
+        saved = self._position
+        if saved is None or saved.offset == 0 or saved.path != str(self.path) or self._cursor_fits_path(saved):
+            return
+        rotated = self._find_rotated(saved)
+        if rotated is None:
+            log.warning(
+                "%s was rotated or truncated while the probe was down, and no rotated file continues where it "
+                "stopped (line %d): lines written to the old file after that are not read",
+                self.path,
+                saved.line,
+            )
+            return
+        log.info("%s was rotated while the probe was down: reading the rest of %s first", self.path, rotated)
+        try:
+            with open(rotated, "rb") as handle:
+                handle.seek(saved.offset)
+                lines = _ResumableLines(saved.offset, saved.line)
+                while chunk := handle.read(CHUNK_BYTES):
+                    for record in lines.feed(chunk):
+                        yield Observation(record, self.name, f"ino:{saved.inode}:line:{record.line}")
+                    await asyncio.sleep(0)
+                for record in lines.feed(b"\n"):  # a last line without its newline: the writer has moved on
+                    yield Observation(record, self.name, f"ino:{saved.inode}:line:{record.line}")
+        except OSError as exc:
+            log.warning("cannot read the rotated %s: %s", rotated, exc)
+        # Not saved as a cursor: a crash while reading it reads it again, with the same ids.
+        self._position = None
+
+    def _cursor_fits_path(self, saved: FileCursor) -> bool:
+        try:
+            with open(self.path, "rb") as handle:
+                same_file = os.fstat(handle.fileno()).st_ino == saved.inode
+                return same_file and _tail_if_cursor_fits(handle, saved) is not None
+        except OSError:
+            return False  # missing now: moved away by logrotate and not yet recreated
+
+    def _find_rotated(self, saved: FileCursor) -> Path | None:
+        """The rotated file holding the cursor's generation: same inode (renamed), or same bytes before the
+        cursor (copied). Newest first; compressed ones cannot be followed and are left out."""
+        try:
+            siblings = [
+                path
+                for path in self.path.parent.iterdir()
+                if path.name.startswith((f"{self.path.name}.", f"{self.path.name}-"))
+                and path.suffix not in _COMPRESSED
+                and path.is_file()
+            ]
+        except OSError:
+            return None
+        for path in sorted(siblings, key=_mtime, reverse=True):
+            try:
+                with open(path, "rb") as handle:
+                    if os.fstat(handle.fileno()).st_ino == saved.inode or _tail_if_cursor_fits(handle, saved):
+                        return path
+            except OSError:
+                continue
+        return None
 
     def _save(self, lines: _ResumableLines, inode: int) -> None:
         """Called only between reads: everything yielded before has been consumed (spooled) by then."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,49 @@ async def test_a_rotated_file_is_read_from_the_start(tmp_path: Path) -> None:
     seen = await read_file(log, file_store(tmp_path), count=2, line=2)
     inode = os.stat(log).st_ino
     assert described(seen) == [(13, f"ino:{inode}:line:1"), (95, f"ino:{inode}:line:2")]
+
+
+@pytest.mark.parametrize(
+    ("how", "rotated_name"),
+    [("rename", "kern.log.1"), ("rename", "kern.log-20261130"), ("copytruncate", "kern.log.1")],
+)
+async def test_lines_the_probe_missed_before_a_rotation_while_it_was_down_are_read_once(
+    tmp_path: Path, how: str, rotated_name: str
+) -> None:
+    log = tmp_path / "kern.log"
+    log.write_text(XID_79 + NOISE)
+    await read_file(log, file_store(tmp_path), count=1, line=2)
+    inode = os.stat(log).st_ino
+    # While the probe is down: two faults land in the log, then logrotate runs.
+    append(log, XID_13 + XID_95)
+    rotated = tmp_path / rotated_name
+    if how == "rename":
+        log.rename(rotated)
+    else:
+        shutil.copyfile(log, rotated)
+        with open(log, "r+b") as handle:
+            handle.truncate(0)
+    (tmp_path / "kern.log.2.gz").write_bytes(b"\x1f\x8b older, compressed: never followed")
+    append(log, NOISE + XID_95)
+    seen = await read_file(log, file_store(tmp_path), count=3, line=2)
+    now = os.stat(log).st_ino
+    # The missed two with their generation's ids (as an uninterrupted probe would have sent them), then the new file.
+    assert described(seen) == [(13, f"ino:{inode}:line:3"), (95, f"ino:{inode}:line:4"), (95, f"ino:{now}:line:2")]
+
+
+async def test_a_rotation_whose_rotated_file_is_gone_reads_the_new_file_and_says_what_was_lost(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    log = tmp_path / "kern.log"
+    log.write_text(XID_79 + NOISE)
+    await read_file(log, file_store(tmp_path), count=1, line=2)
+    append(log, XID_13)
+    log.unlink()
+    log.write_text(XID_95)
+    with caplog.at_level(logging.WARNING):
+        seen = await read_file(log, file_store(tmp_path), count=1, line=1)
+    assert [o.record.code for o in seen] == [95]
+    assert "no rotated file continues where it stopped (line 2)" in caplog.text
 
 
 @pytest.mark.parametrize(
