@@ -3,7 +3,8 @@
 Two base policies:
   * `ecs` (default): exactly what Amazon ECS Managed Instances replaces an instance on, its 18 Xids, plus a
     GPU that fell off the bus or failed to initialise. Conservative: a false impair costs a whole instance.
-  * `nvidia-catalog`: NVIDIA's resolution buckets; anything NVIDIA sends to the hardware side impairs.
+  * `nvidia-catalog`: NVIDIA's resolution buckets; anything NVIDIA sends to the hardware side impairs, except an
+    NVLink5 error (Xid 144-150) the driver itself calls Nonfatal.
 Operator overrides (`PolicyConfig`) go on top: extra impairing codes, codes never to impair, and repeat rules.
 
 Records from the other sources: NVML Xid events arrive as `xid` records and "GPU is lost" as `gpu_fallen_off_bus`,
@@ -48,6 +49,7 @@ _NODE_ACTION_WORDS = ("reset", "reboot", "drain", "flr")
 NVML_REMAP_FAILURE = "NVML_REMAP_FAILURE"  # like Xid 64, bucket RESET_GPU
 NVML_GPU_UNAVAILABLE = "NVML_GPU_UNAVAILABLE"
 NVML_RECOVERY_ACTION_PREFIX = "NVML_RECOVERY_ACTION_"
+_NVLINK5_XIDS = range(144, 151)
 _SOURCE_KINDS = frozenset({"nvml", "dcgm", "daemon", "daemon_recovered"})
 # Bounds the repeat-rule memory when a log names many GPUs (or garbage addresses).
 _MAX_REPEAT_KEYS = 1024
@@ -127,6 +129,10 @@ def _nvidia(record: KernelRecord, catalog: XidCatalog) -> tuple[bool, str]:
     if code == 94 and (record.rst or record.d_rst):
         # A contained error is the application's, unless the driver itself says the GPU needs a reset.
         return True, "nvidia-catalog:xid94-reset-required"
+    if code in _NVLINK5_XIDS and record.nvlink_fatal is False:
+        # The driver's own severity: a Nonfatal NVLink5 error was corrected and the link stays up. Replacing a
+        # node on one is the mistake operators complain of most; a repeat rule catches a link that keeps at it.
+        return False, "nvidia-catalog:nvlink5-nonfatal"
     info = catalog.get(code)
     if info is None:
         return False, "nvidia-catalog:unknown-xid"

@@ -102,6 +102,23 @@ def test_nvidia_catalog_buckets(code: int, impairs: bool, rule: str) -> None:
     assert Policy("nvidia-catalog").classify(xid(code), NOW) == Verdict(impairs, f"XID_{code}", rule)
 
 
+@pytest.mark.parametrize(
+    ("severity", "impairs", "rule"),
+    [
+        ("Fatal", True, "nvidia-catalog:bucket-WORKFLOW_NVLINK5_ERR"),
+        ("Nonfatal", False, "nvidia-catalog:nvlink5-nonfatal"),
+    ],
+)
+def test_nvidia_catalog_follows_the_drivers_nvlink5_severity(severity: str, impairs: bool, rule: str) -> None:
+    line = (
+        f"NVRM: Xid (PCI:0018:01:00): 145, RLW_REMAP {severity} XC0 i0 Link 03 (0x004a8040 0x00000000 0x00000000 "
+        "0x00000000 0x00000000 0x00000000 0x00000000)"
+    )
+    assert Policy("nvidia-catalog").classify(record(line), NOW) == Verdict(impairs, "XID_145", rule)
+    # ECS does not act on NVLink5 Xids at all.
+    assert not Policy("ecs").classify(record(line), NOW).impairs
+
+
 def test_nvidia_catalog_never_impairs_on_application_buckets() -> None:
     policy = Policy("nvidia-catalog")
     for info in default_catalog():
