@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
@@ -10,6 +11,7 @@ from pathlib import Path
 
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
 from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.service import RPCError
 
 from tests.harness import eventually, make_settings, read_events, running_worker, tool_path, unique
 from worker.settings import Settings
@@ -323,8 +325,8 @@ async def test_a_daemon_back_up_after_its_repair_began_stays_impaired(
 ) -> None:
     """A repair that started finishes: the host lost its fabric manager once and may again."""
     instance, group = unique("i"), unique("g")
-    # Repairs ENABLED; the group's cluster does not exist, so the repair starts and then waits (its semaphore keeps
-    # retrying the instance count), which is all this test needs of it.
+    # Repairs ENABLED. The instance is not in ECS, so the repair begins and then fails at its drain step: all this
+    # test needs of it is that it began.
     settings = make_settings(client, aws_env, tmp_path / "events.jsonl", group=group, cluster=group)
     async with running_worker(settings, client):
         handle = await start_health(client, settings, instance)
@@ -339,7 +341,8 @@ async def test_a_daemon_back_up_after_its_repair_began_stays_impaired(
         assert (daemon.status, daemon.statusReason) == (HealthState.IMPAIRED, "DAEMON_nvidia-fabricmanager")
         assert view.repair is not None and view.repair.reason == "DAEMON_nvidia-fabricmanager"
         for workflow_id in (view.repair.workflow_id, f"drain-semaphore/{group}", health_workflow_id(instance)):
-            await client.get_workflow_handle(workflow_id).terminate("test over")
+            with contextlib.suppress(RPCError):  # the repair may already have failed
+                await client.get_workflow_handle(workflow_id).terminate("test over")
 
 
 def recovered(down: GpuFinding, finding_id: str) -> GpuFinding:
