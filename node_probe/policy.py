@@ -163,14 +163,42 @@ def _source_record(policy: str, record: KernelRecord) -> tuple[bool, str]:
     return False, "nvidia-catalog:nvml-warning"
 
 
+class RepeatSeen(BaseModel):
+    """One (rule, GPU)'s recent matches: their times and the positions of the records they came from."""
+
+    rule: int
+    source: str = ""
+    pci: str | None
+    mig_gpu_instance: int | None
+    mig_compute_instance: int | None
+    times: list[float]
+    positions: list[str | None]
+
+
+class RepeatMemory(BaseModel):
+    """The repeat rules' recent matches, kept beside the spool so that a restarted probe, which no longer re-reads
+    the history it handled, does not forget them. Times are uptimes or this host's clock: only this boot's count."""
+
+    boot_id: str
+    rules: list[RepeatRule]  # the indexes in `seen` refer to these; other rules start afresh
+    seen: list[RepeatSeen]
+
+
+_RepeatKey = tuple[int, str, str | None, int | None, int | None]
+
+
 class _RepeatTracker:
     """Times of recent matching records per (rule, GPU): `count` each, _MAX_REPEAT_KEYS keys, at most."""
 
     def __init__(self) -> None:
-        self._seen: OrderedDict[tuple[int, str | None, int | None, int | None], deque[float]] = OrderedDict()
+        self._seen: OrderedDict[_RepeatKey, deque[tuple[float, str | None]]] = OrderedDict()
+        self.changes = 0
 
-    def fires(self, index: int, rule: RepeatRule, record: KernelRecord, at: float) -> bool:
-        key = (index, record.pci, record.mig_gpu_instance, record.mig_compute_instance)
+    def fires(
+        self, index: int, rule: RepeatRule, record: KernelRecord, at: float, source: str, position: str | None
+    ) -> bool:
+        # Counted per source: NVML's Xid event and the kernel's line about one fault are one fault, not two.
+        key = (index, source, record.pci, record.mig_gpu_instance, record.mig_compute_instance)
         times = self._seen.get(key)
         if times is None:
             times = deque(maxlen=rule.count)
@@ -179,8 +207,32 @@ class _RepeatTracker:
                 self._seen.popitem(last=False)
         else:
             self._seen.move_to_end(key)
-        times.append(at)
-        return len(times) == rule.count and times[-1] - times[0] <= rule.within.total_seconds()
+        # A record read again after a restart (the cursor lags by up to a second) is the same match, not another.
+        if position is None or all(seen != position for _, seen in times):
+            times.append((at, position))
+            self.changes += 1
+        return len(times) == rule.count and times[-1][0] - times[0][0] <= rule.within.total_seconds()
+
+    def export(self) -> list[RepeatSeen]:
+        return [
+            RepeatSeen(
+                rule=rule,
+                source=source,
+                pci=pci,
+                mig_gpu_instance=gi,
+                mig_compute_instance=ci,
+                times=[at for at, _ in times],
+                positions=[position for _, position in times],
+            )
+            for (rule, source, pci, gi, ci), times in self._seen.items()
+        ]
+
+    def restore(self, seen: list[RepeatSeen], rules: list[RepeatRule]) -> None:
+        for entry in seen[-_MAX_REPEAT_KEYS:]:
+            if 0 <= entry.rule < len(rules):
+                times = deque(zip(entry.times, entry.positions, strict=False), maxlen=rules[entry.rule].count)
+                key = (entry.rule, entry.source, entry.pci, entry.mig_gpu_instance, entry.mig_compute_instance)
+                self._seen[key] = times
 
 
 class Policy:
@@ -196,19 +248,38 @@ class Policy:
         self._catalog = catalog or default_catalog()
         self._repeats = _RepeatTracker()
 
-    def classify(self, record: KernelRecord, now: datetime) -> Verdict:
+    def classify(
+        self, record: KernelRecord, now: datetime, *, source: str = "", position: str | None = None
+    ) -> Verdict:
+        """`source` and `position` (where the record sits in it) let a repeat rule count each source's records
+        apart and tell a record read again after a restart from a new one."""
         reason = reason_for(record)
-        impairs, rule = self._decide(record, now)
+        impairs, rule = self._decide(record, now, source, position)
         return Verdict(impairs=impairs, reason=reason, rule=rule)
 
-    def _decide(self, record: KernelRecord, now: datetime) -> tuple[bool, str]:
+    @property
+    def repeat_changes(self) -> int:
+        """Grows whenever the repeat rules' memory changes: the probe saves it then."""
+        return self._repeats.changes
+
+    def repeat_memory(self, boot_id: str) -> RepeatMemory:
+        return RepeatMemory(boot_id=boot_id, rules=self.config.repeat, seen=self._repeats.export())
+
+    def restore_repeats(self, memory: RepeatMemory, boot_id: str) -> bool:
+        """Take over a restarted probe's memory; not another boot's, nor one for other rules."""
+        if memory.boot_id != boot_id or memory.rules != self.config.repeat:
+            return False
+        self._repeats.restore(memory.seen, self.config.repeat)
+        return True
+
+    def _decide(self, record: KernelRecord, now: datetime, source: str, position: str | None) -> tuple[bool, str]:
         if record.kind == "gpu_fallen_off_bus":
             return True, f"{self.name}:gpu-fallen-off-bus"
         if record.kind == "gpu_init_failed":
             return True, f"{self.name}:gpu-init-failed"
         if record.kind in _SOURCE_KINDS:
             return _source_record(self.name, record)
-        fired = self._repeat_rule_fired(record, now)
+        fired = self._repeat_rule_fired(record, now, source, position)
         if fired is not None:
             return True, fired
         code = record.code
@@ -224,13 +295,13 @@ class Policy:
             return _ecs(record, self._catalog)
         return _nvidia(record, self._catalog)
 
-    def _repeat_rule_fired(self, record: KernelRecord, now: datetime) -> str | None:
+    def _repeat_rule_fired(self, record: KernelRecord, now: datetime, source: str, position: str | None) -> str | None:
         # Uptime stamps, when the log has them, keep old history re-read at start-up from counting as a burst.
         at = record.uptime_s if record.uptime_s is not None else now.timestamp()
         fired: str | None = None
         for index, rule in enumerate(self.config.repeat):
             # Every matching rule records the time, even after one fired, so each keeps its own count.
             matches = rule.kind == record.kind and rule.code == record.code
-            if matches and self._repeats.fires(index, rule, record, at) and fired is None:
+            if matches and self._repeats.fires(index, rule, record, at, source, position) and fired is None:
                 fired = rule.name
         return fired

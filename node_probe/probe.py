@@ -17,7 +17,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field, field_validator
 
-from node_probe.cursor import FileCursor, KmsgCursor, open_cursor
+from node_probe import host
+from node_probe.cursor import CursorStore, FileCursor, KmsgCursor, cursor_path, open_cursor
 from node_probe.daemons import DaemonSource, DaemonSpec
 from node_probe.dcgm_source import DcgmHealthSource
 from node_probe.dedupe import Burst, BurstCollapser
@@ -26,7 +27,7 @@ from node_probe.findings import DedupeKey, burst_rollup, dedupe_key, make_findin
 from node_probe.journald import JournalCursor, JournaldSource
 from node_probe.kmsg import KMSG_PATH, KmsgSource
 from node_probe.nvml_source import NvmlSource
-from node_probe.policy import POLICY_NAMES, Policy, PolicyConfig, Verdict
+from node_probe.policy import POLICY_NAMES, Policy, PolicyConfig, RepeatMemory, Verdict
 from node_probe.reporter import ReporterProtocol
 from node_probe.source import Observation, RecordSource
 from node_probe.spool import DEFAULT_MAX_BYTES, open_spool
@@ -58,8 +59,8 @@ class ProbeConfig(BaseModel):
     dedupe_window: timedelta = timedelta(minutes=5)
     task_queue: str = DEFAULT_TASK_QUEUE
     # None: findings wait in memory only (bounded), lost if the probe dies. With a dir, the log sources also keep
-    # their read cursors there, so a restart resumes instead of re-reading the history. A repeat rule then counts
-    # only the records read since the restart (re-reading would have counted old ones as new).
+    # their read cursors there, so a restart resumes instead of re-reading the history, and the repeat rules keep
+    # their recent matches there (this boot's), so a restart does not reset their counts.
     spool_dir: Path | None = None
     spool_max_bytes: int = Field(default=DEFAULT_MAX_BYTES, gt=0)
     retry_max_backoff: timedelta = timedelta(seconds=30)
@@ -136,6 +137,15 @@ class Probe:
         self._policy = Policy(config.policy, config.policy_config)
         self._bursts: BurstCollapser[DedupeKey, _Seen] = BurstCollapser(config.dedupe_window)
         self._spool = open_spool(config.spool_dir, config.instance_id, config.spool_max_bytes)
+        # The repeat rules' memory, beside the spool: the read cursors mean a restart no longer re-reads (and so
+        # re-counts) the history. Written at every change, before the finding is spooled; a record read again
+        # after a crash is recognised by its position and not counted twice.
+        self._boot_id = host.boot_id()
+        self._repeats: CursorStore[RepeatMemory] | None = None
+        if config.spool_dir is not None and config.policy_config.repeat and self._boot_id:
+            path = cursor_path(config.spool_dir, config.instance_id, "repeats")
+            self._repeats = CursorStore(path, RepeatMemory, min_interval=0)
+        self._repeat_changes = 0
         self._pending = asyncio.Event()
 
     @property
@@ -174,6 +184,11 @@ class Probe:
         """Until cancelled. The first heartbeat goes out at once and says whether the sources can be read."""
         for source in self._sources:
             source.check()
+        if self._repeats is not None:
+            memory = self._repeats.load()
+            if memory is not None and self._policy.restore_repeats(memory, self._boot_id):
+                log.info("repeat rules: %d recent matches from before the restart", len(memory.seen))
+            self._repeat_changes = self._policy.repeat_changes
         if self.pending:
             log.info("%d findings from an earlier run wait in the spool", self.pending)
             self._pending.set()
@@ -191,7 +206,12 @@ class Probe:
     async def _consume(self, source: RecordSource) -> None:
         async for observation in source.observations():
             now = self._clock()
-            verdict = self._policy.classify(observation.record, now)
+            verdict = self._policy.classify(
+                observation.record, now, source=observation.source, position=observation.position
+            )
+            if self._repeats is not None and self._policy.repeat_changes != self._repeat_changes:
+                self._repeat_changes = self._policy.repeat_changes
+                self._repeats.update(self._policy.repeat_memory(self._boot_id))
             self.stats.records += 1
             seen = _Seen(observation, verdict, now)
             # Only the first of a burst becomes a finding here: building one per line of an 800K-line flood

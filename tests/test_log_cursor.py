@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import shutil
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from node_probe import host
 from node_probe.cursor import CursorStore, FileCursor, KmsgCursor, cursor_path
 from node_probe.file_follow import KernelLogFileSource
 from node_probe.kmsg import KmsgSource
+from node_probe.policy import PolicyConfig, RepeatRule
 from node_probe.probe import Probe
 from node_probe.source import Observation
 from tests.test_probe import NOISE, XID_13, XID_79, XID_95, FakeReporter, append, config, eventually, following, running
@@ -336,3 +338,26 @@ async def test_a_restarted_probe_following_kmsg_does_not_deliver_old_findings_ag
         await eventually(lambda: len(after.findings) == 1)
         await asyncio.sleep(0.2)
     assert [f.reason for f in after.findings] == ["XID_13"]
+
+
+async def test_a_repeat_rule_counts_across_a_probe_restart(tmp_path: Path) -> None:
+    """Two Xid 13s, a restart, a third: the cursor keeps the first two from being read again, and the repeat
+    rules' memory beside the spool keeps them counted, so the third impairs as it would without the restart."""
+    log = tmp_path / "kern.log"
+    log.write_text(XID_13 + NOISE + XID_13)
+    rule = RepeatRule(code=13, count=3, within=timedelta(minutes=10))
+    settings = config(tmp_path, spool_dir=tmp_path / "spool", policy_config=PolicyConfig(repeat=[rule]))
+    before = FakeReporter()
+    async with running(Probe(settings, before)):
+        await eventually(lambda: len(before.findings) == 1 and before.findings[0].count == 1)
+        await eventually(lambda: (c := saved(file_store(tmp_path))) is not None and c.line == 3)
+    assert not before.findings[0].impairs
+    append(log, XID_13)
+    after = FakeReporter()
+    async with running(Probe(settings, after)):
+        await eventually(lambda: any(f.impairs for f in after.findings))
+    # First the roll-up of the first run's burst (the second Xid 13, spooled at shutdown), then the impairing third.
+    assert [(f.impairs, f.rule, f.count) for f in after.findings] == [
+        (False, "ecs:not-in-xid-list", 1),
+        (True, "override:repeat xid13 3/600s", 1),
+    ]

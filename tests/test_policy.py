@@ -8,7 +8,7 @@ import pytest
 
 from node_probe.catalog import default_catalog
 from node_probe.kernel_log import KernelRecord, parse_lines
-from node_probe.policy import Policy, PolicyConfig, RepeatRule, Verdict
+from node_probe.policy import Policy, PolicyConfig, RepeatMemory, RepeatRule, Verdict
 
 NOW = datetime(2025, 1, 21, 4, 41, 44, tzinfo=UTC)
 ECS_XIDS = {46, 48, 54, 62, 64, 74, 79, 95, 109, 110, 136, 140, 142, 143, 151, 155, 156, 158}
@@ -230,6 +230,37 @@ def test_repeat_rule_uses_uptime_stamps_so_old_history_read_at_once_does_not_fir
     assert not any(policy.classify(r, NOW).impairs for r in parse_lines(lines))
     burst = [f"[{t:>12.6f}] NVRM: Xid (PCI:0000:3b:00): 13, pid=1, name=x, Graphics Exception" for t in (9001, 9002)]
     assert [policy.classify(r, NOW).impairs for r in parse_lines(burst)] == [False, True]
+
+
+def test_repeat_rule_counts_a_record_read_again_once_and_each_source_apart() -> None:
+    rule = RepeatRule(code=13, count=3, within=timedelta(minutes=10))
+    policy = Policy("ecs", PolicyConfig(repeat=[rule]))
+    # The same line read again after a restart is one match, however often it comes.
+    again = [policy.classify(xid(13), NOW, source="kmsg", position="seq:7") for _ in range(3)]
+    assert not any(v.impairs for v in again)
+    # NVML's event about the same fault is counted by NVML's own count, not added to the kernel log's.
+    assert not policy.classify(xid(13), NOW, source="nvml", position="event:1").impairs
+    assert not policy.classify(xid(13), NOW, source="kmsg", position="seq:8").impairs
+    assert policy.classify(xid(13), NOW, source="kmsg", position="seq:9").impairs
+
+
+def test_repeat_memory_is_taken_over_only_in_the_same_boot_and_for_the_same_rules() -> None:
+    rule = RepeatRule(code=13, count=3, within=timedelta(minutes=10))
+    before = Policy("ecs", PolicyConfig(repeat=[rule]))
+    for n in (1, 2):
+        before.classify(xid(13), NOW, source="kmsg", position=f"seq:{n}")
+    memory = RepeatMemory.model_validate_json(before.repeat_memory("boot-a").model_dump_json())
+
+    after = Policy("ecs", PolicyConfig(repeat=[rule]))
+    assert after.restore_repeats(memory, "boot-a")
+    assert not after.classify(xid(13), NOW, source="kmsg", position="seq:2").impairs  # read again: no new match
+    assert after.classify(xid(13), NOW, source="kmsg", position="seq:3").impairs
+
+    other_boot = Policy("ecs", PolicyConfig(repeat=[rule]))
+    assert not other_boot.restore_repeats(memory, "boot-b")
+    assert not other_boot.classify(xid(13), NOW, source="kmsg", position="seq:3").impairs
+    changed_rules = Policy("ecs", PolicyConfig(repeat=[rule.model_copy(update={"count": 2})]))
+    assert not changed_rules.restore_repeats(memory, "boot-a")
 
 
 def test_repeat_rule_for_sxid() -> None:
