@@ -22,19 +22,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import logging
 import os
-import platform
 import random
-import socket
 import statistics
 import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -42,12 +39,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.probe_throughput import machine
 from node_probe import host
 from node_probe.catalog import XidCatalog, XidInfo, default_catalog
 from node_probe.kernel_log import KernelRecord, parse_lines
 from node_probe.policy import APPLICATION_BUCKETS, HARDWARE_BUCKETS, Policy, PolicyConfig, RepeatRule
 from node_probe.probe import Probe, ProbeConfig
 from node_probe.source import LineAssembler
+from tests.conftest import free_port
+from tests.test_probe import append, running
 from workflows.models import GpuFinding, Heartbeat
 
 REPO = Path(__file__).resolve().parents[1]
@@ -416,20 +416,16 @@ def interleave(faults: list[str], noise: list[str]) -> str:
     return "".join(f"{f}\n{n}\n" for f, n in zip(faults, noise, strict=True))
 
 
-def append(path: Path, text: str) -> None:
-    with path.open("a", encoding="utf-8") as handle:
-        handle.write(text)
-
-
-@contextlib.asynccontextmanager
-async def running(probe: Probe) -> AsyncIterator[Probe]:
-    task = asyncio.create_task(probe.run())
-    try:
-        yield probe
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+def bench_config(tmp: Path, *, spool: bool = True, **sources: Any) -> ProbeConfig:
+    """A probe polling fast, with heartbeats out of the way, and a file spool under `tmp` unless `spool` is off."""
+    return ProbeConfig(
+        instance_id="i-bench",
+        group="bench",
+        poll_interval=timedelta(seconds=0.02),
+        heartbeat_interval=timedelta(hours=1),
+        spool_dir=tmp / "spool" if spool else None,
+        **sources,
+    )
 
 
 async def wait_for(condition: Callable[[], bool], timeout: float) -> bool:
@@ -457,14 +453,7 @@ async def downtime(tmp: Path, *, kmsg: bool, spool: bool, before: int, during: i
     sources: dict[str, Any] = (
         {"kmsg": True, "kmsg_path": log, "kernel_log": None} if kmsg else {"kernel_log": log, "kmsg": False}
     )
-    config = ProbeConfig(
-        instance_id="i-bench",
-        group="bench",
-        poll_interval=timedelta(seconds=0.02),
-        heartbeat_interval=timedelta(hours=1),
-        spool_dir=tmp / "spool" if spool else None,
-        **sources,
-    )
+    config = bench_config(tmp, spool=spool, **sources)
     raw = [line for line in first + stopped + restarted]
     run1, run2 = Recorder(), Recorder()
     async with running(Probe(config, run1)):
@@ -512,14 +501,7 @@ async def stopped_mid_delivery(tmp: Path, count: int) -> dict[str, Any]:
     log = tmp / "kern.log"
     log.write_text("".join(f"{line}\n" for line in noise_lines(0, 20, False)))
     faults = fault_lines(100, count, False)
-    config = ProbeConfig(
-        instance_id="i-bench",
-        group="bench",
-        kernel_log=log,
-        poll_interval=timedelta(seconds=0.02),
-        heartbeat_interval=timedelta(hours=1),
-        spool_dir=tmp / "spool",
-    )
+    config = bench_config(tmp, kernel_log=log)
     slow, fast = Recorder(delay=0.05), Recorder()
     async with running(Probe(config, slow)) as probe:
         append(log, interleave(faults, noise_lines(100, count, False)))
@@ -547,14 +529,7 @@ async def rotated_while_down(tmp: Path, mode: str, before: int, during: int, aft
     first = fault_lines(100, before, False)
     old_file = fault_lines(100 + before, during, False)
     new_file = fault_lines(100 + before + during, after, False)
-    config = ProbeConfig(
-        instance_id="i-bench",
-        group="bench",
-        kernel_log=log,
-        poll_interval=timedelta(seconds=0.02),
-        heartbeat_interval=timedelta(hours=1),
-        spool_dir=tmp / "spool",
-    )
+    config = bench_config(tmp, kernel_log=log)
     run1, run2 = Recorder(), Recorder()
     async with running(Probe(config, run1)):
         append(log, interleave(first, noise_lines(100, before, False)))
@@ -613,14 +588,7 @@ async def killed_mid_delivery(tmp: Path, before: int, during: int) -> dict[str, 
     then a restart from the same spool dir."""
     log, delivered = tmp / "kern.log", tmp / "delivered.jsonl"
     log.write_text("".join(f"{line}\n" for line in noise_lines(0, 20, False)))
-    config = ProbeConfig(
-        instance_id="i-bench",
-        group="bench",
-        kernel_log=log,
-        poll_interval=timedelta(seconds=0.02),
-        heartbeat_interval=timedelta(hours=1),
-        spool_dir=tmp / "spool",
-    )
+    config = bench_config(tmp, kernel_log=log)
     config_path = tmp / "probe.json"
     config_path.write_text(config.model_dump_json())
     first, stopped = fault_lines(100, before, False), fault_lines(100 + before, during, False)
@@ -698,12 +666,6 @@ async def part_b(quick: bool) -> dict[str, Any]:
 # Faults and silences start at a random moment: the harness's own 0.5 s polling would otherwise lock them to a
 # fixed phase of the probe's 0.2 s file poll and 1 s heartbeat, and every sample would see the same wait.
 JITTER_S = 1.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def at(event: dict[str, Any]) -> datetime:
@@ -1015,21 +977,6 @@ def markdown(results: dict[str, Any]) -> str:
             f"status afterwards {blip['status_after']}."
         )
     return "\n".join(out)
-
-
-def machine() -> dict[str, Any]:
-    model = ""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return {
-        "cpus": os.cpu_count(),
-        "cpu_model": model,
-        "python": platform.python_version(),
-        "kernel": platform.release(),
-    }
 
 
 def main() -> int:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from node_probe.cursor import CursorStore, FileCursor
-from node_probe.kernel_log import BANNER_MAX_GAP, KernelRecord
+from node_probe.kernel_log import KernelRecord
 from node_probe.source import LineAssembler, Observation, SourceStatus
 
 log = logging.getLogger(__name__)
@@ -25,8 +25,6 @@ log = logging.getLogger(__name__)
 CHUNK_BYTES = 1 << 20
 # Enough to tell one file's content from another's at the cursor (see FileCursor.tail).
 TAIL_BYTES = 64
-# The first line of the three-line "GPU has fallen off the bus" banner (kernel_log._BANNER_1).
-_BANNER_START = b"NVRM: The NVIDIA GPU "
 
 
 _COMPRESSED = frozenset({".gz", ".xz", ".bz2", ".zst", ".lz4"})
@@ -44,6 +42,14 @@ def _tail_if_cursor_fits(handle: BinaryIO, saved: FileCursor) -> bytes | None:
     handle.seek(start)
     tail = handle.read(saved.offset - start)
     return tail if _digest(tail) == saved.tail else None
+
+
+def _line_start(data: bytes, lines: int) -> int:
+    """The offset in `data` after its first `lines` lines."""
+    offset = 0
+    for _ in range(lines):
+        offset = data.index(b"\n", offset) + 1
+    return offset
 
 
 def _mtime(path: Path) -> float:
@@ -66,32 +72,30 @@ class _ResumableLines(LineAssembler):
 
     def feed(self, chunk: bytes) -> list[KernelRecord]:
         data = self.partial + chunk
-        lines_before = self._first_line + self.parser.lines_seen
+        lines_before, end_before, tail_before = self.parser.lines_seen, self._end, self._tail
         records = super().feed(chunk)
         complete = data[: len(data) - len(self.partial)]  # starts at a line start: the old partial is in it
-        if complete:
-            banner = complete.rfind(_BANNER_START)
-            if banner >= 0:
-                start = complete.rfind(b"\n", 0, banner) + 1
-                tail = (self._tail + complete[max(0, start - TAIL_BYTES) : start])[-TAIL_BYTES:]
-                self._banner = (self._end + start, lines_before + complete.count(b"\n", 0, start), tail)
-            self._end += len(complete)
-            self._tail = (self._tail + complete[-TAIL_BYTES:])[-TAIL_BYTES:]
+        self._end += len(complete)
+        self._tail = (self._tail + complete[-TAIL_BYTES:])[-TAIL_BYTES:]
+        pending = self.parser.pending_banner_line
+        if pending is None:
+            self._banner = None
+        elif pending > lines_before:
+            # The banner began in this chunk: remember where its first line starts, to resume there.
+            start = _line_start(complete, pending - lines_before - 1)
+            tail = (tail_before + complete[max(0, start - TAIL_BYTES) : start])[-TAIL_BYTES:]
+            self._banner = (end_before + start, self._first_line + pending - 1, tail)
         if self._first_line:
             records = [record._replace(line=record.line + self._first_line) for record in records]
-        if self._banner is not None:
-            banner_line = self._banner[1] + 1
-            if any(record.line == banner_line and record.kind == "gpu_fallen_off_bus" for record in records):
-                self._banner = None
         return records
 
     def resume_point(self) -> tuple[int, int, bytes]:
         """(offset, line, tail) after the last complete line; but before a banner's first line while the record
-        it may become has not come: the parser holds those lines in memory only, and a cursor past them would
-        lose the banner on a restart. Records after it are then read again after a restart, with the same ids."""
-        line = self._first_line + self.parser.lines_seen
-        if self._banner is not None and line - (self._banner[1] + 1) < BANNER_MAX_GAP:
+        it may become has not come (`KernelLogParser.pending_banner_line`). Records after it are then read again
+        after a restart, with the same ids."""
+        if self._banner is not None:
             return self._banner
+        line = self._first_line + self.parser.lines_seen
         return self._end, line, self._tail
 
 

@@ -27,7 +27,7 @@ from pydantic import BaseModel
 from node_probe import host
 from node_probe.cursor import CursorStore
 from node_probe.findings import record_position
-from node_probe.kernel_log import BANNER_MAX_GAP, KernelLogParser, KernelRecord
+from node_probe.kernel_log import KernelLogParser, KernelRecord
 from node_probe.source import Observation, SourceStatus, TrackedStatus
 
 log = logging.getLogger(__name__)
@@ -48,8 +48,6 @@ _YIELD_EVERY = 256
 # journalctl's notice, on stderr, when it finds no journal at all (it keeps running): e.g. a containerised probe
 # without the host's /var/log/journal and /run/log/journal mounted. It would see nothing, so it is not OK.
 _NO_FILES = "No journal files were found"
-# The first entry of the three-entry "GPU has fallen off the bus" banner (kernel_log._BANNER_1).
-_BANNER_START = "NVRM: The NVIDIA GPU "
 _REAP_TIMEOUT_S = 5.0
 
 
@@ -158,9 +156,7 @@ class JournaldSource(TrackedStatus):
         """The last entry handled; but before a banner's first entry while the record it may become has not come:
         the parser holds those entries in memory only, and a cursor past them would lose the banner on a restart.
         Entries after it are then read again after a restart, and give the same ids."""
-        if self._banner is not None and self._parser.lines_seen - self._banner[1] < BANNER_MAX_GAP:
-            return self._banner[0]
-        return self._last
+        return self._banner[0] if self._banner is not None else self._last
 
     def _save(self) -> None:
         """Called only between reads: everything yielded before has been consumed (spooled) by then."""
@@ -291,9 +287,12 @@ class JournaldSource(TrackedStatus):
         if message is not None:
             prefix = _uptime_prefix(entry)
             for text in message.split("\n"):
-                if _BANNER_START in text:
-                    self._banner = (self._last, self._parser.lines_seen + 1)
                 records.extend(self._parser.feed(prefix + text))
+        pending = self._parser.pending_banner_line
+        if pending is None:
+            self._banner = None
+        elif self._banner is None or self._banner[1] != pending:
+            self._banner = (self._last, pending)  # the banner began in this entry: resume before it
         if cursor is not None:
             self._last = cursor
             boot = entry.get("_BOOT_ID")
@@ -303,8 +302,6 @@ class JournaldSource(TrackedStatus):
                 self._last_boot = self._host_boot()
         observations = []
         for record in records:
-            if self._banner is not None and record.kind == "gpu_fallen_off_bus" and record.line == self._banner[1]:
-                self._banner = None
             position = f"journal:{cursor}" if cursor is not None else record_position(record)
             observations.append(Observation(record, self.name, position))
         return observations

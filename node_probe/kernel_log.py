@@ -327,6 +327,15 @@ class KernelLogParser:
     def lines_seen(self) -> int:
         return self._line_no
 
+    @property
+    def pending_banner_line(self) -> int | None:
+        """The line number of a banner's first line while its record can still complete. The parser holds those
+        lines in memory only: a source's saved read position must stay before it, or a restart loses the banner."""
+        banner = self._banner
+        if banner is None or self._line_no - banner.line >= BANNER_MAX_GAP:
+            return None
+        return banner.line
+
     def feed(self, line: str) -> list[KernelRecord]:
         self._line_no += 1
         if "NVRM" not in line and "SXid" not in line:

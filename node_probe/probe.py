@@ -138,8 +138,9 @@ class Probe:
         self._bursts: BurstCollapser[DedupeKey, _Seen] = BurstCollapser(config.dedupe_window)
         self._spool = open_spool(config.spool_dir, config.instance_id, config.spool_max_bytes)
         # The repeat rules' memory, beside the spool: the read cursors mean a restart no longer re-reads (and so
-        # re-counts) the history. Written at every change, before the finding is spooled; a record read again
-        # after a crash is recognised by its position and not counted twice.
+        # re-counts) the history. Saved on the burst-expiry tick (at most a second behind, never per record: a
+        # flood of a repeat rule's Xid must not cost a write each) and at shutdown; a record read again after a
+        # crash is recognised by its position and not counted twice.
         self._boot_id = host.boot_id()
         self._repeats: CursorStore[RepeatMemory] | None = None
         if config.spool_dir is not None and config.policy_config.repeat and self._boot_id:
@@ -202,6 +203,7 @@ class Probe:
         finally:
             # Open bursts' counts would be lost on shutdown; with a file spool they are delivered next run.
             self._enqueue_rollups(self._bursts.flush())
+            self._save_repeats()
 
     async def _consume(self, source: RecordSource) -> None:
         async for observation in source.observations():
@@ -209,9 +211,6 @@ class Probe:
             verdict = self._policy.classify(
                 observation.record, now, source=observation.source, position=observation.position
             )
-            if self._repeats is not None and self._policy.repeat_changes != self._repeat_changes:
-                self._repeat_changes = self._policy.repeat_changes
-                self._repeats.update(self._policy.repeat_memory(self._boot_id))
             self.stats.records += 1
             seen = _Seen(observation, verdict, now)
             # Only the first of a burst becomes a finding here: building one per line of an 800K-line flood
@@ -254,6 +253,12 @@ class Probe:
         while True:
             await asyncio.sleep(tick)
             self._enqueue_rollups(self._bursts.expire(self._clock()))
+            self._save_repeats()
+
+    def _save_repeats(self) -> None:
+        if self._repeats is not None and self._policy.repeat_changes != self._repeat_changes:
+            self._repeat_changes = self._policy.repeat_changes
+            self._repeats.update(self._policy.repeat_memory(self._boot_id))
 
     async def _deliver(self) -> None:
         """Oldest first; a finding leaves the spool only once delivered, so order survives outages."""

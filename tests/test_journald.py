@@ -11,7 +11,6 @@ records arrive.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import shutil
@@ -19,7 +18,6 @@ import signal
 import struct
 import subprocess
 import time
-from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -30,8 +28,7 @@ from node_probe import cli
 from node_probe.cursor import CursorStore
 from node_probe.journald import STARTED_AFTER_S, JournalCursor, JournaldSource
 from node_probe.probe import Probe, ProbeConfig, build_sources
-from node_probe.source import Observation
-from tests.test_probe import FakeReporter, eventually, running
+from tests.test_probe import FakeReporter, eventually, following, running
 from tests.test_probe_cli import probe_args
 from workflows.models import HealthState
 
@@ -119,23 +116,6 @@ class Journal:
 
 def source_for(journal: Journal, journalctl: str, **kwargs: Any) -> JournaldSource:
     return JournaldSource(POLL, journalctl=journalctl, directory=journal.directory, **kwargs)
-
-
-@contextlib.asynccontextmanager
-async def following(source: JournaldSource) -> AsyncIterator[list[Observation]]:
-    seen: list[Observation] = []
-
-    async def collect() -> None:
-        async for observation in source.observations():
-            seen.append(observation)
-
-    task = asyncio.create_task(collect())
-    try:
-        yield seen
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 def journalctl_pid(directory: Path) -> int | None:

@@ -15,7 +15,7 @@ import pytest
 from node_probe.file_follow import KernelLogFileSource
 from node_probe.kmsg import KmsgSource
 from node_probe.probe import Probe, ProbeConfig
-from node_probe.source import Observation
+from node_probe.source import Observation, RecordSource
 from workflows.models import GpuFinding, HealthState, Heartbeat
 
 XID_79 = "[ 1843.308145] NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=python3, GPU has fallen off the bus.\n"
@@ -96,13 +96,13 @@ def append(path: Path, text: str) -> None:
 # --- file following ------------------------------------------------------------
 
 
-async def collect(source: KernelLogFileSource | KmsgSource, into: list[Observation]) -> None:
+async def collect(source: RecordSource, into: list[Observation]) -> None:
     async for observation in source.observations():
         into.append(observation)
 
 
 @contextlib.asynccontextmanager
-async def following(source: KernelLogFileSource | KmsgSource) -> AsyncIterator[list[Observation]]:
+async def following(source: RecordSource) -> AsyncIterator[list[Observation]]:
     seen: list[Observation] = []
     task = asyncio.create_task(collect(source, seen))
     try:
