@@ -6,13 +6,23 @@ the parser must accept every shape the driver and the log tools have produced. F
 
 Speed matters (an Xid storm is hundreds of thousands of lines): regexes are compiled once and a substring
 prefilter rejects almost every line before any regex runs.
+
+One printk can hold several lines (the "fallen off the bus" banner is one). Each log tool shows that its own way:
+/dev/kmsg escapes the newlines (`\x0a`, kept by rsyslog's imkmsg), rsyslog writes a real newline as `#012`, dmesg
+and journalctl indent the later lines with no prefix, journald's MESSAGE keeps them (its source splits it). The
+parser takes each of those lines as a body of its own, at the input line it came in.
+
+Records also carry what earlier lines and the prefix said: the GPU's UUID (`NVRM: GPU at PCI:...: GPU-...`, printed
+before a GPU's first Xid) and the wall-clock time of the line, when its prefix has one.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta, timezone
 from typing import Any, Final, Literal, NamedTuple
 
 RecordKind = Literal[
@@ -22,14 +32,17 @@ RecordKind = Literal[
 # Prefixes that log tools put before the kernel's own text. They can stack (syslog's header, then dmesg's
 # uptime stamp), so they are stripped in a loop. Each alternative is anchored so that an application line
 # that merely quotes an NVRM message is not mistaken for a kernel record.
-_ISO_TIME = r"\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}:\d{2}(?:[.,]\d+)?(?:Z|[+-]\d{2}:?\d{2})?"
+_ISO_TIME = r"(?P<isom>\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}):(?P<isos>\d{2}(?:[.,]\d+)?)(?P<isoz>Z|[+-]\d{2}:?\d{2})?"
 # One regex per leading character: trying a single big alternation on every line costs several times more.
 _PREFIX_KMSG: Final = re.compile(r"<?\d+>?,(?P<seq>\d+),(?P<usec>\d+),[^;]*;")  # prio,seq,usec,flags;message
+# The groups that hold a wall-clock time (the minute, the seconds, the year or the UTC offset) are read only for a
+# line that is a fault record, and in order (Match.groups() is several times cheaper than named groups).
 _PREFIX_BRACKET: Final = re.compile(  # dmesg's [ 1843.308145], dmesg -T's [Fri Aug 30 11:43:09 2024]
-    r"\[\s*(?:(?P<uptime>\d+\.\d+)|[A-Z][a-z]{2} [A-Z][a-z]{2} {1,2}\d{1,2} \d{2}:\d{2}:\d{2} \d{4})\]\s?"
+    r"\[\s*(?:(?P<uptime>\d+\.\d+)|"
+    r"(?P<ctm>[A-Z][a-z]{2} [A-Z][a-z]{2} {1,2}\d{1,2} \d{2}:\d{2}):(?P<cts>\d{2}) (?P<cty>\d{4}))\]\s?"
 )
 _PREFIX_SYSLOG: Final = re.compile(  # Nov 22 15:39:14 host kernel: (or an ISO time, as journalctl -o short-iso)
-    r"(?:[A-Z][a-z]{2} {1,2}\d{1,2} \d{2}:\d{2}:\d{2}(?:\.\d+)?|" + _ISO_TIME + r") \S+ kernel: "
+    r"(?:(?P<bsdm>[A-Z][a-z]{2} {1,2}\d{1,2} \d{2}:\d{2}):(?P<bsds>\d{2}(?:\.\d+)?)|" + _ISO_TIME + r") \S+ kernel: "
 )
 _PREFIX_WORD: Final = re.compile(  # kernel: , or dmesg -x's "kern  :warn  : " with an optional ISO time
     r"kernel: |[a-z]+ *:[a-z]+ *: (?:" + _ISO_TIME + r" ?)?"
@@ -37,6 +50,11 @@ _PREFIX_WORD: Final = re.compile(  # kernel: , or dmesg -x's "kern  :warn  : " w
 # journalctl -o short-monotonic: "[ 1843.308145] host kernel: ", the host after the uptime stamp.
 _PREFIX_HOST_KERNEL: Final = re.compile(r"\S+ kernel: ")
 _BODY_STARTS = ("NVRM", "nvidia-nvswitch")
+_KERNEL_BODIES = ("NVRM: ", "nvidia-nvswitch")
+# A body holding several lines of one printk: /dev/kmsg's escapes (`\x0a` a newline, `\x5c` a backslash) or
+# rsyslog's escaped newline.
+_KMSG_ESCAPE: Final = re.compile(r"\\x([0-9a-fA-F]{2})")
+_SYSLOG_NEWLINE = "#012"
 
 _PCI = r"[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}"
 _FUNC = r"(?:\.[0-9a-fA-F])?"
@@ -69,15 +87,26 @@ _INIT_FAILED: Final = re.compile(
     r"NVRM: (?:GPU (?:at )?(?:PCI:)?(?P<pci>" + _PCI + r")" + _FUNC + r":? )?RmInitAdapter failed!\s*(?P<rest>.*)$"
 )
 _BANNER_1: Final = re.compile(r"NVRM: The NVIDIA GPU (?P<pci>" + _PCI + r")" + _FUNC + r"\s*$")
-_BANNER_2: Final = re.compile(r"NVRM: \(PCI ID: [0-9a-fA-F]{4}:[0-9a-fA-F]{4}\) installed in this system has\s*$")
+_BANNER_2: Final = re.compile(r"NVRM: (?:\(PCI ID: [0-9a-fA-F]{4}:[0-9a-fA-F]{4}\) )?installed in this system has\s*$")
 _BANNER_3: Final = re.compile(r"NVRM: fallen off the bus and is not responding to commands\.?\s*$")
 _SXID: Final = re.compile(
     r"nvidia-nvswitch(?P<switch>\d+): SXid \((?:PCI:)?(?P<pci>[0-9a-fA-F:.]+)\): "
     r"(?P<code>\d+),?\s?(?P<rest>.*)$"
 )
+_SXID_PCI: Final = re.compile(_PCI + r"\.[0-9a-fA-F]")  # the whole address, function included; `...` is elided
+# Printed once per GPU before its first Xid (kernel_rc.c); then `NVRM: GPU Board Serial Number: ...`.
+_GPU_UUID: Final = re.compile(
+    r"NVRM: GPU at (?:PCI:)?(?P<pci>"
+    + _PCI
+    + r")"
+    + _FUNC
+    + r": (?P<uuid>GPU-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12})\s*$"
+)
 
 # A banner whose later lines never come (the log was cut) must not capture an unrelated line much later.
 BANNER_MAX_GAP = 8
+# GPUs whose UUID the parser remembers (a host has at most 16); the oldest is forgotten first.
+UUID_MEMORY = 64
 _UNKNOWN_VALUES = frozenset({"", "<unknown>", "'<unknown>'", "...", "'...'"})
 
 
@@ -97,6 +126,9 @@ class KernelRecord(NamedTuple):
     # Seconds since boot, when the line carries it (kmsg, dmesg): lets repeat rules measure real spacing even
     # when a restarted probe re-reads old history in one go.
     uptime_s: float | None = None
+    # POSIX time of the line, when its prefix carries a wall-clock time (dmesg -T, syslog, ISO stamps); a time
+    # without a UTC offset is the host's local time, a syslog time without a year the latest not a day ahead.
+    wall_s: float | None = None
     mig_gpu_instance: int | None = None
     mig_compute_instance: int | None = None
     pid: int | None = None
@@ -112,10 +144,12 @@ class KernelRecord(NamedTuple):
     nvlink_fatal: bool | None = None
     nvlink_link: int | None = None
     nvswitch: int | None = None
-    # Set by the NVML, DCGM and daemon sources (never by the kernel-log parser): the GPU's UUID, the condition's
-    # name (the finding's reason, e.g. NVML_REMAP_FAILURE), and the source's own "hard failure" verdict (a DCGM
-    # "fail", a daemon marked critical) that the policy turns into impairs.
+    # The GPU's UUID: set by the NVML, DCGM and daemon sources, and by the kernel-log parser when the log named
+    # the GPU at that PCI address before (`NVRM: GPU at PCI:...: GPU-...`, printed before its first Xid).
     uuid: str | None = None
+    # Set by the NVML, DCGM and daemon sources (never by the kernel-log parser): the condition's name (the
+    # finding's reason, e.g. NVML_REMAP_FAILURE), and the source's own "hard failure" verdict (a DCGM "fail", a
+    # daemon marked critical) that the policy turns into impairs.
     reason: str | None = None
     critical: bool | None = None
 
@@ -123,15 +157,23 @@ class KernelRecord(NamedTuple):
         return self._asdict()
 
 
-# Index of the first field after (line, raw) and of the first after (kmsg_seq, uptime_s): see _place.
-_BODY_FIELDS = slice(2, 6)
-_DETAIL_FIELDS = slice(8, None)
+# The parts of a cached template that _place copies around each line's own values: the fields after (line, raw),
+# those after (kmsg_seq, uptime_s, wall_s) up to uuid, and those after uuid.
+_BODY_FIELDS = slice(2, KernelRecord._fields.index("kmsg_seq"))
+_UUID_FIELD = KernelRecord._fields.index("uuid")
+_DETAIL_FIELDS = slice(KernelRecord._fields.index("wall_s") + 1, _UUID_FIELD)
+_AFTER_UUID_FIELDS = slice(_UUID_FIELD + 1, None)
 
 
 class _Prefix(NamedTuple):
     end: int
     kmsg_seq: int | None
     uptime_s: float | None
+    # The outermost prefix match that holds a wall-clock time, parsed only when the line is a record.
+    clock: re.Match[str] | None = None
+
+
+_NO_PREFIX: Final = _Prefix(0, None, None)
 
 
 @dataclass(slots=True)
@@ -140,12 +182,30 @@ class _Banner:
     pci: str
     raws: list[str] = field(default_factory=list)
     bodies: list[str] = field(default_factory=list)
+    last_line: int = 0
+    # The latest of each that the banner's lines carried: an indented continuation line carries none.
+    kmsg_seq: int | None = None
+    uptime_s: float | None = None
+    clock: re.Match[str] | None = None
+
+    def add(self, line: int, raw: str, body: str, prefix: _Prefix) -> None:
+        if line != self.last_line:  # the pieces of one escaped record share its line and raw text
+            self.raws.append(raw)
+            self.last_line = line
+        self.bodies.append(body[6:])
+        if prefix.kmsg_seq is not None:
+            self.kmsg_seq = prefix.kmsg_seq
+        if prefix.uptime_s is not None:
+            self.uptime_s = prefix.uptime_s
+        if prefix.clock is not None:
+            self.clock = prefix.clock
 
 
 def _strip_prefixes(line: str) -> _Prefix:
     pos = 0
     kmsg_seq: int | None = None
     uptime_s: float | None = None
+    clock: re.Match[str] | None = None
     # Bounded: at most one of each stacked prefix kind appears in practice.
     for _ in range(4):
         if pos >= len(line) or line.startswith(_BODY_STARTS, pos):
@@ -154,8 +214,11 @@ def _strip_prefixes(line: str) -> _Prefix:
         match: re.Match[str] | None
         if first == "[":
             match = _PREFIX_BRACKET.match(line, pos)
-            if match is not None and match.group("uptime") is not None:
-                uptime_s = float(match.group("uptime"))
+            if match is not None:
+                if match.group("uptime") is not None:
+                    uptime_s = float(match.group("uptime"))
+                elif clock is None:
+                    clock = match
         elif first == "<" or first.isdigit():
             match = _PREFIX_KMSG.match(line, pos)
             if match is not None:
@@ -163,16 +226,22 @@ def _strip_prefixes(line: str) -> _Prefix:
                 uptime_s = int(match.group("usec")) / 1_000_000
             else:
                 match = _PREFIX_SYSLOG.match(line, pos)
+                if clock is None:
+                    clock = match
         elif first.isupper():
             match = _PREFIX_SYSLOG.match(line, pos)
+            if clock is None:
+                clock = match
         else:
             match = _PREFIX_WORD.match(line, pos)
+            if clock is None and match is not None and match.lastindex is not None:  # its ISO time matched
+                clock = match
         if match is None:
             match = _PREFIX_HOST_KERNEL.match(line, pos)
         if match is None or match.end() == pos:
             break
         pos = match.end()
-    return _Prefix(pos, kmsg_seq, uptime_s)
+    return _Prefix(pos, kmsg_seq, uptime_s, clock)
 
 
 def _optional_int(text: str | None) -> int | None:
@@ -256,12 +325,13 @@ def _parse_sxid(body: str) -> KernelRecord | None:
     match = _SXID.match(body)
     if match is None:
         return None
+    pci = match.group("pci")
     return KernelRecord(
         line=0,
         raw="",
         kind="sxid",
         code=int(match.group("code")),
-        pci=match.group("pci"),
+        pci=pci if _SXID_PCI.fullmatch(pci) is not None else None,
         message=match.group("rest").strip(),
         nvswitch=int(match.group("switch")),
     )
@@ -303,25 +373,146 @@ def _parse_body(body: str) -> KernelRecord | None:
     return _parse_sxid(body)
 
 
-def _place(template: KernelRecord, line: int, raw: str, prefix: _Prefix) -> KernelRecord:
+def _place(
+    template: KernelRecord, line: int, raw: str, prefix: _Prefix, wall: float | None, uuid: str | None
+) -> KernelRecord:
     fields: tuple[Any, ...] = template
-    return KernelRecord._make((line, raw, *fields[_BODY_FIELDS], prefix[1], prefix[2], *fields[_DETAIL_FIELDS]))
+    return KernelRecord._make(
+        (
+            line,
+            raw,
+            *fields[_BODY_FIELDS],
+            prefix[1],
+            prefix[2],
+            wall,
+            *fields[_DETAIL_FIELDS],
+            uuid,
+            *fields[_AFTER_UUID_FIELDS],
+        )
+    )
+
+
+def _unescape_kmsg(text: str) -> str:
+    """/dev/kmsg's text: the kernel writes a control byte, a backslash (and on old kernels any byte >= 0x7f) as
+    `\\xNN`; the bytes of a UTF-8 character come back as one character."""
+    parts = _KMSG_ESCAPE.split(text)
+    data = bytearray()
+    for index, part in enumerate(parts):
+        data += bytes((int(part, 16),)) if index % 2 else part.encode("utf-8", "surrogateescape")
+    return data.decode("utf-8", "replace")
+
+
+# --- wall-clock times in prefixes: parsed for records only, each distinct minute once ------------------------
+
+_MONTHS: Final = {
+    name: number
+    for number, name in enumerate(
+        ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"), start=1
+    )
+}
+_DAY_S = 86_400.0
+_WALL_CACHE_SIZE = 256
+
+
+def _local_minute(year: int, month: int, day: int, hour: int, minute: int) -> float | None:
+    """POSIX time of a host-local minute; None for one that does not exist."""
+    try:
+        return datetime(year, month, day, hour, minute).timestamp()
+    except (ValueError, OverflowError):
+        return None
+
+
+def _ctime_minute(key: str) -> float | None:
+    """dmesg -T's `Fri Aug 30 11:43` + `2024`, host local time."""
+    _, month, day, hour_minute, year = key.split()
+    number = _MONTHS.get(month)
+    if number is None:
+        return None
+    return _local_minute(int(year), number, int(day), int(hour_minute[:2]), int(hour_minute[3:5]))
+
+
+def _iso_minute(key: str) -> float | None:
+    """`2025-01-21T04:41` + an optional offset (`Z`, `+00:00`, `+0000`); without one, host local time."""
+    offset = key[16:]
+    try:
+        when = datetime(int(key[0:4]), int(key[5:7]), int(key[8:10]), int(key[11:13]), int(key[14:16]))
+        if not offset:
+            return when.timestamp()
+        if offset == "Z":
+            return when.replace(tzinfo=UTC).timestamp()
+        digits = offset[1:].replace(":", "")
+        delta = timedelta(hours=int(digits[:2]), minutes=int(digits[2:4]))
+        return when.replace(tzinfo=timezone(-delta if offset[0] == "-" else delta)).timestamp()
+    except (ValueError, OverflowError):
+        return None
+
+
+def _syslog_minute(key: str, now: float) -> tuple[float, float, float] | None:
+    """A syslog `Nov 22 15:39` (host local time, no year) in the latest year that puts it at most a day after
+    `now`, with the range of `now` for which that year stays the answer; None for a date that does not exist."""
+    month_name, day, hour_minute = key.split()
+    month = _MONTHS.get(month_name)
+    if month is None:
+        return None
+    hour, minute = int(hour_minute[:2]), int(hour_minute[3:5])
+    latest = time.localtime(now).tm_year + 1
+    found: float | None = None
+    later = float("inf")  # the same date in the next year it exists (29 February: four years on)
+    for year in range(latest, latest - 9, -1):
+        seconds = _local_minute(year, month, int(day), hour, minute)
+        if seconds is None:
+            continue
+        if seconds <= now + _DAY_S:
+            found = seconds
+            break
+        later = seconds
+    if found is None:
+        return None
+    if later == float("inf"):
+        for year in range(latest + 1, latest + 9):
+            seconds = _local_minute(year, month, int(day), hour, minute)
+            if seconds is not None:
+                later = seconds
+                break
+    return found, found - _DAY_S, later - _DAY_S
 
 
 # Storms repeat a handful of distinct texts (NVSentinel#1120: 800K lines, 29 distinct) behind changing
 # timestamps, so parsing each distinct text once makes a storm cheap. Bounded: cleared when full.
 _TEMPLATE_CACHE_SIZE = 512
 _MISS: Final = KernelRecord(line=-1, raw="", kind="xid", code=None, pci=None, message="")
+# Markers in the cache: a body that holds escapes (several lines of one printk, or a kmsg `\xNN`); one that is no
+# record but may change the parser's state (a banner's first line, a GPU's identity); the driver loading (its own
+# marker, checked inline: the benchmark's mixed log has it often).
+_ESCAPED: Final = KernelRecord(line=-2, raw="", kind="xid", code=None, pci=None, message="")
+_STATEFUL: Final = KernelRecord(line=-3, raw="", kind="xid", code=None, pci=None, message="")
+_DRIVER_LOAD: Final = KernelRecord(line=-4, raw="", kind="xid", code=None, pci=None, message="")
+
+
+def _template(body: str) -> KernelRecord | None:
+    """What the cache keeps for a body without escapes: its record at line 0, a marker, or None."""
+    record = _parse_body(body)
+    if record is None:
+        if body.startswith("NVRM: loading NVIDIA "):
+            return _DRIVER_LOAD
+        if body.startswith(("NVRM: The NVIDIA GPU ", "NVRM: GPU at ")):
+            return _STATEFUL
+    return record
 
 
 class KernelLogParser:
     """Streaming parser: feed lines in order. Its state (line number, a pending banner, the cache of parsed
-    texts) lives in the instance."""
+    texts, the UUIDs the log gave the GPUs) lives in the instance. `now` is the clock a syslog time without a
+    year is placed by."""
 
-    def __init__(self) -> None:
+    def __init__(self, now: Callable[[], float] = time.time) -> None:
         self._line_no = 0
         self._banner: _Banner | None = None
         self._templates: dict[str, KernelRecord | None] = {}
+        self._uuids: dict[str, str] = {}  # PCI address (dddd:bb:dd, lower case) -> GPU UUID, oldest first
+        self._now = now
+        self._walls: dict[str, float | None] = {}
+        self._syslog_walls: dict[str, tuple[float, float, float]] = {}
 
     @property
     def lines_seen(self) -> int:
@@ -341,43 +532,134 @@ class KernelLogParser:
         if "NVRM" not in line and "SXid" not in line:
             return []
         line = line.rstrip("\r\n")
-        # /dev/kmsg continuation lines (` SUBSYSTEM=pci`) carry metadata of the record above, never a fault.
-        if line.startswith(" ") and "=" in line and "NVRM:" not in line:
-            return []
-        prefix = _strip_prefixes(line)
-        body = line[prefix.end :]
-        if body.startswith("NVRM: "):
-            if self._banner is not None:
-                record = self._continue_banner(self._banner, line, body, prefix)
-                if record is not None or self._banner is not None:
-                    return [record] if record is not None else []
-            if body.startswith("NVRM: The NVIDIA GPU "):
-                match = _BANNER_1.match(body)
-                if match is not None:
-                    self._banner = _Banner(self._line_no, match.group("pci").lower(), [line], [body[6:]])
-                    return []
-        elif body.startswith("nvidia-nvswitch"):
-            self._banner = None
+        first = line[0]  # not empty: it holds "NVRM" or "SXid"
+        if first == " " or first == "\t":
+            # dmesg and journalctl indent the later lines of a multi-line record, with no prefix: those that
+            # are NVIDIA's are bodies. /dev/kmsg's continuation lines (` SUBSYSTEM=pci`) carry metadata of the
+            # record above, never a fault.
+            body = line.lstrip()
+            if not body.startswith("NVRM: "):
+                return []
+            prefix = _NO_PREFIX
         else:
-            return []
+            prefix = _strip_prefixes(line)
+            body = line[prefix.end :]
+            if not body.startswith(_KERNEL_BODIES):
+                return []
         template = self._templates.get(body, _MISS)
         if template is _MISS:
-            template = _parse_body(body)
-            if len(self._templates) >= _TEMPLATE_CACHE_SIZE:
-                self._templates.clear()
-            self._templates[body] = template
-        if template is None:
+            template = _ESCAPED if "\\x" in body or _SYSLOG_NEWLINE in body else _template(body)
+            self._remember(body, template)
+        if template is None or template is _DRIVER_LOAD:  # most NVRM lines that are no record
+            if self._banner is not None:
+                return self._feed_other(line, body, prefix, template)
+            if template is not None:
+                self._forget_gpus()
             return []
-        return [_place(template, self._line_no, line, prefix)]
+        if template is _ESCAPED:
+            return self._feed_pieces(line, body, prefix)
+        if template is _STATEFUL or self._banner is not None:
+            return self._feed_other(line, body, prefix, template)
+        # self._record, inlined: this is the path of every line of a storm.
+        clock = prefix[3]
+        uuids = self._uuids
+        return [
+            _place(
+                template,
+                self._line_no,
+                line,
+                prefix,
+                None if clock is None else self._wall(clock),
+                uuids.get(template[4] or "") if uuids else None,
+            )
+        ]
+
+    def _remember(self, body: str, template: KernelRecord | None) -> None:
+        if len(self._templates) >= _TEMPLATE_CACHE_SIZE:
+            self._templates.clear()
+        self._templates[body] = template
+
+    def _record(self, template: KernelRecord, raw: str, prefix: _Prefix) -> KernelRecord:
+        """The record of this line: the template with the line's own values, its wall time and its GPU's UUID."""
+        clock = prefix[3]
+        uuids = self._uuids
+        return _place(
+            template,
+            self._line_no,
+            raw,
+            prefix,
+            self._wall(clock) if clock is not None else None,
+            uuids.get(template[4] or "") if uuids else None,  # never an SXid's: the switch's address has a function
+        )
+
+    def _feed_pieces(self, raw: str, body: str, prefix: _Prefix) -> list[KernelRecord]:
+        """A body holding several lines of one printk: each line is a body with the record's prefix, at its input
+        line. /dev/kmsg's `\\xNN` escapes come undone: rsyslog's imkmsg passes them on too, and dmesg, journald
+        and imklog show text unescaped, where a literal `\\x` is too rare in NVIDIA's messages to matter."""
+        text = _unescape_kmsg(body) if "\\x" in body else body
+        pieces = text.replace(_SYSLOG_NEWLINE, "\n").split("\n")
+        records: list[KernelRecord] = []
+        for piece in pieces:
+            if not piece.startswith(_KERNEL_BODIES):
+                continue
+            if "\\x" in piece:  # a literal one (kmsg's `\\x5c`): not cached, the cache would take it for an escape
+                template = _parse_body(piece)
+            else:
+                template = self._templates.get(piece, _MISS)
+                if template is _MISS:
+                    template = _template(piece)
+                    self._remember(piece, template)
+            records.extend(self._feed_other(raw, piece, prefix, template))
+        return records
+
+    def _feed_other(self, raw: str, body: str, prefix: _Prefix, template: KernelRecord | None) -> list[KernelRecord]:
+        """A body while a banner is pending, or one that is no record by itself (banner lines, GPU identity)."""
+        banner = self._banner
+        if banner is not None:
+            if body.startswith("NVRM: "):
+                record = self._continue_banner(banner, raw, body, prefix)
+                if record is not None:
+                    return [record]
+                if self._banner is not None:
+                    return []
+            else:
+                self._banner = None
+        if template is _DRIVER_LOAD:
+            self._forget_gpus()
+        elif template is not None and template is not _STATEFUL:
+            return [self._record(template, raw, prefix)]
+        if body.startswith("NVRM: The NVIDIA GPU "):
+            match = _BANNER_1.match(body)
+            if match is not None:
+                self._banner = _Banner(self._line_no, match.group("pci").lower())
+                self._banner.add(self._line_no, raw, body, prefix)
+        elif body.startswith("NVRM: GPU at "):
+            identity = _GPU_UUID.match(body)
+            if identity is not None:
+                self._remember_uuid(identity.group("pci").lower(), identity.group("uuid"))
+        elif body.startswith("NVRM: loading NVIDIA "):  # in a piece, where _parse_body, not _template, ran
+            self._forget_gpus()
+        return []
+
+    def _forget_gpus(self) -> None:
+        """The driver (re)loads: its GPUs print their identity again before their first Xid, and a GPU at a known
+        address may be another one now (a kern.log spans reboots, and a stopped instance moves host)."""
+        self._uuids.clear()
+
+    def _remember_uuid(self, pci: str, uuid: str) -> None:
+        uuids = self._uuids
+        uuids.pop(pci, None)
+        if len(uuids) >= UUID_MEMORY:
+            del uuids[next(iter(uuids))]
+        uuids[pci] = uuid
 
     def _continue_banner(self, banner: _Banner, raw: str, body: str, prefix: _Prefix) -> KernelRecord | None:
         """Advance the three-line banner; a line that does not continue it drops it (self._banner = None)."""
-        expected = _BANNER_2 if len(banner.raws) == 1 else _BANNER_3
+        expected = _BANNER_2 if len(banner.bodies) == 1 else _BANNER_3
         if self._line_no - banner.line > BANNER_MAX_GAP or expected.match(body) is None:
             self._banner = None
             return None
-        banner.raws.append(raw)
-        banner.bodies.append(body[6:])
+        banner.add(self._line_no, raw, body, prefix)
         if expected is _BANNER_2:
             return None
         self._banner = None
@@ -388,13 +670,53 @@ class KernelLogParser:
             code=None,
             pci=banner.pci,
             message=" ".join(b.strip() for b in banner.bodies),
-            kmsg_seq=prefix.kmsg_seq,
-            uptime_s=prefix.uptime_s,
+            kmsg_seq=banner.kmsg_seq,
+            uptime_s=banner.uptime_s,
+            wall_s=self._wall(banner.clock) if banner.clock is not None else None,
+            uuid=self._uuids.get(banner.pci),
         )
 
+    def _wall(self, clock: re.Match[str]) -> float | None:
+        """POSIX time of a prefix's wall-clock time. Storm lines differ only in their seconds (or fraction), so
+        each distinct minute is parsed once and the seconds are added to it."""
+        groups = clock.groups()
+        if clock.re is _PREFIX_BRACKET:  # uptime, minute, second, year
+            _, minute, second, year = groups
+            base = self._cached_minute(minute + " " + year, _ctime_minute)
+            return None if base is None else base + int(second)
+        if clock.re is _PREFIX_SYSLOG:  # BSD minute, seconds, then the ISO groups
+            if groups[0] is not None:
+                return self._syslog_wall(groups[0], float(groups[1]))
+            groups = groups[2:]
+        minute, second, offset = groups  # ISO
+        base = self._cached_minute(minute + offset if offset else minute, _iso_minute)
+        return None if base is None else base + float(second.replace(",", ".") if "," in second else second)
 
-def parse_lines(lines: Iterable[str]) -> Iterator[KernelRecord]:
+    def _cached_minute(self, key: str, parse: Callable[[str], float | None]) -> float | None:
+        walls = self._walls
+        if key in walls:
+            return walls[key]
+        seconds = parse(key)
+        if len(walls) >= _WALL_CACHE_SIZE:
+            walls.clear()
+        walls[key] = seconds
+        return seconds
+
+    def _syslog_wall(self, minute: str, seconds: float) -> float | None:
+        now = self._now()
+        cached = self._syslog_walls.get(minute)
+        if cached is None or not cached[1] <= now < cached[2]:
+            cached = _syslog_minute(minute, now)
+            if cached is None:
+                return None
+            if len(self._syslog_walls) >= _WALL_CACHE_SIZE:
+                self._syslog_walls.clear()
+            self._syslog_walls[minute] = cached
+        return cached[0] + seconds
+
+
+def parse_lines(lines: Iterable[str], now: Callable[[], float] = time.time) -> Iterator[KernelRecord]:
     """Parse a whole log (any iterable of lines, e.g. an open file) lazily."""
-    parser = KernelLogParser()
+    parser = KernelLogParser(now)
     for line in lines:
         yield from parser.feed(line)

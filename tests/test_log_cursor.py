@@ -252,6 +252,34 @@ async def test_a_restarted_kmsg_follower_skips_records_it_handled_in_this_boot(t
     assert [o.position for o in other_boot] == ["seq:1000", "seq:1002", "seq:1003"]
 
 
+# The "fallen off the bus" banner is one printk: /dev/kmsg gives it as one record, its newlines escaped.
+KMSG_BANNER = (
+    "3,1002,1843308145,-;NVRM: The NVIDIA GPU 0000:b3:00.0\\x0aNVRM: (PCI ID: 10de:26b5) installed in this system "
+    "has\\x0aNVRM: fallen off the bus and is not responding to commands.\n"
+)
+
+
+async def test_kmsg_delivers_the_banner_printed_as_one_record_and_its_cursor_skips_it(tmp_path: Path) -> None:
+    kmsg = tmp_path / "kmsg"
+    kmsg.write_text(KMSG_48 + KMSG_CONT + KMSG_NOISE + KMSG_BANNER + " SUBSYSTEM=pci\n DEVICE=+pci:0000:b3:00.0\n")
+    path = cursor_path(tmp_path / "spool", "i-0abc", "kmsg")
+    first = await read_kmsg(kmsg, CursorStore(path, KmsgCursor), "boot-a", count=2, seq=1002)
+    assert [(o.record.kind, o.record.pci, o.position) for o in first] == [
+        ("xid", "0000:3b:00", "seq:1000"),
+        ("gpu_fallen_off_bus", "0000:b3:00", "seq:1002"),
+    ]
+    banner = first[1].record
+    assert (banner.line, banner.code, banner.kmsg_seq, banner.uptime_s) == (5, None, 1002, 1843.308145)
+    assert banner.raw == KMSG_BANNER.rstrip("\n")
+    assert banner.message == (
+        "The NVIDIA GPU 0000:b3:00.0 (PCI ID: 10de:26b5) installed in this system has fallen off the bus and is "
+        "not responding to commands."
+    )
+    append(kmsg, KMSG_13)
+    again = await read_kmsg(kmsg, CursorStore(path, KmsgCursor), "boot-a", count=1, seq=1003)
+    assert [o.position for o in again] == ["seq:1003"]
+
+
 async def test_kmsg_without_a_boot_id_keeps_no_cursor(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     kmsg = tmp_path / "kmsg"
     kmsg.write_text(KMSG_48)
