@@ -62,11 +62,16 @@ class CursorStore(Generic[M]):
         *,
         min_interval: float = DEFAULT_MIN_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
+        spooled: Callable[[], bool] = lambda: True,
     ) -> None:
+        """`spooled` says whether everything the source handled is on disk in the spool: while a disk error keeps
+        findings in memory only, the cursor stays behind them, so a restart reads them again instead of losing
+        them."""
         self.path = path
         self._model = model
         self._min_interval = min_interval
         self._clock = clock
+        self._spooled = spooled
         self._latest: M | None = None
         self._written: M | None = None
         self._written_at = -math.inf
@@ -91,11 +96,11 @@ class CursorStore(Generic[M]):
 
     def update(self, cursor: M) -> None:
         self._latest = cursor
-        if cursor != self._written and self._clock() - self._written_at >= self._min_interval:
+        if cursor != self._written and self._clock() - self._written_at >= self._min_interval and self._spooled():
             self._write(cursor)
 
     def flush(self) -> None:
-        if self._latest is not None and self._latest != self._written:
+        if self._latest is not None and self._latest != self._written and self._spooled():
             self._write(self._latest)
 
     def _write(self, cursor: M) -> None:
@@ -136,6 +141,14 @@ def cursor_path(directory: Path, instance: str, source: str) -> Path:
     return directory / f"{safe}.{source}.cursor"
 
 
-def open_cursor(directory: Path | None, instance: str, source: str, model: type[M]) -> CursorStore[M] | None:
+def open_cursor(
+    directory: Path | None,
+    instance: str,
+    source: str,
+    model: type[M],
+    spooled: Callable[[], bool] = lambda: True,
+) -> CursorStore[M] | None:
     """None without a spool dir (see the module docstring)."""
-    return CursorStore(cursor_path(directory, instance, source), model) if directory is not None else None
+    if directory is None:
+        return None
+    return CursorStore(cursor_path(directory, instance, source), model, spooled=spooled)

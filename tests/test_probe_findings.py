@@ -1,10 +1,9 @@
-"""Findings, burst collapse, the spool and the reporter's signal-with-start call."""
+"""Findings, burst collapse and the reporter's signal-with-start call (the spool: test_spool.py)."""
 
 from __future__ import annotations
 
 import tracemalloc
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 from temporalio.common import WorkflowIDConflictPolicy
@@ -14,7 +13,6 @@ from node_probe.findings import burst_rollup, dedupe_key, finding_id, make_findi
 from node_probe.kernel_log import KernelLogParser, KernelRecord, parse_lines
 from node_probe.policy import Policy, Verdict
 from node_probe.reporter import Reporter
-from node_probe.spool import FileSpool, MemorySpool
 from workflows.models import GpuFinding, HealthInput, HealthState, Heartbeat
 
 NOW = datetime(2025, 1, 21, 4, 41, 44, tzinfo=UTC)
@@ -150,60 +148,6 @@ def test_dedupe_key_separates_gpus_mig_instances_and_impairing() -> None:
     warn, impair = Verdict(False, "XID_13", "r"), Verdict(True, "XID_13", "r")
     keys = {dedupe_key(a, warn), dedupe_key(b, warn), dedupe_key(c, warn), dedupe_key(a, impair)}
     assert len(keys) == 4
-
-
-# --- spool --------------------------------------------------------------------------------------------------
-
-
-def numbered(n: int, impairs: bool = False) -> GpuFinding:
-    (record,) = parse_lines([f"NVRM: Xid (PCI:0000:3b:00): 13, number {n}"])
-    return finding(record, position=f"line:{n}").model_copy(update={"impairs": impairs})
-
-
-def drain(spool: FileSpool) -> list[str]:
-    messages = []
-    while (head := spool.peek()) is not None:
-        messages.append(head.message)
-        spool.pop()
-    return messages
-
-
-def test_file_spool_keeps_order_across_reopen(tmp_path: Path) -> None:
-    spool = FileSpool(tmp_path, "i-1")
-    for n in range(5):
-        assert spool.append(numbered(n))
-    assert spool.peek() == numbered(0)
-    spool.pop()
-    spool.pop()
-    reopened = FileSpool(tmp_path, "i-1")
-    assert len(reopened) == 3
-    assert drain(reopened) == ["number 2", "number 3", "number 4"]
-    assert reopened.path.stat().st_size == 0  # emptied once everything was delivered
-
-
-def test_file_spool_cuts_a_partial_last_line(tmp_path: Path) -> None:
-    spool = FileSpool(tmp_path, "i-1")
-    spool.append(numbered(1))
-    with open(spool.path, "ab") as handle:
-        handle.write(b'{"finding_id": "half-writ')
-    reopened = FileSpool(tmp_path, "i-1")
-    assert len(reopened) == 1
-    reopened.append(numbered(2))
-    assert drain(reopened) == ["number 1", "number 2"]
-
-
-def test_full_spool_drops_warnings_but_keeps_impairing_findings(tmp_path: Path) -> None:
-    size = len(numbered(0).model_dump_json()) + 1
-    spool = FileSpool(tmp_path, "i-1", max_bytes=size * 3)
-    assert all(spool.append(numbered(n)) for n in range(3))
-    assert not spool.append(numbered(3))
-    assert spool.append(numbered(4, impairs=True))
-    assert len(spool) == 4
-    memory = MemorySpool(max_items=2)
-    assert memory.append(numbered(0)) and memory.append(numbered(1))
-    assert not memory.append(numbered(2))
-    assert memory.append(numbered(3, impairs=True))
-    assert len(memory) == 3
 
 
 # --- reporter -----------------------------------------------------------------------------------------------
