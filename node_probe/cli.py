@@ -161,13 +161,13 @@ def add_probe_arguments(parser: argparse.ArgumentParser) -> None:
         "--nvml",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="NVML events and polled state (default: on when NVML initialises)",
+        help="NVML events and polled state (default: on where NVIDIA's driver library is installed)",
     )
     parser.add_argument(
         "--dcgm",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="DCGM health via `dcgmi health -c -j` (default: on when dcgmi is installed)",
+        help="DCGM health via `dcgmi health -c -j` (default: on; it counts once dcgmi is installed)",
     )
     parser.add_argument(
         "--daemon",
@@ -222,6 +222,10 @@ def _daemon_specs(args: argparse.Namespace) -> list[DaemonSpec]:
         return []
     given = getattr(args, "daemon", None)
     if not given:
+        if shutil.which("systemctl") is None:
+            # A container (the Kubernetes DaemonSet) has no systemd to ask: the defaults could never be checked.
+            log.info("daemons: no systemctl here; no units watched (name them with --daemon to insist)")
+            return []
         return default_daemons()
     try:
         return [DaemonSpec.parse(text) for text in given]
@@ -240,7 +244,9 @@ async def build_probe(args: argparse.Namespace) -> Probe:
             kmsg=args.kernel_log is None and not getattr(args, "journald", False),
             journald=getattr(args, "journald", False),
             nvml=args.nvml if getattr(args, "nvml", None) is not None else await asyncio.to_thread(nvml_available),
-            dcgm=args.dcgm if getattr(args, "dcgm", None) is not None else shutil.which("dcgmi") is not None,
+            # On by default: without dcgmi the source is "not configured" and does not count, and it starts
+            # counting when DCGM is installed later, without a probe restart.
+            dcgm=args.dcgm if getattr(args, "dcgm", None) is not None else True,
             daemons=_daemon_specs(args),
             policy=args.policy,
             policy_config=_load_policy_config(args.policy_config),

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
+PROC_STAT_PATH = Path("/proc/stat")
 # After a kill, wait this long for the child to go; one stuck in the kernel (D state) is left behind.
 _REAP_TIMEOUT_S = 5.0
 
@@ -26,6 +27,18 @@ def boot_id() -> str:
         return BOOT_ID_PATH.read_text(encoding="ascii").strip()
     except OSError:
         return ""
+
+
+def boot_time(path: Path = PROC_STAT_PATH) -> float | None:
+    """When this host booted (POSIX seconds, the kernel's `btime`); None where /proc/stat is not Linux's."""
+    try:
+        with path.open(encoding="ascii") as stat:
+            for line in stat:
+                if line.startswith("btime "):
+                    return float(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -226,6 +226,9 @@ class NvmlSource(TrackedStatus):
         self._hung_call = ""
         self._hung_since = 0.0
         self._event_seq = 0
+        # Kept across NVML sessions: a kernel-log finding about a GPU that NVML no longer answers for (the usual
+        # case when it fell off the bus) still names its UUID.
+        self._uuid_by_pci: dict[str, str] = {}
         self._instance = time.time_ns()  # with _event_seq, a unique position for one-off events
         self._wanted_events = (
             getattr(nvml, "nvmlEventTypeXidCriticalError", _EVENT_XID)
@@ -248,6 +251,10 @@ class NvmlSource(TrackedStatus):
     def gpus(self) -> list[NvmlGpu]:
         session = self._session
         return list(session.gpus) if session is not None else []
+
+    def uuid_of(self, pci: str) -> str | None:
+        """The UUID of the GPU at this PCI address (`dddd:bb:dd`), as NVML last named it."""
+        return self._uuid_by_pci.get(pci)
 
     def gpu_identity(self, index: int) -> tuple[str | None, str | None] | None:
         """(pci, uuid) of the GPU at this NVML index, for sources that name GPUs by index (DCGM)."""
@@ -430,6 +437,8 @@ class NvmlSource(TrackedStatus):
             gpu.uuid = _text(nvml.nvmlDeviceGetUUID(gpu.handle))
         except (self._errors.gpu_lost, *self._errors.unsupported) as exc:
             log.warning("nvml: GPU %d: cannot read its identity: %s", gpu.index, exc)
+        if gpu.pci is not None and gpu.uuid is not None:
+            self._uuid_by_pci[gpu.pci] = gpu.uuid
         try:
             gpu.name = _text(nvml.nvmlDeviceGetName(gpu.handle))
         except self._errors.base:
@@ -768,8 +777,9 @@ class NvmlSource(TrackedStatus):
 
 
 def nvml_available(nvml: Any = None, timeout: float = 10.0) -> bool:
-    """Whether NVML initialises here (the CLI's default for --nvml). A hung nvmlInit counts as available: the
-    driver is there, and the source will report INSUFFICIENT_DATA until it answers, which is the truth."""
+    """Whether this host has NVIDIA's driver library (the CLI's default for --nvml). Only a missing libnvidia-ml
+    turns the source off: a driver not loaded yet at boot, or an nvmlInit that hangs, means the GPUs are there,
+    and the source reports INSUFFICIENT_DATA until NVML answers, then recovers by itself."""
     try:
         if nvml is None:
             import pynvml
@@ -778,6 +788,7 @@ def nvml_available(nvml: Any = None, timeout: float = 10.0) -> bool:
         base = getattr(nvml, "NVMLError", Exception)
     except ImportError:
         return False
+    library_not_found = getattr(nvml, "NVMLError_LibraryNotFound", None)
 
     def init_and_shutdown() -> None:
         nvml.nvmlInit()
@@ -789,8 +800,11 @@ def nvml_available(nvml: Any = None, timeout: float = 10.0) -> bool:
         log.warning("nvml: nvmlInit did not return within %.0fs; watching NVML anyway", timeout)
         return True
     except base as exc:
-        log.info("nvml: not available (%s); NVML source off", exc)
-        return False
+        if library_not_found is not None and isinstance(exc, library_not_found):
+            log.info("nvml: not available (%s); NVML source off", exc)
+            return False
+        log.warning("nvml: nvmlInit failed (%s); watching NVML anyway (INSUFFICIENT_DATA until it works)", exc)
+        return True
     return True
 
 

@@ -2,10 +2,16 @@
 
 Two base policies:
   * `ecs` (default): exactly what Amazon ECS Managed Instances replaces an instance on, its 18 Xids, plus a
-    GPU that fell off the bus or failed to initialise. Conservative: a false impair costs a whole instance.
+    GPU that fell off the bus. Conservative: a false impair costs a whole instance. A GPU that failed to
+    initialise (RmInitAdapter) is only a warning here, as ECS does not act on it either.
   * `nvidia-catalog`: NVIDIA's resolution buckets; anything NVIDIA sends to the hardware side impairs, except an
-    NVLink5 error (Xid 144-150) the driver itself calls Nonfatal.
+    NVLink5 error (Xid 144-150) the driver itself calls Nonfatal. RESTART_APP and IGNORE never impair, whatever
+    the line adds: a contained Xid 94 that asks for a reset impairs through the Xid 154 (recovery action) that
+    announces the reset, not by itself. A GPU that failed to initialise impairs.
 Operator overrides (`PolicyConfig`) go on top: extra impairing codes, codes never to impair, and repeat rules.
+
+A record stamped (wall clock) before this boot is history of another boot, read from a log file that spans
+reboots: a stopped and started instance runs on other hardware, so it never impairs (`history:previous-boot`).
 
 Records from the other sources: NVML Xid events arrive as `xid` records and "GPU is lost" as `gpu_fallen_off_bus`,
 so the rules above apply unchanged. NVML's polled state (`nvml`), DCGM health (`dcgm`) and daemons (`daemon`) carry
@@ -53,6 +59,9 @@ _NVLINK5_XIDS = range(144, 151)
 _SOURCE_KINDS = frozenset({"nvml", "dcgm", "daemon", "daemon_recovered"})
 # Bounds the repeat-rule memory when a log names many GPUs (or garbage addresses).
 _MAX_REPEAT_KEYS = 1024
+# How far before this boot's start a wall-clock stamp may lie and still count as this boot's: early boot lines
+# can be stamped before the clock is stepped by NTP.
+PREVIOUS_BOOT_SLACK_S = 300.0
 
 
 class Verdict(NamedTuple):
@@ -126,9 +135,6 @@ def _nvidia(record: KernelRecord, catalog: XidCatalog) -> tuple[bool, str]:
             return False, "nvidia-catalog:xid45-no-cause"
         impairs, _ = _nvidia(record._replace(code=cause, caused_by_xid=None), catalog)
         return impairs, f"nvidia-catalog:xid45-follows-xid{cause}"
-    if code == 94 and (record.rst or record.d_rst):
-        # A contained error is the application's, unless the driver itself says the GPU needs a reset.
-        return True, "nvidia-catalog:xid94-reset-required"
     if code in _NVLINK5_XIDS and record.nvlink_fatal is False:
         # The driver's own severity: a Nonfatal NVLink5 error was corrected and the link stays up. Replacing a
         # node on one is the mistake operators complain of most; a repeat rule catches a link that keeps at it.
@@ -209,9 +215,13 @@ class _RepeatTracker:
             self._seen.move_to_end(key)
         # A record read again after a restart (the cursor lags by up to a second) is the same match, not another.
         if position is None or all(seen != position for _, seen in times):
+            if times and at < times[-1][0]:
+                # The clock went back (uptime restarts with each boot a log file spans): earlier matches are
+                # another boot's.
+                times.clear()
             times.append((at, position))
             self.changes += 1
-        return len(times) == rule.count and times[-1][0] - times[0][0] <= rule.within.total_seconds()
+        return len(times) == rule.count and 0 <= times[-1][0] - times[0][0] <= rule.within.total_seconds()
 
     def export(self) -> list[RepeatSeen]:
         return [
@@ -239,13 +249,21 @@ class Policy:
     """Classifies records. Holds the repeat-rule state, so use one instance per stream of records."""
 
     def __init__(
-        self, name: str = POLICY_ECS, config: PolicyConfig | None = None, catalog: XidCatalog | None = None
+        self,
+        name: str = POLICY_ECS,
+        config: PolicyConfig | None = None,
+        catalog: XidCatalog | None = None,
+        *,
+        booted_at: float | None = None,
     ) -> None:
+        """`booted_at` (POSIX seconds) is when the host that wrote the records booted, when the records are this
+        host's own; `autorepair classify` reads logs of any host and leaves it unset."""
         if name not in POLICY_NAMES:
             raise ValueError(f"unknown policy {name!r} (choose from {', '.join(POLICY_NAMES)})")
         self.name = name
         self.config = config or PolicyConfig()
         self._catalog = catalog or default_catalog()
+        self._booted_at = booted_at
         self._repeats = _RepeatTracker()
 
     def classify(
@@ -273,9 +291,17 @@ class Policy:
         return True
 
     def _decide(self, record: KernelRecord, now: datetime, source: str, position: str | None) -> tuple[bool, str]:
+        if (
+            self._booted_at is not None
+            and record.wall_s is not None
+            and record.wall_s < self._booted_at - PREVIOUS_BOOT_SLACK_S
+        ):
+            return False, "history:previous-boot"
         if record.kind == "gpu_fallen_off_bus":
             return True, f"{self.name}:gpu-fallen-off-bus"
         if record.kind == "gpu_init_failed":
+            if self.name == POLICY_ECS:
+                return False, "ecs:gpu-init-failed-not-an-ecs-check"
             return True, f"{self.name}:gpu-init-failed"
         if record.kind in _SOURCE_KINDS:
             return _source_record(self.name, record)
@@ -296,8 +322,11 @@ class Policy:
         return _nvidia(record, self._catalog)
 
     def _repeat_rule_fired(self, record: KernelRecord, now: datetime, source: str, position: str | None) -> str | None:
-        # Uptime stamps, when the log has them, keep old history re-read at start-up from counting as a burst.
-        at = record.uptime_s if record.uptime_s is not None else now.timestamp()
+        # The record's own stamp, when the log has one, keeps old history read at start-up in one go from counting
+        # as a burst. Wall clock first: unlike uptime it does not restart at each boot of a log spanning reboots.
+        at = record.wall_s if record.wall_s is not None else record.uptime_s
+        if at is None:
+            at = now.timestamp()
         fired: str | None = None
         for index, rule in enumerate(self.config.repeat):
             # Every matching rule records the time, even after one fired, so each keeps its own count.

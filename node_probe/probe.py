@@ -90,18 +90,19 @@ class _Seen:
     at: datetime
 
 
-def build_sources(config: ProbeConfig) -> list[RecordSource]:
+def build_sources(config: ProbeConfig, spooled: Callable[[], bool] = lambda: True) -> list[RecordSource]:
+    """`spooled`: whether every finding so far is on disk in the spool (the read cursors wait for it)."""
     poll = config.poll_interval.total_seconds()
     sources: list[RecordSource] = []
     if config.kernel_log is not None:
         # Resume points are kept only beside a file spool: what they skip must have been spooled durably.
-        file_cursor = open_cursor(config.spool_dir, config.instance_id, "kernel_log", FileCursor)
+        file_cursor = open_cursor(config.spool_dir, config.instance_id, "kernel_log", FileCursor, spooled)
         sources.append(KernelLogFileSource(config.kernel_log, poll, file_cursor))
     if config.kmsg:
-        kmsg_cursor = open_cursor(config.spool_dir, config.instance_id, "kmsg", KmsgCursor)
+        kmsg_cursor = open_cursor(config.spool_dir, config.instance_id, "kmsg", KmsgCursor, spooled)
         sources.append(KmsgSource(config.kmsg_path, poll, kmsg_cursor))
     if config.journald:
-        journal_cursor = open_cursor(config.spool_dir, config.instance_id, "journald", JournalCursor)
+        journal_cursor = open_cursor(config.spool_dir, config.instance_id, "journald", JournalCursor, spooled)
         sources.append(JournaldSource(poll, journal_cursor))
     nvml: NvmlSource | None = None
     if config.nvml:
@@ -133,10 +134,12 @@ class Probe:
         self.stats = ProbeStats()
         self._reporter = reporter
         self._clock = clock
-        self._sources = list(sources) if sources is not None else build_sources(config)
-        self._policy = Policy(config.policy, config.policy_config)
-        self._bursts: BurstCollapser[DedupeKey, _Seen] = BurstCollapser(config.dedupe_window)
         self._spool = open_spool(config.spool_dir, config.instance_id, config.spool_max_bytes)
+        self._sources = list(sources) if sources is not None else build_sources(config, lambda: self._spool.on_disk)
+        # The records are this host's own: a log file's lines from before this boot are history, not faults now.
+        self._policy = Policy(config.policy, config.policy_config, booted_at=host.boot_time())
+        self._nvml = next((source for source in self._sources if isinstance(source, NvmlSource)), None)
+        self._bursts: BurstCollapser[DedupeKey, _Seen] = BurstCollapser(config.dedupe_window)
         # The repeat rules' memory, beside the spool: the read cursors mean a restart no longer re-reads (and so
         # re-counts) the history. Saved on the burst-expiry tick (at most a second behind, never per record: a
         # flood of a repeat rule's Xid must not cost a write each) and at shutdown; a record read again after a
@@ -155,7 +158,9 @@ class Probe:
         return len(self._spool)
 
     def gpu_health(self) -> tuple[HealthState, str | None]:
-        """OK while any GPU source can see the GPUs; INSUFFICIENT_DATA (never IMPAIRED) when none can.
+        """OK while every GPU source works; INSUFFICIENT_DATA (never IMPAIRED) while any is down, the reason naming
+        each one that is. A fault only that source would see (DCGM's health watches, NVML's polled ECC state)
+        could go unseen, so the instance's GPU health is not known to be OK.
 
         Daemons are not a GPU source (`gpu_source = False`), and DCGM without dcgmi installed is not configured
         (`configured = False`): neither counts here."""
@@ -166,10 +171,10 @@ class Probe:
         ]
         if not gpu_sources:
             return HealthState.INSUFFICIENT_DATA, "no GPU source configured"
-        statuses = [source.status for source in gpu_sources]
-        if any(status.is_ok for status in statuses):
+        down = [source.status for source in gpu_sources if not source.status.is_ok]
+        if not down:
             return HealthState.OK, None
-        return HealthState.INSUFFICIENT_DATA, "; ".join(s.reason or "unavailable" for s in statuses)
+        return HealthState.INSUFFICIENT_DATA, "; ".join(status.reason or "unavailable" for status in down)
 
     def heartbeat(self) -> Heartbeat:
         state, reason = self.gpu_health()
@@ -225,8 +230,12 @@ class Probe:
 
     def _finding(self, seen: _Seen) -> GpuFinding:
         obs = seen.observation
+        record = obs.record
+        if record.uuid is None and record.pci is not None and self._nvml is not None:
+            # The kernel log names a GPU by PCI address only; NVML knows its UUID.
+            record = record._replace(uuid=self._nvml.uuid_of(record.pci))
         return make_finding(
-            obs.record,
+            record,
             seen.verdict,
             instance_id=self.config.instance_id,
             group=self.config.group,

@@ -1,7 +1,8 @@
-"""What every record source of the probe looks like (kernel log file, /dev/kmsg; NVML and DCGM later).
+"""What every record source of the probe looks like (kernel log file, /dev/kmsg, journald, NVML, DCGM, daemons).
 
 A source says whether it can currently see the GPUs (`status`) and yields records as they appear. The probe
-reports INSUFFICIENT_DATA only when every configured source is down: we cannot tell, so we must not impair.
+reports INSUFFICIENT_DATA while any configured GPU source is down: what only that source sees could be missed,
+so the GPUs are not known to be OK, and a source being down never impairs.
 """
 
 from __future__ import annotations

@@ -241,6 +241,20 @@ def test_cli_flags(tmp_path: Path) -> None:
         cli._daemon_specs(bad)
 
 
+def test_without_systemctl_the_default_units_are_not_watched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A container (the Kubernetes DaemonSet) has no systemd: default units could never be checked."""
+    import argparse
+
+    from node_probe import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_probe_arguments(parser)
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory: no systemctl on the PATH
+    assert cli._daemon_specs(parser.parse_args(["--group", "g"])) == []
+    # Units named on the command line are still watched, and their source says why it cannot check them.
+    assert cli._daemon_specs(parser.parse_args(["--group", "g", "--daemon", "x"])) == [DaemonSpec(unit="x")]
+
+
 async def test_cli_builds_a_probe_with_the_new_sources(tmp_path: Path) -> None:
     import argparse
 

@@ -702,22 +702,64 @@ async def test_probe_delivers_an_nvml_xid_finding_with_the_gpus_identity(tmp_pat
     assert reporter.heartbeats[0].gpu_health == HealthState.OK
 
 
-async def test_heartbeat_is_insufficient_data_only_when_every_gpu_source_is_down(tmp_path: Any) -> None:
+async def test_heartbeat_is_insufficient_data_while_any_gpu_source_is_down_naming_each(tmp_path: Any) -> None:
     from node_probe.file_follow import KernelLogFileSource
 
     kernel_log = KernelLogFileSource(tmp_path / "missing.log")
     nvml_down = FakeNvml(two_gpus())
-    nvml_down.init_error = pynvml.NVML_ERROR_LIBRARY_NOT_FOUND
+    nvml_down.init_error = pynvml.NVML_ERROR_DRIVER_NOT_LOADED
     nvml = make_source(nvml_down)
     config = ProbeConfig(instance_id="i-1", group="g")
     probe = Probe(config, FakeReporter(), sources=[kernel_log, nvml])
     kernel_log.check()
     nvml.check()
     state, reason = probe.gpu_health()
-    assert state == HealthState.INSUFFICIENT_DATA and "NVML Shared Library Not Found" in (reason or "")
+    assert state == HealthState.INSUFFICIENT_DATA
+    assert "missing.log" in (reason or "") and "Driver Not Loaded" in (reason or "")
+    # The kernel log alone is not enough: NVML's polled ECC and remap state would go unseen.
     (tmp_path / "missing.log").write_text("")
     kernel_log.check()
-    assert probe.gpu_health() == (HealthState.OK, None)  # the kernel log alone is enough
+    state, reason = probe.gpu_health()
+    assert state == HealthState.INSUFFICIENT_DATA and reason is not None
+    assert "Driver Not Loaded" in reason and "missing.log" not in reason
+    # The driver loads: NVML comes back by itself.
+    nvml_down.init_error = None
+    nvml.check()
+    assert probe.gpu_health() == (HealthState.OK, None)
+
+
+def test_nvml_is_on_by_default_where_the_driver_library_exists_even_before_the_driver_loads() -> None:
+    not_loaded = FakeNvml(two_gpus())
+    not_loaded.init_error = pynvml.NVML_ERROR_DRIVER_NOT_LOADED
+    assert nvml_available(not_loaded) is True
+    no_library = FakeNvml(two_gpus())
+    no_library.init_error = pynvml.NVML_ERROR_LIBRARY_NOT_FOUND
+    assert nvml_available(no_library) is False
+
+
+async def test_a_kernel_log_finding_names_the_gpus_uuid_that_nvml_knows(tmp_path: Any) -> None:
+    from node_probe.file_follow import KernelLogFileSource
+
+    log_path = tmp_path / "kern.log"
+    log_path.write_text("[  100.000000] NVRM: Xid (PCI:0000:c1:00): 79, pid=1, name=x, GPU has fallen off the bus.\n")
+    nvml = make_source(FakeNvml(two_gpus()))
+    config = ProbeConfig(
+        instance_id="i-1", group="g", poll_interval=timedelta(seconds=0.02), heartbeat_interval=timedelta(hours=1)
+    )
+    reporter = FakeReporter()
+    probe = Probe(config, reporter, sources=[nvml, KernelLogFileSource(log_path, 0.02)])
+    # NVML is answering before the line is read, as on a host where the probe has been running.
+    nvml.check()
+    task = asyncio.create_task(probe.run())
+    try:
+        await eventually(lambda: len(reporter.findings) == 1)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    (finding,) = reporter.findings
+    assert finding.source.startswith("kernel_log") and finding.reason == "XID_79"
+    assert (finding.gpu.pci, finding.gpu.uuid) == ("0000:c1:00", "GPU-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee")
 
 
 def test_an_nvml_xid_and_the_kernel_logs_line_for_it_are_one_burst() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import time
 from collections.abc import AsyncIterator, Callable
 from datetime import timedelta
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from node_probe import host
 from node_probe.file_follow import KernelLogFileSource
 from node_probe.kmsg import KmsgSource
 from node_probe.probe import Probe, ProbeConfig
@@ -223,6 +225,26 @@ async def test_restarted_probe_resends_history_with_the_same_finding_ids(tmp_pat
         ids.append([f.finding_id for f in reporter.findings])
     assert ids[0] == ids[1]
     assert len(set(ids[0])) == 2
+
+
+@pytest.mark.skipif(host.boot_time() is None, reason="no /proc/stat btime here")
+async def test_a_kernel_log_spanning_reboots_impairs_only_on_this_boots_faults(tmp_path: Path) -> None:
+    """kern.log keeps earlier boots: after a stop and start the instance runs on other hardware, so an Xid 79 from
+    before this boot must not replace it."""
+    booted = host.boot_time()
+    assert booted is not None and booted < time.time()
+
+    def stamped(at: float, line: str) -> str:
+        return time.strftime("%b %e %H:%M:%S gpu-7 kernel: ", time.localtime(at)) + line.split("] ", 1)[1]
+
+    earlier_boot = booted - 3 * 86400
+    (tmp_path / "kern.log").write_text(stamped(earlier_boot, XID_79) + stamped(time.time(), XID_95))
+    reporter = FakeReporter()
+    await run_until(Probe(config(tmp_path), reporter), lambda: len(reporter.findings) == 2)
+    assert [(f.reason, f.impairs, f.rule) for f in reporter.findings] == [
+        ("XID_79", False, "history:previous-boot"),
+        ("XID_95", True, "ecs:xid-list"),
+    ]
 
 
 async def test_heartbeat_says_insufficient_data_when_the_kernel_log_is_missing(tmp_path: Path) -> None:

@@ -156,6 +156,8 @@ async def test_probe_defaults_to_kmsg(tmp_path: Path) -> None:
     args = probe_args("--instance-id", "i-1", "--group", "g", "--spool-dir", str(tmp_path))
     probe = await cli.build_probe(args)
     assert probe.config.kmsg and probe.config.kernel_log is None
+    # DCGM is on by default: without dcgmi it is "not configured" and counts once DCGM is installed, no restart.
+    assert probe.config.dcgm is True
 
 
 async def test_probe_without_instance_id_uses_imds_or_fails_clearly(
