@@ -288,6 +288,31 @@ SPECIAL_RECORDS: list[tuple[str, list[str], PolicyConfig | None]] = [
         ],
         None,
     ),
+    (
+        "the same banner as /dev/kmsg records it (one record, newlines escaped)",
+        [
+            "3,1234,1843308145,-;NVRM: The NVIDIA GPU 0000:b3:00.0\\x0aNVRM: (PCI ID: 10de:26b5) installed in this "
+            "system has\\x0aNVRM: fallen off the bus and is not responding to commands."
+        ],
+        None,
+    ),
+    (
+        "the same banner as dmesg prints it (later lines indented)",
+        [
+            "[ 1843.308145] NVRM: The NVIDIA GPU 0000:b3:00.0",
+            "               NVRM: (PCI ID: 10de:26b5) installed in this system has",
+            "               NVRM: fallen off the bus and is not responding to commands.",
+        ],
+        None,
+    ),
+    (
+        "the same banner as rsyslog writes it (#012)",
+        [
+            "Nov 22 15:39:14 gpu-node-17 kernel: NVRM: The NVIDIA GPU 0000:b3:00.0#012NVRM: (PCI ID: 10de:26b5) "
+            "installed in this system has#012NVRM: fallen off the bus and is not responding to commands."
+        ],
+        None,
+    ),
     ("'GPU has fallen off the bus' line (no Xid)", ["NVRM: GPU 0000:3b:00.0: GPU has fallen off the bus."], None),
     ("RmInitAdapter failed (no Xid)", ["NVRM: GPU 0000:09:00.0: RmInitAdapter failed! (0x26:0x65:1239)"], None),
     ("NVSwitch SXid, Fatal", ["nvidia-nvswitch3: SXid (PCI:0000:c5:00.0): 20034, Fatal, Link 30 LTSSM Fault Up"], None),
