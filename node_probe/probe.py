@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -36,6 +37,9 @@ from workflows.models import GpuFinding, HealthState, Heartbeat
 log = logging.getLogger(__name__)
 
 DEFAULT_TASK_QUEUE = "gpu-autorepair"
+# A source that fails (an error it did not expect, a bug) is restarted after a pause that doubles up to this. It
+# counts as down until its new run has lasted this long: a source failing on every restart is down, not flapping.
+SOURCE_RESTART_MAX_S = 60.0
 _STATE_TRANSITIONS = frozenset({"daemon", "daemon_recovered"})
 
 
@@ -81,6 +85,12 @@ class ProbeStats:
     dropped: int = 0  # warnings dropped because the spool was full
     delivery_failures: int = 0
     heartbeats_sent: int = 0
+
+
+@dataclass(slots=True)
+class _SourceFailure:
+    reason: str
+    restarted_at: float | None = None  # time.monotonic() of the restart; None while it waits for it
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +161,7 @@ class Probe:
             self._repeats = CursorStore(path, RepeatMemory, min_interval=0)
         self._repeat_changes = 0
         self._pending = asyncio.Event()
+        self._failures: dict[int, _SourceFailure] = {}  # by id() of the source
 
     @property
     def pending(self) -> int:
@@ -171,10 +182,19 @@ class Probe:
         ]
         if not gpu_sources:
             return HealthState.INSUFFICIENT_DATA, "no GPU source configured"
-        down = [source.status for source in gpu_sources if not source.status.is_ok]
+        down = [reason for source in gpu_sources if (reason := self._down_reason(source)) is not None]
         if not down:
             return HealthState.OK, None
-        return HealthState.INSUFFICIENT_DATA, "; ".join(status.reason or "unavailable" for status in down)
+        return HealthState.INSUFFICIENT_DATA, "; ".join(down)
+
+    def _down_reason(self, source: RecordSource) -> str | None:
+        failure = self._failures.get(id(source))
+        if failure is not None and (
+            failure.restarted_at is None or time.monotonic() - failure.restarted_at < SOURCE_RESTART_MAX_S
+        ):
+            return failure.reason
+        status = source.status
+        return None if status.is_ok else status.reason or f"{source.name}: unavailable"
 
     def heartbeat(self) -> Heartbeat:
         state, reason = self.gpu_health()
@@ -211,6 +231,26 @@ class Probe:
             self._save_repeats()
 
     async def _consume(self, source: RecordSource) -> None:
+        """Until cancelled. A source that fails is restarted: one source's error must not stop the heartbeats and
+        the other sources, which is what letting it end the probe would do."""
+        first_pause = min(1.0, SOURCE_RESTART_MAX_S)
+        pause = first_pause
+        while True:
+            started = time.monotonic()
+            try:
+                await self._consume_once(source)
+                return  # a source that ends (a regular file standing in for /dev/kmsg) has nothing more to give
+            except Exception as exc:
+                if time.monotonic() - started >= SOURCE_RESTART_MAX_S:
+                    pause = first_pause  # it had worked for a while: this is a new failure, not the same one again
+                log.exception("%s failed; restarting it in %.0fs", source.name, pause)
+                failure = _SourceFailure(f"{source.name}: failed ({type(exc).__name__}: {exc}); restarting")
+                self._failures[id(source)] = failure
+                await asyncio.sleep(pause)
+                failure.restarted_at = time.monotonic()
+                pause = min(pause * 2, SOURCE_RESTART_MAX_S)
+
+    async def _consume_once(self, source: RecordSource) -> None:
         async for observation in source.observations():
             now = self._clock()
             verdict = self._policy.classify(

@@ -14,10 +14,12 @@ from typing import Any
 import pytest
 
 from node_probe import host
+from node_probe import probe as probe_module
 from node_probe.file_follow import KernelLogFileSource
+from node_probe.kernel_log import parse_lines
 from node_probe.kmsg import KmsgSource
 from node_probe.probe import Probe, ProbeConfig
-from node_probe.source import Observation, RecordSource
+from node_probe.source import Observation, RecordSource, SourceStatus
 from workflows.models import GpuFinding, HealthState, Heartbeat
 
 XID_79 = "[ 1843.308145] NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=python3, GPU has fallen off the bus.\n"
@@ -257,6 +259,52 @@ async def test_heartbeat_says_insufficient_data_when_the_kernel_log_is_missing(t
         (tmp_path / "kern.log").write_text(NOISE)
         await eventually(lambda: reporter.heartbeats[-1].gpu_health == HealthState.OK)
     assert reporter.heartbeats[-1].gpu_health_reason is None
+
+
+class FailingOnceSource:
+    """A GPU source with a bug: its first run raises, its second yields one Xid 79 and then waits, as a quiet
+    source does."""
+
+    name = "flaky"
+
+    def __init__(self) -> None:
+        self.runs = 0
+
+    @property
+    def status(self) -> SourceStatus:
+        return SourceStatus.ok()
+
+    def check(self) -> SourceStatus:
+        return self.status
+
+    async def observations(self) -> AsyncIterator[Observation]:
+        self.runs += 1
+        if self.runs == 1:
+            raise RuntimeError("unexpected record shape")
+        (record,) = parse_lines([XID_79])
+        yield Observation(record, "flaky", "line:1")
+        await asyncio.Event().wait()
+
+
+async def test_a_failing_source_is_restarted_and_counts_as_down_meanwhile_and_heartbeats_go_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(probe_module, "SOURCE_RESTART_MAX_S", 0.5)
+    (tmp_path / "kern.log").write_text(XID_13)
+    flaky = FailingOnceSource()
+    reporter = FakeReporter()
+    sources = [KernelLogFileSource(tmp_path / "kern.log", 0.02), flaky]
+    probe = Probe(config(tmp_path, heartbeat_interval=timedelta(seconds=0.05)), reporter, sources=sources)
+    async with running(probe):
+        # The other source and the heartbeats carry on; the failed one is named while it is down.
+        await eventually(lambda: any(f.reason == "XID_13" for f in reporter.findings))
+        await eventually(
+            lambda: any("flaky: failed (RuntimeError" in (h.gpu_health_reason or "") for h in reporter.heartbeats)
+        )
+        # Restarted, it delivers; once its new run has lasted the restart window, it counts as up again.
+        await eventually(lambda: any(f.reason == "XID_79" for f in reporter.findings))
+        await eventually(lambda: reporter.heartbeats[-1].gpu_health == HealthState.OK)
+    assert flaky.runs == 2
 
 
 async def test_probe_without_sources_reports_insufficient_data(tmp_path: Path) -> None:
