@@ -316,6 +316,10 @@ class Probe:
         while True:
             finding = self._spool.peek()
             if finding is None:
+                if len(self._spool):  # findings the spool cannot read just now: try again, not wait for new ones
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, self.config.retry_max_backoff.total_seconds())
+                    continue
                 self._pending.clear()
                 await self._pending.wait()
                 continue

@@ -44,6 +44,7 @@ _FAULTS = {
     "offset": "delivery progress is kept in memory; after a restart, findings delivered since may be sent again",
     "compact": "delivered findings stay in it until it can be rewritten",
     "read": "findings wait in memory (lost if the probe stops) for the rest of this run",
+    "reread": "its undelivered findings stay in it, and reading it is tried again",
 }
 
 
@@ -277,15 +278,23 @@ class FileSpool:
     # --- reading and delivery -------------------------------------------------------------------------------
 
     def peek(self) -> GpuFinding | None:
+        """The oldest undelivered finding. None also while the file's head cannot be read just now (a full fd
+        table, an I/O error): the findings stay, and `len()` still counts them, so the caller tries again later."""
         while self._head is None and self._pending:
             try:
                 with open(self.path, "rb") as handle:
                     replaced = os.fstat(handle.fileno()).st_ino != self._inode
                     handle.seek(self._offset)
                     line = b"" if replaced else handle.readline()
-            except OSError as exc:
-                self._forget_file(f"cannot read it ({exc})")
+            except FileNotFoundError:
+                self._forget_file("it was deleted")
                 break
+            except OSError as exc:
+                # Most likely passing; the memory queue must not overtake the file either.
+                self._fault("reread", f"cannot read {self.path}: {exc}")
+                self._peeked = None
+                return None
+            self._clear("reread")
             if not line.endswith(b"\n") or self._offset + len(line) > self._size:
                 self._forget_file("it was replaced or truncated by something else")
                 break

@@ -20,6 +20,7 @@ from node_probe.kernel_log import parse_lines
 from node_probe.kmsg import KmsgSource
 from node_probe.probe import Probe, ProbeConfig
 from node_probe.source import Observation, RecordSource, SourceStatus
+from tests.test_spool import no_free_file_descriptors
 from workflows.models import GpuFinding, HealthState, Heartbeat
 
 XID_79 = "[ 1843.308145] NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=python3, GPU has fallen off the bus.\n"
@@ -379,6 +380,34 @@ async def test_spooled_findings_survive_a_probe_restart(tmp_path: Path) -> None:
         await eventually(lambda: len(up.findings) == 1)
     assert up.findings[0].reason == "XID_79"
     assert restarted.pending == 0
+
+
+async def test_a_spool_that_cannot_be_read_for_a_moment_is_read_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = tmp_path / "kern.log"
+    log.write_text(XID_79)
+    spool = tmp_path / "spool"
+    down = FakeReporter(failing=True)
+    async with running(probe := Probe(config(tmp_path, spool_dir=spool), down)):
+        await eventually(lambda: probe.pending == 1)
+    up = FakeReporter()
+    restarted = Probe(config(tmp_path, spool_dir=spool), up)
+    peeks = 0
+    real_peek = restarted._spool.peek
+
+    def first_peek_with_a_full_fd_table() -> GpuFinding | None:
+        nonlocal peeks
+        peeks += 1
+        if peeks > 1:
+            return real_peek()
+        with no_free_file_descriptors():
+            return real_peek()
+
+    monkeypatch.setattr(restarted._spool, "peek", first_peek_with_a_full_fd_table)
+    async with running(restarted):
+        await eventually(lambda: len(up.findings) == 1)
+    assert peeks >= 2 and up.findings[0].reason == "XID_79"
 
 
 def test_probe_config_rejects_an_unknown_policy(tmp_path: Path) -> None:

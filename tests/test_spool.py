@@ -66,6 +66,19 @@ def file_size_limit(nbytes: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def no_free_file_descriptors() -> Iterator[None]:
+    """open() fails with EMFILE, as when the process's file descriptor table is full."""
+    lowest_free = os.dup(0)
+    os.close(lowest_free)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@contextlib.contextmanager
 def read_only(directory: Path) -> Iterator[None]:
     """The directory and its files can no longer be written, as after a remount read-only."""
     paths = [directory, *directory.iterdir()]
@@ -415,3 +428,20 @@ def test_a_read_cursor_stays_behind_findings_that_only_memory_holds(tmp_path: Pa
     assert drain(spool) == [0]
     cursor.flush()
     assert CursorStore(cursor.path, KmsgCursor).load() == KmsgCursor(path="/dev/kmsg", boot_id="b", seq=2)
+
+
+def test_a_read_that_fails_for_a_moment_keeps_every_finding_for_the_next_try(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Findings pile up in the file while Temporal is down; one failed read then must not cost them (the read
+    cursors are already past them, so nothing else could deliver them)."""
+    spool = FileSpool(tmp_path, "i-1")
+    for n in range(5):
+        spool.append(numbered(n, impairs=True))
+    with no_free_file_descriptors():
+        assert spool.peek() is None
+    assert len(spool) == 5 and spool.degraded and spool.on_disk
+    assert "Too many open files" in degraded_lines(caplog)[0]
+    assert drain(spool) == [0, 1, 2, 3, 4]
+    assert not spool.degraded and len(recovered_lines(caplog)) == 1
+    assert drain(FileSpool(tmp_path, "i-1")) == []
