@@ -414,10 +414,16 @@ _DAY_S = 86_400.0
 _WALL_CACHE_SIZE = 256
 
 
+def _latest_reading(local: datetime) -> float:
+    """POSIX time of a host-local time. In the hour that repeats when clocks go back, the later of its two readings:
+    a line is another boot's history only if every reading of its stamp is before this boot."""
+    return max(local.timestamp(), local.replace(fold=1).timestamp())
+
+
 def _local_minute(year: int, month: int, day: int, hour: int, minute: int) -> float | None:
     """POSIX time of a host-local minute; None for one that does not exist."""
     try:
-        return datetime(year, month, day, hour, minute).timestamp()
+        return _latest_reading(datetime(year, month, day, hour, minute))
     except (ValueError, OverflowError):
         return None
 
@@ -437,7 +443,7 @@ def _iso_minute(key: str) -> float | None:
     try:
         when = datetime(int(key[0:4]), int(key[5:7]), int(key[8:10]), int(key[11:13]), int(key[14:16]))
         if not offset:
-            return when.timestamp()
+            return _latest_reading(when)
         if offset == "Z":
             return when.replace(tzinfo=UTC).timestamp()
         digits = offset[1:].replace(":", "")

@@ -709,6 +709,29 @@ NOW = utc(2024, 12, 1, 0, 0, 0)
 XID_79 = "NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus."
 
 
+@pytest.mark.parametrize(
+    "prefix",
+    [
+        "Nov  1 01:20:00 host kernel: ",
+        "[Sun Nov  1 01:20:00 2026] ",
+        "kern  :err   : 2026-11-01T01:20:00,000000 ",
+    ],
+)
+def test_a_local_time_in_the_hour_that_repeats_reads_as_its_later_reading(
+    prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """US Eastern time goes back from 02:00 EDT to 01:00 EST on 2026-11-01: 01:20 happens twice. The later reading
+    (06:20 UTC) keeps a host that booted at 01:10 EST from taking its own faults for an earlier boot's history."""
+    monkeypatch.setenv("TZ", "EST5EDT,M3.2.0,M11.1.0")  # a POSIX rule: no zoneinfo needed
+    time.tzset()
+    try:
+        (record,) = parse_lines([prefix + XID_79], now=lambda: utc(2026, 11, 2, 0, 0, 0))
+        assert record.wall_s == utc(2026, 11, 1, 6, 20, 0)
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+
+
 @pytest.mark.usefixtures("utc_plus_3")
 @pytest.mark.parametrize(
     ("prefix", "wall", "uptime"),
