@@ -32,7 +32,7 @@ from node_probe.policy import POLICY_NAMES, Policy, PolicyConfig, RepeatMemory, 
 from node_probe.reporter import ReporterProtocol
 from node_probe.source import Observation, RecordSource
 from node_probe.spool import DEFAULT_MAX_BYTES, open_spool
-from workflows.models import GpuFinding, HealthState, Heartbeat
+from workflows.models import GpuFinding, HealthState, Heartbeat, ProbeSourceHealth
 
 log = logging.getLogger(__name__)
 
@@ -196,6 +196,20 @@ class Probe:
         status = source.status
         return None if status.is_ok else status.reason or f"{source.name}: unavailable"
 
+    def source_health(self) -> list[ProbeSourceHealth]:
+        """Each configured source, as the heartbeat reports it (DCGM without dcgmi installed is not listed)."""
+        return [
+            ProbeSourceHealth(
+                name=source.name,
+                state=HealthState.OK if reason is None else HealthState.INSUFFICIENT_DATA,
+                reason=reason,
+                gpu_source=getattr(source, "gpu_source", True),
+            )
+            for source in self._sources
+            if getattr(source, "configured", True)
+            for reason in (self._down_reason(source),)
+        ]
+
     def heartbeat(self) -> Heartbeat:
         state, reason = self.gpu_health()
         return Heartbeat(
@@ -204,6 +218,7 @@ class Probe:
             sent_at=self._clock(),
             gpu_health=state,
             gpu_health_reason=reason,
+            sources=self.source_health(),
         )
 
     async def run(self) -> None:

@@ -206,6 +206,10 @@ async def test_no_systemctl_is_a_down_source_that_does_not_touch_gpu_health(tmp_
     (tmp_path / "kern.log").write_text("")
     kernel_log.check()
     assert probe.gpu_health() == (HealthState.OK, None)  # the down daemon source does not matter
+    # It is still reported, as what it is: not a GPU source, and down.
+    daemons = probe.heartbeat().sources[-1]
+    assert (daemons.gpu_source, daemons.state) == (False, HealthState.INSUFFICIENT_DATA)
+    assert "not found" in (daemons.reason or "")
 
 
 def test_probe_config_builds_the_sources(tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ from workflows.models import (
     HealthState,
     Heartbeat,
     InstanceHealthView,
+    ProbeSourceHealth,
 )
 
 
@@ -255,8 +256,17 @@ async def test_initializing_until_first_heartbeat_and_insufficient_data_when_gpu
         view = await eventually(lambda: health_of(handle), lambda v: v.warning_counts != {})
         assert view.healthStatus.overallStatus is HealthState.INITIALIZING
 
+        sources = [
+            ProbeSourceHealth(name="kmsg", state=HealthState.OK),
+            ProbeSourceHealth(name="nvml", state=HealthState.INSUFFICIENT_DATA, reason="NVML: driver not loaded"),
+            ProbeSourceHealth(name="daemons", state=HealthState.OK, gpu_source=False),
+        ]
         blind = heartbeat(instance, group).model_copy(
-            update={"gpu_health": HealthState.INSUFFICIENT_DATA, "gpu_health_reason": "NVML: driver not loaded"}
+            update={
+                "gpu_health": HealthState.INSUFFICIENT_DATA,
+                "gpu_health_reason": "NVML: driver not loaded",
+                "sources": sources,
+            }
         )
         await handle.signal("heartbeat", blind)
         view = await eventually(
@@ -265,6 +275,8 @@ async def test_initializing_until_first_heartbeat_and_insufficient_data_when_gpu
         accelerated = next(d for d in view.healthStatus.details if d.type is CheckType.ACCELERATED_COMPUTE)
         assert accelerated.statusReason == "NVML: driver not loaded"
         assert check(view, CheckType.AGENT_CONNECTIVITY) is HealthState.OK
+        # Each of the probe's sources, as its last heartbeat reported them, for `describe-instances`.
+        assert view.probe_sources == sources
 
         # The source comes back: nothing latches.
         await handle.signal("heartbeat", heartbeat(instance, group))

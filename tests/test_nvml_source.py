@@ -722,10 +722,18 @@ async def test_heartbeat_is_insufficient_data_while_any_gpu_source_is_down_namin
     state, reason = probe.gpu_health()
     assert state == HealthState.INSUFFICIENT_DATA and reason is not None
     assert "Driver Not Loaded" in reason and "missing.log" not in reason
+    # The heartbeat also says it source by source.
+    heartbeat = probe.heartbeat()
+    assert [(s.name, s.state) for s in heartbeat.sources] == [
+        (kernel_log.name, HealthState.OK),
+        ("nvml", HealthState.INSUFFICIENT_DATA),
+    ]
+    assert "Driver Not Loaded" in (heartbeat.sources[1].reason or "")
     # The driver loads: NVML comes back by itself.
     nvml_down.init_error = None
     nvml.check()
     assert probe.gpu_health() == (HealthState.OK, None)
+    assert all(s.state is HealthState.OK and s.reason is None for s in probe.heartbeat().sources)
 
 
 def test_nvml_is_on_by_default_where_the_driver_library_exists_even_before_the_driver_loads() -> None:

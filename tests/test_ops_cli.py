@@ -116,6 +116,9 @@ async def test_describe_inject_and_history_on_a_simulated_fleet(client: Client, 
             assert {d["type"] for d in details} == {"ACCELERATED_COMPUTE", "AGENT_CONNECTIVITY"}
             assert all(set(d) == CHECK_FIELDS and d["status"] == "OK" for d in details)
             assert entry["workflowUrl"].startswith(f"{settings.temporal.ui_url}/namespaces/")
+            # The simulated instance's probe follows its kernel-log file, and says that it works.
+            [source] = entry["probeSources"]
+            assert source["name"].startswith("kernel_log:") and (source["state"], source["reason"]) == ("OK", None)
 
         warned, faulty = instances[:2]
         # An application Xid: the probe's policy calls it a warning; it is counted, never repaired.

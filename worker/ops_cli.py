@@ -424,6 +424,7 @@ def health_entry(view: InstanceHealthView, url: str | None = None) -> dict[str, 
         "heartbeatsIgnoredUntil": _iso(view.heartbeats_ignored_until),
         "rejectedSignals": view.rejected_signals,
         "retired": view.retired,
+        "probeSources": [s.model_dump(mode="json") for s in view.probe_sources],
         "workflowUrl": url,
     }
 
@@ -439,6 +440,9 @@ def _print_instances(entries: list[dict[str, Any]], group: str | None) -> None:
     repairs = Table(title="Repairs")
     for column in ("instance", "repair", "phase", "reason", "replacement", "error"):
         repairs.add_column(column, overflow="fold")
+    sources = Table(title="Probe sources that are down")
+    for column in ("instance", "source", "state", "reason"):
+        sources.add_column(column, overflow="fold")
     problems: list[str] = []
     for entry in entries:
         instance = entry["ec2InstanceId"]
@@ -481,12 +485,17 @@ def _print_instances(entries: list[dict[str, Any]], group: str | None) -> None:
             )
         elif entry["repairWithheld"]:
             repairs.add_row(instance, "", "not repaired", entry["repairWithheld"], "", "")
+        for source in entry["probeSources"]:
+            if source["state"] != "OK":
+                sources.add_row(instance, source["name"], source["state"], source.get("reason") or "")
     if checks.row_count:
         console.print(checks)
     if findings.row_count:
         console.print(findings)
     if repairs.row_count:
         console.print(repairs)
+    if sources.row_count:
+        console.print(sources)
     if not entries:
         console.print("no running health workflows found")
     for problem in problems:

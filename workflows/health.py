@@ -294,6 +294,7 @@ class InstanceHealthWorkflow:
             # An injected heartbeat loss: the watchdog must see exactly the silence a dead probe leaves.
             return
         self._state.last_heartbeat = now
+        self._state.probe_sources = beat.sources
         self._set_check(CheckType.AGENT_CONNECTIVITY, HealthState.OK, None, now)
         accelerated = self._state.checks[CheckType.ACCELERATED_COMPUTE]
         if accelerated.status is HealthState.IMPAIRED:
@@ -411,6 +412,7 @@ class InstanceHealthWorkflow:
             retired=self._retired,
             repair_withheld=self._state.repair_withheld,
             heartbeats_ignored_until=self._state.heartbeats_ignored_until,
+            probe_sources=self._state.probe_sources,
         )
 
     def _details_markdown(self) -> str:

@@ -81,13 +81,24 @@ class GpuFinding(BaseModel):
     observed_at: datetime
 
 
+class ProbeSourceHealth(BaseModel):
+    """One source of the node probe (kmsg, nvml, dcgm, daemons, ...) as it last reported itself."""
+
+    name: str
+    state: HealthState  # OK, or INSUFFICIENT_DATA while it cannot see what it watches
+    reason: str | None = None
+    gpu_source: bool = True  # False for the daemons check: its being down says nothing about the GPUs
+
+
 class Heartbeat(BaseModel):
     instance_id: str = Field(min_length=1)
     group: str = Field(min_length=1)
     sent_at: datetime
-    # INSUFFICIENT_DATA when every GPU source of the probe is down: we cannot tell, so we must not impair.
+    # INSUFFICIENT_DATA while any GPU source of the probe is down: a fault only it would see could be missed, and
+    # not knowing is never a reason to impair.
     gpu_health: HealthState = HealthState.OK
     gpu_health_reason: str | None = None
+    sources: list[ProbeSourceHealth] = Field(default_factory=list)
 
 
 class HeartbeatLossInjection(BaseModel):
@@ -147,6 +158,7 @@ class HealthCarry(BaseModel):
     # Why an IMPAIRED instance is not being repaired (auto repair DISABLED); cleared when the group is re-ENABLED.
     repair_withheld: str | None = None
     heartbeats_ignored_until: datetime | None = None
+    probe_sources: list[ProbeSourceHealth] = Field(default_factory=list)  # as the last heartbeat reported them
     # Reasons (DAEMON_<unit>) of critical daemons reported down and not yet back, oldest first.
     daemons_down: list[str] = Field(default_factory=list)
 
@@ -169,6 +181,7 @@ class InstanceHealthView(BaseModel):
     retired: bool
     repair_withheld: str | None = None
     heartbeats_ignored_until: datetime | None = None
+    probe_sources: list[ProbeSourceHealth] = Field(default_factory=list)
 
 
 # --- Drain semaphore -------------------------------------------------------------------------------------------
