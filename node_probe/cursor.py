@@ -146,9 +146,9 @@ def open_cursor(
     instance: str,
     source: str,
     model: type[M],
-    spooled: Callable[[], bool] = lambda: True,
+    spooled: Callable[[], bool],
 ) -> CursorStore[M] | None:
-    """None without a spool dir (see the module docstring)."""
+    """None without a spool dir (see the module docstring); `spooled` as for CursorStore."""
     if directory is None:
         return None
     return CursorStore(cursor_path(directory, instance, source), model, spooled=spooled)

@@ -127,6 +127,16 @@ def build_sources(config: ProbeConfig, spooled: Callable[[], bool] = lambda: Tru
     return sources
 
 
+def _gpu_health(sources: list[ProbeSourceHealth]) -> tuple[HealthState, str | None]:
+    gpu_sources = [source for source in sources if source.gpu_source]
+    if not gpu_sources:
+        return HealthState.INSUFFICIENT_DATA, "no GPU source configured"
+    down = [source.reason for source in gpu_sources if source.reason is not None]
+    if not down:
+        return HealthState.OK, None
+    return HealthState.INSUFFICIENT_DATA, "; ".join(down)
+
+
 def _utcnow() -> datetime:
     return datetime.now(UTC)
 
@@ -168,36 +178,9 @@ class Probe:
         """Findings not yet delivered."""
         return len(self._spool)
 
-    def gpu_health(self) -> tuple[HealthState, str | None]:
-        """OK while every GPU source works; INSUFFICIENT_DATA (never IMPAIRED) while any is down, the reason naming
-        each one that is. A fault only that source would see (DCGM's health watches, NVML's polled ECC state)
-        could go unseen, so the instance's GPU health is not known to be OK.
-
-        Daemons are not a GPU source (`gpu_source = False`), and DCGM without dcgmi installed is not configured
-        (`configured = False`): neither counts here."""
-        gpu_sources = [
-            source
-            for source in self._sources
-            if getattr(source, "gpu_source", True) and getattr(source, "configured", True)
-        ]
-        if not gpu_sources:
-            return HealthState.INSUFFICIENT_DATA, "no GPU source configured"
-        down = [reason for source in gpu_sources if (reason := self._down_reason(source)) is not None]
-        if not down:
-            return HealthState.OK, None
-        return HealthState.INSUFFICIENT_DATA, "; ".join(down)
-
-    def _down_reason(self, source: RecordSource) -> str | None:
-        failure = self._failures.get(id(source))
-        if failure is not None and (
-            failure.restarted_at is None or time.monotonic() - failure.restarted_at < SOURCE_RESTART_MAX_S
-        ):
-            return failure.reason
-        status = source.status
-        return None if status.is_ok else status.reason or f"{source.name}: unavailable"
-
     def source_health(self) -> list[ProbeSourceHealth]:
-        """Each configured source, as the heartbeat reports it (DCGM without dcgmi installed is not listed)."""
+        """Each configured source, as the heartbeat reports it (DCGM without dcgmi installed is not configured, so
+        not listed). A source that failed counts as down until its new run has lasted (see `_consume`)."""
         return [
             ProbeSourceHealth(
                 name=source.name,
@@ -210,15 +193,31 @@ class Probe:
             for reason in (self._down_reason(source),)
         ]
 
+    def gpu_health(self) -> tuple[HealthState, str | None]:
+        """OK while every GPU source works; INSUFFICIENT_DATA (never IMPAIRED) while any is down, the reason naming
+        each one that is. A fault only that source would see (DCGM's health watches, NVML's polled ECC state)
+        could go unseen, so the instance's GPU health is not known to be OK. Daemons are not a GPU source."""
+        return _gpu_health(self.source_health())
+
+    def _down_reason(self, source: RecordSource) -> str | None:
+        failure = self._failures.get(id(source))
+        if failure is not None and (
+            failure.restarted_at is None or time.monotonic() - failure.restarted_at < SOURCE_RESTART_MAX_S
+        ):
+            return failure.reason
+        status = source.status
+        return None if status.is_ok else status.reason or f"{source.name}: unavailable"
+
     def heartbeat(self) -> Heartbeat:
-        state, reason = self.gpu_health()
+        sources = self.source_health()
+        state, reason = _gpu_health(sources)
         return Heartbeat(
             instance_id=self.config.instance_id,
             group=self.config.group,
             sent_at=self._clock(),
             gpu_health=state,
             gpu_health_reason=reason,
-            sources=self.source_health(),
+            sources=sources,
         )
 
     async def run(self) -> None:

@@ -27,6 +27,7 @@ from node_probe.policy import Policy
 from tests.conftest import free_port
 from tests.fleet import Fleet, simulated_fleet
 from tests.harness import eventually, make_settings, read_events, running_worker, unique
+from tests.test_health_signals import monitor_only
 from tests.test_repair_engine import worker_environment
 from worker.ops_cli import parse_duration, parse_since, phase_durations, workflow_url, xid_line
 from worker.settings import Settings, TemporalSettings
@@ -339,18 +340,8 @@ async def test_lost_agents_rereading_their_group_config_continue_as_new_cleanly(
     # the activation where that timer fires, the watchdog is cancelled mid-read; it must end, not carry on (a
     # swallowed cancellation once left the run unable to finish its workflow task). Extra signals shift where the
     # test server's 200-event suggestion lands in the 11-event read cycle, so the three cover different offsets.
-    group = unique("g")
-    settings = make_settings(
-        client,
-        aws_env,
-        tmp_path / "events.jsonl",
-        group=group,
-        cluster=group,
-        auto_repair=AutoRepair.DISABLED,
-        heartbeat_loss_threshold=timedelta(seconds=1),
-    )
     instances = [unique("i-lost") for _ in range(3)]
-    async with running_worker(settings, client):
+    async with monitor_only(client, aws_env, tmp_path, timedelta(seconds=1)) as (settings, group):
         handles = []
         for shift, instance in enumerate(instances):
             beat = Heartbeat(instance_id=instance, group=group, sent_at=datetime.now(UTC))
