@@ -15,7 +15,7 @@ import boto3
 from botocore.config import Config
 
 from activities.errors import aws_errors
-from worker.settings import AwsSettings
+from contract.config import AwsSettings
 
 if TYPE_CHECKING:
     from mypy_boto3_autoscaling import AutoScalingClient

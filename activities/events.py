@@ -24,7 +24,7 @@ from activities.aws import AwsClients, aws_call
 from activities.metrics import EventMetrics
 from activities.models import EventType, FleetEvent
 from activities.webhook import WebhookSink
-from worker.settings import EventSettings
+from contract.config import EventSettings
 
 log = logging.getLogger(__name__)
 

@@ -25,8 +25,9 @@ from activities.aws import AwsClients, aws_call
 from activities.models import (
     ContainerInstanceRef,
     DrainResult,
+    GroupCapacity,
+    GroupCapacityRequest,
     GroupConfigRequest,
-    GroupRef,
     InstanceRef,
     InstanceTasks,
     LaunchRequest,
@@ -37,14 +38,15 @@ from activities.models import (
     TerminateResult,
 )
 from activities.workflow_ops import live_group_config
-from workflows.models import CapacityGroup, GroupCapacity, GroupConfigOverrides
+from contract.groups import CapacityGroup, GroupConfigOverrides
+from contract.names import GROUP_TAG
 
 if TYPE_CHECKING:
     from mypy_boto3_autoscaling.type_defs import AutoScalingGroupTypeDef
     from mypy_boto3_ec2.type_defs import InstanceTypeDef, LaunchTemplateSpecificationTypeDef, TagTypeDef
     from mypy_boto3_ecs.type_defs import ContainerInstanceTypeDef
 
-GROUP_TAG = "gpu-autorepair:group"
+
 REPLACES_TAG = "gpu-autorepair:replaces"
 # Auto Scaling mode: when the impaired instance was detached (AWS clock), so the instance the group launched
 # after it can be told from the ones it already had, even on a retry that lost everything in memory.
@@ -120,9 +122,10 @@ class FleetActivities:
     # --- activities ---------------------------------------------------------------------------------------
 
     @activity.defn(name="describe_group_capacity")
-    async def describe_group_capacity(self, ref: GroupRef) -> GroupCapacity:
-        """How many instances the group has in ECS now, and the drain cap that follows from it."""
-        group = self._group(ref.group)
+    async def describe_group_capacity(self, request: GroupCapacityRequest) -> GroupCapacity:
+        """How many instances the group has in ECS now, and the drain cap that follows from it with the live
+        overrides applied."""
+        group = request.overrides.apply(self._group(request.group))
         arns: list[str] = []
         for status in REGISTERED_STATUSES:
             arns += await self._list_container_instance_arns(group.cluster, status=status)

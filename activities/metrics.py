@@ -20,7 +20,9 @@ from pydantic import BaseModel, ValidationError
 from temporalio.common import MetricMeter
 
 from activities.models import EventType, FleetEvent
-from workflows.models import CheckType, GpuFinding, HealthState, PhaseStep
+from contract.health import CheckType, HealthState
+from contract.probe import GpuFinding
+from contract.repair import PhaseStep
 
 HEALTH_CHANGES = "autorepair_health_changes"
 REPAIRS_STARTED = "autorepair_repairs_started"

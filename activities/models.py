@@ -8,7 +8,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from workflows.models import RepairInput
+from contract.groups import GroupConfigOverrides, GroupConfigState
+from contract.repair import RepairInput
 
 
 class EventType(StrEnum):
@@ -65,6 +66,25 @@ class FleetEvent(BaseModel):
 
 class GroupRef(BaseModel):
     group: str
+
+
+class GroupCapacityRequest(BaseModel):
+    group: str
+    # The drain semaphore's live overrides: the cap follows from the settings with these applied.
+    overrides: GroupConfigOverrides = Field(default_factory=GroupConfigOverrides)
+
+
+class GroupCapacity(BaseModel):
+    group: str
+    instance_count: int
+    max_draining: int
+
+
+class PreviousGroupConfig(BaseModel):
+    """The live configuration an earlier, closed run of the group's semaphore left in its memo (None: none)."""
+
+    state: GroupConfigState | None = None
+    run_id: str = ""
 
 
 class GroupConfigRequest(BaseModel):

@@ -34,7 +34,7 @@ from pathlib import Path
 from temporalio.common import MetricMeter
 
 from activities.metrics import WEBHOOK_DELIVERY_FAILURES, WEBHOOK_OUTBOX_EVENTS
-from worker.settings import EventSettings
+from contract.config import EventSettings
 
 log = logging.getLogger(__name__)
 

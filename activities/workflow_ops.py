@@ -22,19 +22,17 @@ from temporalio.service import RPCError, RPCStatusCode
 from activities.models import (
     GroupRef,
     PermitRequestOrder,
+    PreviousGroupConfig,
     StartRepairRequest,
     StartRepairResult,
     WorkflowRuns,
 )
-from workflows import search_attributes as sa
-from workflows.ids import repair_workflow_id, semaphore_workflow_id
-from workflows.models import (
-    GROUP_CONFIG_MEMO,
-    GroupConfigState,
-    PermitRequest,
-    PreviousGroupConfig,
-    SemaphoreInput,
-)
+from contract import names
+from contract import search_attributes as sa
+from contract.groups import GroupConfigState
+from contract.ids import repair_workflow_id, semaphore_workflow_id
+from contract.repair import RepairPhase
+from contract.semaphore import PermitRequest, SemaphoreInput
 
 # Enough closed runs to find the latest: visibility lists the most recently closed first.
 _PREVIOUS_RUNS_LOOKED_AT = 20
@@ -48,7 +46,7 @@ async def live_group_config(
     handle = client.get_workflow_handle(semaphore_workflow_id(group))
     try:
         state = await handle.query(
-            "group_config",
+            names.QUERY_GROUP_CONFIG,
             result_type=GroupConfigState,
             reject_condition=QueryRejectCondition.NOT_OPEN,
             rpc_timeout=rpc_timeout,
@@ -56,7 +54,7 @@ async def live_group_config(
         return state, True
     except WorkflowQueryRejectedError:
         description = await handle.describe(rpc_timeout=rpc_timeout)
-        return await description.memo_value(GROUP_CONFIG_MEMO, None, type_hint=GroupConfigState), False
+        return await description.memo_value(names.GROUP_CONFIG_MEMO, None, type_hint=GroupConfigState), False
     except RPCError as err:
         if err.status == RPCStatusCode.NOT_FOUND:
             return None, False
@@ -77,7 +75,7 @@ class WorkflowOps:
         attributes: list[SearchAttributePair[Any]] = [
             SearchAttributePair(sa.INSTANCE_ID, repair.instance_id),
             SearchAttributePair(sa.CAPACITY_GROUP, repair.group),
-            SearchAttributePair(sa.REPAIR_PHASE, "WaitingForPermit"),
+            SearchAttributePair(sa.REPAIR_PHASE, RepairPhase.WAITING_FOR_PERMIT.value),
         ]
         if repair.finding is not None and repair.finding.code is not None:
             attributes.append(SearchAttributePair(sa.XID, repair.finding.code))
@@ -86,7 +84,7 @@ class WorkflowOps:
         token = otel_context.attach(otel_context.Context())
         try:
             await self._client.start_workflow(
-                "InstanceRepairWorkflow",
+                names.REPAIR_WORKFLOW,
                 repair,
                 id=workflow_id,
                 task_queue=self._task_queue,
@@ -106,12 +104,12 @@ class WorkflowOps:
     async def request_drain_permit(self, order: PermitRequestOrder) -> None:
         """Signal-with-start the group's drain semaphore; the semaphore treats a repeated request as one."""
         await self._client.start_workflow(
-            "DrainSemaphoreWorkflow",
+            names.SEMAPHORE_WORKFLOW,
             SemaphoreInput(group=order.group),
             id=semaphore_workflow_id(order.group),
             task_queue=self._task_queue,
             id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-            start_signal="request",
+            start_signal=names.SIGNAL_REQUEST,
             start_signal_args=[
                 PermitRequest(
                     holder_workflow_id=order.holder_workflow_id,
@@ -152,5 +150,5 @@ class WorkflowOps:
         if not closed:
             return PreviousGroupConfig()
         latest = max(closed, key=lambda execution: execution.close_time or datetime.min)
-        state = await latest.memo_value(GROUP_CONFIG_MEMO, None, type_hint=GroupConfigState)
+        state = await latest.memo_value(names.GROUP_CONFIG_MEMO, None, type_hint=GroupConfigState)
         return PreviousGroupConfig(state=state, run_id=latest.run_id)

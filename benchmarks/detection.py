@@ -4,7 +4,7 @@
 
 Measures, on the project's real code paths:
   A. the repair decision for every Xid in NVIDIA's catalog: a real-format kernel line per code (under six log
-     prefixes), parsed by node_probe.kernel_log and classified by node_probe.policy.Policy ('ecs' and
+     prefixes), parsed by node_probe.classify.kernel_log and classified by node_probe.classify.policy.Policy ('ecs' and
      'nvidia-catalog'), next to the decision rules peers apply (ECS's list, the EKS node monitoring agent's fatal
      list, "any Xid replaces", "no Xid action"), scored against NVIDIA's immediate resolution bucket; then the
      records that need more than the code (Xid 45's cause, Xid 154's recovery action, Xid 94/95's RST flags,
@@ -40,15 +40,15 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.probe_throughput import machine
+from contract.probe import GpuFinding, Heartbeat
 from node_probe import host
-from node_probe.catalog import XidCatalog, XidInfo, default_catalog
-from node_probe.kernel_log import KernelRecord, parse_lines
-from node_probe.policy import APPLICATION_BUCKETS, HARDWARE_BUCKETS, Policy, PolicyConfig, RepeatRule
+from node_probe.classify.catalog import XidCatalog, XidInfo, default_catalog
+from node_probe.classify.kernel_log import KernelRecord, parse_lines
+from node_probe.classify.policy import APPLICATION_BUCKETS, HARDWARE_BUCKETS, Policy, PolicyConfig, RepeatRule
 from node_probe.probe import Probe, ProbeConfig
-from node_probe.source import LineAssembler
+from node_probe.sources.base import LineAssembler
 from tests.conftest import free_port
 from tests.test_probe import append, running
-from workflows.models import GpuFinding, Heartbeat
 
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE_CATALOG = REPO.parent / "shared" / "reference" / "xid-catalog.tsv"
@@ -720,11 +720,11 @@ async def fleet_latency(state: Path, faults: int, losses: int) -> dict[str, Any]
     from temporalio.client import Client
     from temporalio.contrib.pydantic import pydantic_data_converter
 
+    from contract.health import HealthState
+    from simulator.fleet import COMMON_CRITICAL_XIDS
+    from simulator.servers import MotoServer, TemporalDevServer
     from tests.fleet import TIMING, simulated_fleet
     from tests.harness import eventually
-    from worker.fleet_sim import COMMON_CRITICAL_XIDS
-    from worker.servers import MotoServer, TemporalDevServer
-    from workflows.models import HealthState
 
     os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
     rng = random.Random(17)

@@ -33,13 +33,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from node_probe.dedupe import BurstCollapser
-from node_probe.file_follow import CHUNK_BYTES
-from node_probe.findings import dedupe_key, make_finding
-from node_probe.policy import Policy
+from contract.probe import GpuFinding, Heartbeat
+from node_probe.classify.dedupe import BurstCollapser
+from node_probe.classify.findings import dedupe_key, make_finding
+from node_probe.classify.policy import Policy
 from node_probe.probe import Probe, ProbeConfig
-from node_probe.source import LineAssembler
-from workflows.models import GpuFinding, Heartbeat
+from node_probe.sources.base import LineAssembler
+from node_probe.sources.log_file import CHUNK_BYTES
 
 FLOOD_LINES = 800_000
 MIXED_LINES = 500_000

@@ -16,25 +16,35 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, TextIO
 
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
+from pydantic_settings import SettingsConfigDict
 from rich.console import Console
 from rich.table import Table
 
-from node_probe.daemons import DaemonSpec, default_daemons
+from contract.config import ConfigSources, TemporalSettings
+from contract.temporal_client import connect
+from node_probe.classify.kernel_log import KernelRecord, parse_lines
+from node_probe.classify.policy import POLICY_ECS, POLICY_NAMES, Policy, PolicyConfig, Verdict
+from node_probe.delivery.reporter import Reporter
 from node_probe.imds import ImdsError, imds_instance_id
-from node_probe.kernel_log import KernelRecord, parse_lines
-from node_probe.nvml_source import nvml_available
-from node_probe.policy import POLICY_ECS, POLICY_NAMES, Policy, PolicyConfig, Verdict
 from node_probe.probe import Probe, ProbeConfig
-from node_probe.reporter import Reporter
-from worker.client import connect
-from worker.settings import Settings
+from node_probe.sources.daemons import DaemonSpec, default_daemons
+from node_probe.sources.nvml import nvml_available
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SPOOL_DIR = Path("/var/lib/gpu-autorepair/spool")
 # Columns every JSON line starts with; other record fields follow when set.
 _LEADING = ("line", "kind", "code", "pci", "impairs", "reason", "rule", "message")
+
+
+class ProbeSettings(ConfigSources):
+    """The part of the shared settings the probe reads (AUTOREPAIR_TEMPORAL__* or the TOML file); the rest of that
+    file is the worker's, so other keys are left to it."""
+
+    model_config = SettingsConfigDict(extra="ignore")
+
+    temporal: TemporalSettings = Field(default_factory=TemporalSettings)
 
 
 class CliError(Exception):
@@ -235,7 +245,7 @@ def _daemon_specs(args: argparse.Namespace) -> list[DaemonSpec]:
 
 async def build_probe(args: argparse.Namespace) -> Probe:
     overrides = {"address": args.temporal_address, "namespace": args.namespace, "task_queue": args.task_queue}
-    temporal = Settings().temporal.model_copy(update={k: v for k, v in overrides.items() if v})
+    temporal = ProbeSettings().temporal.model_copy(update={k: v for k, v in overrides.items() if v})
     try:
         config = ProbeConfig(
             instance_id=await _resolve_instance_id(args.instance_id),

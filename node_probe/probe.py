@@ -18,21 +18,22 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field, field_validator
 
+from contract.health import HealthState
+from contract.probe import GpuFinding, Heartbeat, ProbeSourceHealth
 from node_probe import host
-from node_probe.cursor import CursorStore, FileCursor, KmsgCursor, cursor_path, open_cursor
-from node_probe.daemons import DaemonSource, DaemonSpec
-from node_probe.dcgm_source import DcgmHealthSource
-from node_probe.dedupe import Burst, BurstCollapser
-from node_probe.file_follow import KernelLogFileSource
-from node_probe.findings import DedupeKey, burst_rollup, dedupe_key, make_finding
-from node_probe.journald import JournalCursor, JournaldSource
-from node_probe.kmsg import KMSG_PATH, KmsgSource
-from node_probe.nvml_source import NvmlSource
-from node_probe.policy import POLICY_NAMES, Policy, PolicyConfig, RepeatMemory, Verdict
-from node_probe.reporter import ReporterProtocol
-from node_probe.source import Observation, RecordSource
-from node_probe.spool import DEFAULT_MAX_BYTES, open_spool
-from workflows.models import GpuFinding, HealthState, Heartbeat, ProbeSourceHealth
+from node_probe.classify.dedupe import Burst, BurstCollapser
+from node_probe.classify.findings import DedupeKey, burst_rollup, dedupe_key, make_finding
+from node_probe.classify.policy import POLICY_NAMES, Policy, PolicyConfig, RepeatMemory, Verdict
+from node_probe.delivery.cursor import CursorStore, FileCursor, KmsgCursor, cursor_path, open_cursor
+from node_probe.delivery.reporter import ReporterProtocol
+from node_probe.delivery.spool import DEFAULT_MAX_BYTES, open_spool
+from node_probe.sources.base import Observation, RecordSource
+from node_probe.sources.daemons import DaemonSource, DaemonSpec
+from node_probe.sources.dcgm import DcgmHealthSource
+from node_probe.sources.journald import JournalCursor, JournaldSource
+from node_probe.sources.kmsg import KMSG_PATH, KmsgSource
+from node_probe.sources.log_file import KernelLogFileSource
+from node_probe.sources.nvml import NvmlSource
 
 log = logging.getLogger(__name__)
 

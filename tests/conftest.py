@@ -14,8 +14,8 @@ from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
+from contract import search_attributes
 from tests.harness import tool_path
-from workflows import search_attributes
 
 
 def free_port() -> int:

@@ -18,11 +18,12 @@ from typing import Any, ClassVar
 import boto3
 from temporalio.client import Client
 
+from contract.groups import AutoRepair
+from contract.ids import semaphore_workflow_id
+from simulator.fleet import SimTiming, SimulatedFleet
 from tests.harness import eventually, make_settings, read_events, running_worker, unique
-from worker.fleet_sim import SimTiming, SimulatedFleet
 from worker.settings import Settings
-from workflows.ids import semaphore_workflow_id
-from workflows.models import AutoRepair, SemaphoreView
+from workflows.models import SemaphoreView
 
 TIMING = SimTiming(
     boot_delay=timedelta(seconds=2),

@@ -17,9 +17,10 @@ from typing import Any, TypeVar
 from temporalio.client import Client
 
 from activities.webhook import webhook_delivery
+from contract.config import AwsSettings, EventSettings, TemporalSettings
+from contract.groups import AutoRepair, CapacityGroup
 from worker.main import build_worker
-from worker.settings import AwsSettings, EventSettings, Settings, TemporalSettings
-from workflows.models import AutoRepair, CapacityGroup
+from worker.settings import Settings
 
 T = TypeVar("T")
 

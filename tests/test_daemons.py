@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-from node_probe.daemons import DaemonSource, DaemonSpec, default_daemons, has_nvswitches
+from contract.health import HealthState
+from node_probe.classify.policy import Policy
 from node_probe.host import CommandResult
-from node_probe.policy import Policy
 from node_probe.probe import Probe, ProbeConfig, build_sources
+from node_probe.sources.daemons import DaemonSource, DaemonSpec, default_daemons, has_nvswitches
 from tests.test_probe import FakeReporter, eventually
-from workflows.models import HealthState
 
 NOW = datetime(2025, 1, 1, tzinfo=UTC)
 
@@ -194,7 +194,7 @@ async def test_no_systemctl_is_a_down_source_that_does_not_touch_gpu_health(tmp_
     await source.poll()
     assert source.status.is_ok
 
-    from node_probe.file_follow import KernelLogFileSource
+    from node_probe.sources.log_file import KernelLogFileSource
 
     kernel_log = KernelLogFileSource(tmp_path / "kern.log")
     kernel_log.check()  # missing: down

@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 
-from node_probe.dcgm_source import DcgmHealthSource, DcgmParseError, parse_health_json, system_word
+from contract.health import HealthState
+from node_probe.classify.policy import Policy
 from node_probe.host import CommandResult
-from node_probe.policy import Policy
 from node_probe.probe import Probe, ProbeConfig
+from node_probe.sources.dcgm import DcgmHealthSource, DcgmParseError, parse_health_json, system_word
 from tests.test_probe import FakeReporter
-from workflows.models import HealthState
 
 NOW = datetime(2025, 1, 1, tzinfo=UTC)
 
@@ -391,7 +391,7 @@ async def test_a_missing_dcgmi_is_not_configured_and_does_not_count_for_gpu_heal
     await source.poll()
     assert not source.configured and "not configured" in (source.status.reason or "")
 
-    from node_probe.file_follow import KernelLogFileSource
+    from node_probe.sources.log_file import KernelLogFileSource
 
     log_file = tmp_path / "kern.log"
     log_file.write_text("")

@@ -15,7 +15,7 @@ async def run_demo(tmp_path: Path, *flags: str) -> tuple[int, str]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "worker.cli",
+        "operator_cli.main",
         "demo",
         "--state-dir",
         str(tmp_path / "state"),

@@ -15,10 +15,10 @@ import pytest
 import yaml
 from temporalio.common import SearchAttributeKey
 
+from contract import search_attributes
+from simulator.servers import find_binary
 from tests.conftest import free_port
-from worker.servers import find_binary
 from worker.settings import Settings
-from workflows import search_attributes
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"

@@ -6,9 +6,9 @@ from pathlib import Path
 
 from temporalio.client import Client
 
+from contract.ids import semaphore_workflow_id
 from tests.harness import eventually, make_settings, running_worker, unique
-from workflows.ids import semaphore_workflow_id
-from workflows.models import SemaphoreInput, SemaphoreView
+from workflows.models import SemaphoreRun, SemaphoreView
 
 
 async def test_semaphore_counts_bad_signals_and_continues_as_new_with_its_state(
@@ -19,7 +19,7 @@ async def test_semaphore_counts_bad_signals_and_continues_as_new_with_its_state(
     async with running_worker(settings, client):
         handle = await client.start_workflow(
             "DrainSemaphoreWorkflow",
-            SemaphoreInput(group=group, max_holders_seen=3),
+            SemaphoreRun(group=group, max_holders_seen=3),
             id=semaphore_workflow_id(group),
             task_queue=settings.temporal.task_queue,
         )

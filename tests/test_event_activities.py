@@ -17,7 +17,7 @@ from temporalio.testing import ActivityEnvironment
 from activities.aws import AwsClients
 from activities.events import EventActivities
 from activities.models import HEALTH_DETAIL_TYPE, REPAIR_DETAIL_TYPE, EventType, FleetEvent
-from worker.settings import AwsSettings, EventSettings
+from contract.config import AwsSettings, EventSettings
 
 REQUIRED_KEYS = {"time", "type", "group", "instance_id", "workflow_id", "event_id"}
 

@@ -20,11 +20,12 @@ from temporalio.api.history.v1 import HistoryEvent
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError
 from temporalio.exceptions import ApplicationError
 
+from contract.ids import health_workflow_id, repair_workflow_id
+from contract.repair import RepairPhase
 from tests.flaky_aws import FlakyAws
 from tests.fleet import Fleet, assert_start_before_stop, simulated_fleet
 from tests.harness import eventually
-from workflows.ids import health_workflow_id, repair_workflow_id
-from workflows.models import InstanceHealthView, RepairPhase
+from workflows.models import InstanceHealthView
 
 INSTANCES = 3
 

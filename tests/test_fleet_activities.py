@@ -18,10 +18,11 @@ from temporalio.testing import ActivityEnvironment
 
 from activities.aws import AwsClients, aws_call
 from activities.errors import aws_errors, is_retryable
-from activities.fleet import DETACHED_AT_TAG, GROUP_TAG, REPLACES_TAG, FleetActivities
+from activities.fleet import DETACHED_AT_TAG, REPLACES_TAG, FleetActivities
 from activities.models import GroupConfigRequest, GroupRef, InstanceRef, LaunchRequest, StopTasksRequest
-from worker.settings import AwsSettings
-from workflows.models import CapacityGroup
+from contract.config import AwsSettings
+from contract.groups import CapacityGroup
+from contract.names import GROUP_TAG
 
 if TYPE_CHECKING:
     from mypy_boto3_ec2.type_defs import TagTypeDef

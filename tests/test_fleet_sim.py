@@ -19,17 +19,10 @@ from typing import Any
 import boto3
 import pytest
 
-from worker.fleet_sim import (
-    CRITICAL_XIDS,
-    GROUP_TAG,
-    NOISE_XIDS,
-    SimNode,
-    SimTiming,
-    SimulatedFleet,
-    SimWorkload,
-)
-from worker.servers import MotoServer, TemporalDevServer, port_in_use, search_attribute_args
-from workflows import search_attributes
+from contract import search_attributes
+from contract.names import GROUP_TAG
+from simulator.fleet import CRITICAL_XIDS, NOISE_XIDS, SimNode, SimTiming, SimulatedFleet, SimWorkload
+from simulator.servers import MotoServer, TemporalDevServer, port_in_use, search_attribute_args
 
 FAST = SimTiming(
     boot_delay=timedelta(seconds=1),
@@ -268,7 +261,7 @@ def test_a_blip_must_stay_below_the_threshold():
 
 
 async def test_injected_lines_parse_as_real_kernel_records(make_fleet: Callable[..., SimulatedFleet]):
-    kernel_log = pytest.importorskip("node_probe.kernel_log")
+    kernel_log = pytest.importorskip("node_probe.classify.kernel_log")
     fleet = make_fleet(instances=1)
     (instance,) = await fleet.setup(watch=False)
     node = fleet.node(instance)

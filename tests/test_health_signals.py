@@ -13,20 +13,13 @@ from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.service import RPCError
 
+from contract.groups import AutoRepair
+from contract.health import CheckType, HealthInput, HealthState
+from contract.ids import health_workflow_id
+from contract.probe import GpuFinding, GpuRef, Heartbeat, ProbeSourceHealth
 from tests.harness import eventually, make_settings, read_events, running_worker, tool_path, unique
 from worker.settings import Settings
-from workflows.ids import health_workflow_id
-from workflows.models import (
-    AutoRepair,
-    CheckType,
-    GpuFinding,
-    GpuRef,
-    HealthInput,
-    HealthState,
-    Heartbeat,
-    InstanceHealthView,
-    ProbeSourceHealth,
-)
+from workflows.models import InstanceHealthView
 
 
 def heartbeat(instance: str, group: str) -> Heartbeat:

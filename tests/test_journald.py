@@ -24,13 +24,13 @@ from typing import Any
 
 import pytest
 
+from contract.health import HealthState
 from node_probe import cli
-from node_probe.cursor import CursorStore
-from node_probe.journald import STARTED_AFTER_S, JournalCursor, JournaldSource
+from node_probe.delivery.cursor import CursorStore
 from node_probe.probe import Probe, ProbeConfig, build_sources
+from node_probe.sources.journald import STARTED_AFTER_S, JournalCursor, JournaldSource
 from tests.test_probe import FakeReporter, eventually, following, running
 from tests.test_probe_cli import probe_args
-from workflows.models import HealthState
 
 JOURNAL_REMOTE = Path("/lib/systemd/systemd-journal-remote")
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id").read_text(encoding="ascii").strip().replace("-", "")

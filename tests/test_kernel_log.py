@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from node_probe import kernel_log
-from node_probe.kernel_log import UUID_MEMORY, KernelLogParser, KernelRecord, parse_lines
+from node_probe.classify import kernel_log
+from node_probe.classify.kernel_log import UUID_MEMORY, KernelLogParser, KernelRecord, parse_lines
 
 PREFIXES = [
     "",

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 
 from node_probe import host
-from node_probe.cursor import CursorStore, FileCursor, KmsgCursor, cursor_path
-from node_probe.file_follow import KernelLogFileSource
-from node_probe.kmsg import KmsgSource
-from node_probe.policy import PolicyConfig, RepeatRule
+from node_probe.classify.policy import PolicyConfig, RepeatRule
+from node_probe.delivery.cursor import CursorStore, FileCursor, KmsgCursor, cursor_path
 from node_probe.probe import Probe
-from node_probe.source import Observation
+from node_probe.sources.base import Observation
+from node_probe.sources.kmsg import KmsgSource
+from node_probe.sources.log_file import KernelLogFileSource
 from tests.test_probe import NOISE, XID_13, XID_79, XID_95, FakeReporter, append, config, eventually, following, running
 
 BANNER = (
@@ -166,7 +166,7 @@ async def test_a_corrupt_cursor_is_a_warning_and_a_read_from_the_start(
     store = file_store(tmp_path)
     store.path.parent.mkdir(parents=True)
     store.path.write_bytes(content)
-    with caplog.at_level(logging.WARNING, logger="node_probe.cursor"):
+    with caplog.at_level(logging.WARNING, logger="node_probe.delivery.cursor"):
         seen = await read_file(log, store, count=2, line=2)
     assert [o.record.code for o in seen] == [79, 13]
     assert any("corrupt cursor" in r.getMessage() for r in caplog.records)
@@ -181,7 +181,7 @@ async def test_an_unreadable_cursor_is_a_warning_and_a_read_from_the_start(
     store = CursorStore(tmp_path / "a-directory.cursor", FileCursor)
     store.path.mkdir()
     source = KernelLogFileSource(log, poll_interval=0.02, cursor=store)
-    with caplog.at_level(logging.WARNING, logger="node_probe.cursor"):
+    with caplog.at_level(logging.WARNING, logger="node_probe.delivery.cursor"):
         async with following(source) as seen:
             await eventually(lambda: len(seen) == 1)
             await asyncio.sleep(0.1)
@@ -284,7 +284,7 @@ async def test_kmsg_without_a_boot_id_keeps_no_cursor(tmp_path: Path, caplog: py
     kmsg = tmp_path / "kmsg"
     kmsg.write_text(KMSG_48)
     store = CursorStore(tmp_path / "kmsg.cursor", KmsgCursor)
-    with caplog.at_level(logging.WARNING, logger="node_probe.kmsg"):
+    with caplog.at_level(logging.WARNING, logger="node_probe.sources.kmsg"):
         seen = await read_kmsg(kmsg, store, "", count=1)
     assert len(seen) == 1
     assert not store.path.exists()

@@ -14,6 +14,8 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 
 from activities.metrics import _finding_to_impaired, reason_label
 from activities.models import EventType, FleetEvent
+from contract.health import HealthInput, HealthState
+from contract.repair import RepairPhase
 from tests.conftest import free_port
 from tests.fleet import simulated_fleet
 from tests.harness import eventually, unique
@@ -21,7 +23,6 @@ from tests.test_health_signals import finding, health_of, heartbeat, monitor_onl
 from worker.health_gauges import INSTANCES, health_gauges
 from worker.settings import Settings
 from worker.telemetry import runtime
-from workflows.models import HealthInput, HealthState, RepairPhase
 
 SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)$")
 LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')

@@ -23,14 +23,14 @@ from typing import Any
 import pynvml
 import pytest
 
-from node_probe.findings import make_finding
-from node_probe.kernel_log import parse_lines
-from node_probe.nvml_source import NvmlSource, normalise_bus_id, nvml_available
-from node_probe.policy import Policy
+from contract.health import HealthState
+from node_probe.classify.findings import make_finding
+from node_probe.classify.kernel_log import parse_lines
+from node_probe.classify.policy import Policy
 from node_probe.probe import Probe, ProbeConfig
-from node_probe.source import Observation
+from node_probe.sources.base import Observation
+from node_probe.sources.nvml import NvmlSource, normalise_bus_id, nvml_available
 from tests.test_probe import FakeReporter, eventually
-from workflows.models import HealthState
 
 NOW = datetime(2025, 1, 1, tzinfo=UTC)
 XID = pynvml.nvmlEventTypeXidCriticalError
@@ -703,7 +703,7 @@ async def test_probe_delivers_an_nvml_xid_finding_with_the_gpus_identity(tmp_pat
 
 
 async def test_heartbeat_is_insufficient_data_while_any_gpu_source_is_down_naming_each(tmp_path: Any) -> None:
-    from node_probe.file_follow import KernelLogFileSource
+    from node_probe.sources.log_file import KernelLogFileSource
 
     kernel_log = KernelLogFileSource(tmp_path / "missing.log")
     nvml_down = FakeNvml(two_gpus())
@@ -746,7 +746,7 @@ def test_nvml_is_on_by_default_where_the_driver_library_exists_even_before_the_d
 
 
 async def test_a_kernel_log_finding_names_the_gpus_uuid_that_nvml_knows(tmp_path: Any) -> None:
-    from node_probe.file_follow import KernelLogFileSource
+    from node_probe.sources.log_file import KernelLogFileSource
 
     log_path = tmp_path / "kern.log"
     log_path.write_text("[  100.000000] NVRM: Xid (PCI:0000:c1:00): 79, pid=1, name=x, GPU has fallen off the bus.\n")
@@ -771,7 +771,7 @@ async def test_a_kernel_log_finding_names_the_gpus_uuid_that_nvml_knows(tmp_path
 
 
 def test_an_nvml_xid_and_the_kernel_logs_line_for_it_are_one_burst() -> None:
-    from node_probe.findings import dedupe_key
+    from node_probe.classify.findings import dedupe_key
 
     (from_log,) = parse_lines(["NVRM: Xid (PCI:0000:3b:00): 79, pid=1, name=x, GPU has fallen off the bus."])
     fake = FakeNvml(two_gpus())

@@ -1,6 +1,6 @@
 """The operator's terminal against the real servers: `autorepair describe-instances | history | inject | group`.
 
-The commands run as `python -m worker.cli` subprocesses, as an operator runs them, started with asyncio so the
+The commands run as `python -m operator_cli.main` subprocesses, as an operator runs them, started with asyncio so the
 in-process worker sharing this event loop keeps running. Every wait is a poll (tests.harness.eventually).
 """
 
@@ -22,27 +22,22 @@ from temporalio.testing import ActivityEnvironment
 from activities.aws import AwsClients
 from activities.fleet import FleetActivities
 from activities.models import GroupConfigRequest
-from node_probe.kernel_log import parse_lines
-from node_probe.policy import Policy
+from contract.config import TemporalSettings
+from contract.groups import AutoRepair, CapacityGroup
+from contract.health import CheckType, HealthInput, HealthState
+from contract.ids import health_workflow_id, semaphore_workflow_id
+from contract.probe import Heartbeat
+from contract.repair import PhaseStep, RepairPhase
+from node_probe.classify.kernel_log import parse_lines
+from node_probe.classify.policy import Policy
+from operator_cli.commands import parse_duration, parse_since, phase_durations, workflow_url, xid_line
 from tests.conftest import free_port
 from tests.fleet import Fleet, simulated_fleet
 from tests.harness import eventually, make_settings, read_events, running_worker, unique
 from tests.test_health_signals import monitor_only
 from tests.test_repair_engine import worker_environment
-from worker.ops_cli import parse_duration, parse_since, phase_durations, workflow_url, xid_line
-from worker.settings import Settings, TemporalSettings
-from workflows.ids import health_workflow_id, semaphore_workflow_id
-from workflows.models import (
-    AutoRepair,
-    CapacityGroup,
-    CheckType,
-    HealthInput,
-    HealthState,
-    Heartbeat,
-    InstanceHealthView,
-    PhaseStep,
-    RepairPhase,
-)
+from worker.settings import Settings
+from workflows.models import InstanceHealthView
 
 CHECK_FIELDS = {"type", "status", "statusReason", "lastUpdated", "lastStatusChange"}
 REPAIR_PHASES = [
@@ -61,7 +56,7 @@ async def autorepair(env: dict[str, str], *args: str) -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "worker.cli",
+        "operator_cli.main",
         *args,
         env=env,
         stdout=asyncio.subprocess.PIPE,

@@ -6,9 +6,9 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from node_probe.catalog import default_catalog
-from node_probe.kernel_log import KernelRecord, parse_lines
-from node_probe.policy import Policy, PolicyConfig, RepeatMemory, RepeatRule, Verdict
+from node_probe.classify.catalog import default_catalog
+from node_probe.classify.kernel_log import KernelRecord, parse_lines
+from node_probe.classify.policy import Policy, PolicyConfig, RepeatMemory, RepeatRule, Verdict
 
 NOW = datetime(2025, 1, 21, 4, 41, 44, tzinfo=UTC)
 ECS_XIDS = {46, 48, 54, 62, 64, 74, 79, 95, 109, 110, 136, 140, 142, 143, 151, 155, 156, 158}

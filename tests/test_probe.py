@@ -13,15 +13,16 @@ from typing import Any
 
 import pytest
 
+from contract.health import HealthState
+from contract.probe import GpuFinding, Heartbeat
 from node_probe import host
 from node_probe import probe as probe_module
-from node_probe.file_follow import KernelLogFileSource
-from node_probe.kernel_log import parse_lines
-from node_probe.kmsg import KmsgSource
+from node_probe.classify.kernel_log import parse_lines
 from node_probe.probe import Probe, ProbeConfig
-from node_probe.source import Observation, RecordSource, SourceStatus
+from node_probe.sources.base import Observation, RecordSource, SourceStatus
+from node_probe.sources.kmsg import KmsgSource
+from node_probe.sources.log_file import KernelLogFileSource
 from tests.test_spool import no_free_file_descriptors
-from workflows.models import GpuFinding, HealthState, Heartbeat
 
 XID_79 = "[ 1843.308145] NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=python3, GPU has fallen off the bus.\n"
 XID_13 = "[ 1843.400000] NVRM: Xid (PCI:0000:17:00): 13, pid=77, name=train.py, Graphics SM Warp Exception\n"
@@ -332,7 +333,7 @@ async def test_burst_is_one_finding_then_one_rollup_with_the_count(tmp_path: Pat
 
 
 async def test_repeat_rule_impair_is_not_swallowed_by_the_warning_burst(tmp_path: Path) -> None:
-    from node_probe.policy import PolicyConfig, RepeatRule
+    from node_probe.classify.policy import PolicyConfig, RepeatRule
 
     log = tmp_path / "kern.log"
     log.write_text("")

@@ -8,12 +8,13 @@ from typing import Any
 
 from temporalio.common import WorkflowIDConflictPolicy
 
-from node_probe.dedupe import BurstCollapser
-from node_probe.findings import burst_rollup, dedupe_key, finding_id, make_finding
-from node_probe.kernel_log import KernelLogParser, KernelRecord, parse_lines
-from node_probe.policy import Policy, Verdict
-from node_probe.reporter import Reporter
-from workflows.models import GpuFinding, HealthInput, HealthState, Heartbeat
+from contract.health import HealthInput, HealthState
+from contract.probe import GpuFinding, Heartbeat
+from node_probe.classify.dedupe import BurstCollapser
+from node_probe.classify.findings import burst_rollup, dedupe_key, finding_id, make_finding
+from node_probe.classify.kernel_log import KernelLogParser, KernelRecord, parse_lines
+from node_probe.classify.policy import Policy, Verdict
+from node_probe.delivery.reporter import Reporter
 
 NOW = datetime(2025, 1, 21, 4, 41, 44, tzinfo=UTC)
 XID_95 = (

@@ -16,11 +16,12 @@ from typing import Any
 
 from temporalio.client import Client, WorkflowExecutionStatus
 
+from contract.groups import AutoRepair
+from contract.health import HealthState
+from contract.ids import repair_workflow_id
 from tests.fleet import assert_start_before_stop, simulated_fleet
 from tests.harness import eventually
 from worker.settings import Settings
-from workflows.ids import repair_workflow_id
-from workflows.models import AutoRepair, HealthState
 
 
 def max_concurrently_draining(events: list[dict[str, Any]]) -> int:
@@ -179,7 +180,7 @@ async def start_worker_process(settings: Settings, log_path: Path) -> asyncio.su
     return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "worker.cli",
+        "operator_cli.main",
         "worker",
         env=worker_environment(settings),
         stdout=log,

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from worker.client import tls_config
+from contract.groups import AutoRepair
+from contract.temporal_client import tls_config
 from worker.settings import Settings
-from workflows.models import AutoRepair
 
 TOML = """
 [temporal]

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from node_probe.spool import FileSpool, MemorySpool
-from workflows.models import GpuFinding
+from contract.probe import GpuFinding
+from node_probe.delivery.spool import FileSpool, MemorySpool
 
 NOW = datetime(2025, 1, 21, 4, 41, 44, tzinfo=UTC)
 
@@ -116,7 +116,7 @@ def recovered_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 @pytest.fixture(autouse=True)
 def _spool_info_logged(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="node_probe.spool")
+    caplog.set_level(logging.INFO, logger="node_probe.delivery.spool")
 
 
 # --- the file ------------------------------------------------------------------------------------------------
@@ -415,7 +415,7 @@ def test_a_full_disk(tiny_filesystem: Path, caplog: pytest.LogCaptureFixture) ->
 def test_a_read_cursor_stays_behind_findings_that_only_memory_holds(tmp_path: Path) -> None:
     """The log sources' cursors skip what was spooled; a finding the disk could not take must be read again after a
     restart, so the cursor waits until it has been delivered."""
-    from node_probe.cursor import CursorStore, KmsgCursor
+    from node_probe.delivery.cursor import CursorStore, KmsgCursor
 
     spool = FileSpool(tmp_path, "i-1")
     cursor = CursorStore(tmp_path / "i-1.kmsg.cursor", KmsgCursor, min_interval=0, spooled=lambda: spool.on_disk)

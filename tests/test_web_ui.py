@@ -25,11 +25,11 @@ import pytest
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.contrib.pydantic import pydantic_data_converter
 
+from contract.ids import health_workflow_id, repair_workflow_id, semaphore_workflow_id
+from simulator.servers import TemporalDevServer
 from tests.conftest import free_port
 from tests.fleet import Fleet, simulated_fleet
 from tests.harness import eventually, tool_path
-from worker.servers import TemporalDevServer
-from workflows.ids import health_workflow_id, repair_workflow_id, semaphore_workflow_id
 
 XID = 79
 CHROMIUM = "/usr/bin/chromium"

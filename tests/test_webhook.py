@@ -30,9 +30,9 @@ from activities.aws import AwsClients
 from activities.events import EventActivities
 from activities.models import EventType, FleetEvent
 from activities.webhook import EVENT_ID_HEADER, SIGNATURE_HEADER, Outbox, webhook_delivery
+from contract.config import AwsSettings, EventSettings
 from tests.conftest import free_port
 from tests.harness import eventually
-from worker.settings import AwsSettings, EventSettings
 
 SECRET = "webhook-test-secret"
 TIMEOUT = timedelta(seconds=0.5)

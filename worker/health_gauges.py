@@ -19,9 +19,9 @@ from datetime import timedelta
 from temporalio.client import Client
 from temporalio.common import MetricMeter
 
-from workflows import search_attributes as sa
-from workflows.health import InstanceHealthWorkflow
-from workflows.models import HealthState
+from contract import names
+from contract import search_attributes as sa
+from contract.health import HealthState
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ INSTANCES = "autorepair_instances"
 
 def count_query(group: str, status: HealthState) -> str:
     return (
-        f"WorkflowType={sa.quoted(InstanceHealthWorkflow.__name__)} AND ExecutionStatus='Running'"
+        f"WorkflowType={sa.quoted(names.HEALTH_WORKFLOW)} AND ExecutionStatus='Running'"
         f" AND {sa.CAPACITY_GROUP.name}={sa.quoted(group)} AND {sa.HEALTH_STATUS.name}={sa.quoted(status.value)}"
     )
 

@@ -22,12 +22,13 @@ from workflows.repair import InstanceRepairWorkflow
 
 WORKFLOWS = [InstanceHealthWorkflow, InstanceRepairWorkflow, DrainSemaphoreWorkflow]
 
-# The models are shared with activities and clients: passing them through keeps one class per model, so a model
-# built in a workflow is an instance of the class an activity's input expects (and the sandbox loads less).
+# The contract and the models are shared with activities and clients: passing them through keeps one class per
+# model (and per enum, so `is` comparisons hold), so a model built in a workflow is an instance of the class an
+# activity's input expects (and the sandbox loads less).
 # structlog and rich format the replay-aware workflow logger's records; they import lazily, which the sandbox blocks.
 SANDBOX = SandboxedWorkflowRunner(
     restrictions=SandboxRestrictions.default.with_passthrough_modules(
-        "workflows.models", "activities", "pydantic", "structlog", "rich"
+        "contract", "workflows.models", "activities", "pydantic", "structlog", "rich"
     )
 )
 

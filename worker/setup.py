@@ -7,7 +7,7 @@ from temporalio.api.enums.v1 import IndexedValueType
 from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest, ListSearchAttributesRequest
 from temporalio.client import Client
 
-from workflows import search_attributes
+from contract import search_attributes
 
 log = structlog.get_logger(__name__)
 

@@ -21,42 +21,30 @@ from temporalio import workflow
 from temporalio.common import RawValue
 from temporalio.exceptions import ActivityError, ApplicationError, FailureError
 
+from contract import names
+from contract.groups import CapacityGroup, GroupConfigOverrides, GroupConfigState, GroupConfigUpdate
+from contract.ids import semaphore_workflow_id
+from contract.semaphore import PermitRequest
 from workflows.group_config import read_group_config
-from workflows.ids import semaphore_workflow_id
-from workflows.models import (
-    GROUP_CONFIG_MEMO,
-    GroupConfigOverrides,
-    GroupConfigState,
-    GroupConfigUpdate,
-    Permit,
-    PermitGrant,
-    PermitRelease,
-    PermitRequest,
-    SemaphoreInput,
-    SemaphoreView,
-    drain_cap,
-)
+from workflows.models import Permit, PermitGrant, PermitRelease, SemaphoreRun, SemaphoreView
 from workflows.options import CALL_RETRY, CALL_TIMEOUT
 from workflows.signal_input import Rejected, decode
 
 with workflow.unsafe.imports_passed_through():
     from activities.events import EventActivities
     from activities.fleet import FleetActivities
-    from activities.models import EventType, FleetEvent, GroupRef, WorkflowRun, WorkflowRuns
+    from activities.models import EventType, FleetEvent, GroupCapacityRequest, GroupRef, WorkflowRun, WorkflowRuns
     from activities.workflow_ops import WorkflowOps
 
-SIGNAL_REQUEST = "request"
-SIGNAL_RELEASE = "release"
-SIGNAL_PERMIT_GRANTED = "permit_granted"
 SIGNALS_PER_RUN = 2_000
 PERMITS_IN_USE = "autorepair_drain_permits_in_use"
 PERMITS_WAITING = "autorepair_drain_permits_waiting"
 
 
-@workflow.defn
+@workflow.defn(name=names.SEMAPHORE_WORKFLOW)
 class DrainSemaphoreWorkflow:
     @workflow.init
-    def __init__(self, input: SemaphoreInput) -> None:
+    def __init__(self, input: SemaphoreRun) -> None:
         self._group = input.group
         self._holders: list[Permit] = list(input.holders)
         self._waiters: list[PermitRequest] = list(input.waiters)
@@ -76,7 +64,7 @@ class DrainSemaphoreWorkflow:
         self._regrants: set[asyncio.Task[None]] = set()
 
     @workflow.run
-    async def run(self, input: SemaphoreInput) -> None:
+    async def run(self, input: SemaphoreRun) -> None:
         async with self._config_lock:
             await self._take_over_previous_config()
         settings = await read_group_config(self._group, "read group settings", live_overrides=False)
@@ -88,12 +76,12 @@ class DrainSemaphoreWorkflow:
                 # Every change wakes the loop, so the details and gauges never show a released permit as held.
                 self._changed = False
                 if self._waiters:
-                    await self._grant_what_fits()
+                    await self._grant_what_fits(self._config.effective or group)
             self._show_state()
             if self._time_to_continue():
                 await workflow.wait_condition(workflow.all_handlers_finished)
                 workflow.continue_as_new(
-                    SemaphoreInput(
+                    SemaphoreRun(
                         group=self._group,
                         holders=self._holders,
                         waiters=self._waiters,
@@ -113,17 +101,16 @@ class DrainSemaphoreWorkflow:
             except TimeoutError:
                 await self._reclaim_closed_holders()
 
-    async def _grant_what_fits(self) -> None:
+    async def _grant_what_fits(self, group: CapacityGroup) -> None:
         capacity = await workflow.execute_activity_method(
             FleetActivities.describe_group_capacity,
-            GroupRef(group=self._group),
+            # The cap follows from the settings as they are now, with this semaphore's live overrides applied.
+            GroupCapacityRequest(group=self._group, overrides=self._config.overrides),
             summary=f"count instances in {self._group}",
             start_to_close_timeout=CALL_TIMEOUT,
             retry_policy=CALL_RETRY,
         )
-        percent = self._config.overrides.max_draining_percent
-        # An operator's live override wins over the settings' percentage the activity computed its cap from.
-        self._capacity = capacity.max_draining if percent is None else drain_cap(capacity.instance_count, percent)
+        self._capacity = capacity.max_draining
         self._group_size = capacity.instance_count
         while self._waiters and len(self._holders) < self._capacity:
             request = self._waiters.pop(0)
@@ -141,7 +128,7 @@ class DrainSemaphoreWorkflow:
         grant = PermitGrant(group=self._group, holder_workflow_id=permit.holder_workflow_id, granted_at=permit.since)
         handle = workflow.get_external_workflow_handle(permit.holder_workflow_id, run_id=permit.holder_run_id)
         try:
-            await handle.signal(SIGNAL_PERMIT_GRANTED, grant)
+            await handle.signal(names.SIGNAL_PERMIT_GRANTED, grant)
         except FailureError as err:
             # The requester closed while it waited: the permit goes to the next in line.
             workflow.logger.warning("grant to %s failed (%s); reclaiming", permit.holder_workflow_id, err)
@@ -170,13 +157,13 @@ class DrainSemaphoreWorkflow:
     @workflow.signal(dynamic=True)
     def on_signal(self, name: str, payloads: Sequence[RawValue]) -> None:
         self._signals_this_run += 1
-        if name == SIGNAL_REQUEST:
+        if name == names.SIGNAL_REQUEST:
             request = decode(name, payloads, PermitRequest)
             if isinstance(request, Rejected):
                 self._reject(request)
             else:
                 self._on_request(request)
-        elif name == SIGNAL_RELEASE:
+        elif name == names.SIGNAL_RELEASE:
             release = decode(name, payloads, PermitRelease)
             if isinstance(release, Rejected):
                 self._reject(release)
@@ -204,7 +191,7 @@ class DrainSemaphoreWorkflow:
 
     # --- live group configuration --------------------------------------------------------------------------
 
-    @workflow.update
+    @workflow.update(name=names.UPDATE_GROUP)
     async def update_group(self, update: GroupConfigUpdate) -> GroupConfigState:
         """Change the group's configuration now; the change stays in this history and goes out as an event."""
         self._signals_this_run += 1
@@ -273,7 +260,7 @@ class DrainSemaphoreWorkflow:
         )
 
     def _config_memo(self) -> dict[str, object]:
-        return {GROUP_CONFIG_MEMO: self._config.model_dump(mode="json")} if self._config.revision else {}
+        return {names.GROUP_CONFIG_MEMO: self._config.model_dump(mode="json")} if self._config.revision else {}
 
     @update_group.validator
     def _validate_update_group(self, update: GroupConfigUpdate) -> None:
@@ -314,11 +301,11 @@ class DrainSemaphoreWorkflow:
             # The change is in effect and recorded in this history; a lost event must not fail it.
             workflow.logger.warning("GroupConfigChanged for %s not published: %s", self._group, _cause(err))
 
-    @workflow.query
+    @workflow.query(name=names.QUERY_GROUP_CONFIG)
     def group_config(self) -> GroupConfigState:
         return self._config
 
-    @workflow.query
+    @workflow.query(name=names.QUERY_STATE)
     def state(self) -> SemaphoreView:
         return SemaphoreView(
             group=self._group,

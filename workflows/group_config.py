@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from temporalio import workflow
 
-from workflows.models import CapacityGroup
+from contract.groups import CapacityGroup
 from workflows.options import CALL_RETRY, CALL_TIMEOUT
 
 with workflow.unsafe.imports_passed_through():

@@ -23,25 +23,21 @@ from temporalio import workflow
 from temporalio.common import RawValue
 from temporalio.exceptions import ActivityError, is_cancelled_exception
 
-from workflows import search_attributes as sa
+from contract import names
+from contract import search_attributes as sa
+from contract.formats import iso
+from contract.groups import AutoRepair, CapacityGroup
+from contract.health import SEVERITY, CheckType, HealthState, HeartbeatLossInjection
+from contract.ids import health_workflow_id
+from contract.probe import GpuFinding, Heartbeat
+from contract.repair import RepairInput, RepairPhase
 from workflows.group_config import read_group_config
-from workflows.ids import health_workflow_id
 from workflows.models import (
-    SEVERITY,
-    AutoRepair,
-    CapacityGroup,
-    CheckType,
     ContainerInstanceHealthStatus,
-    GpuFinding,
     HealthCarry,
     HealthCheckResult,
-    HealthInput,
-    HealthState,
-    Heartbeat,
-    HeartbeatLossInjection,
+    HealthRun,
     InstanceHealthView,
-    RepairInput,
-    RepairPhase,
     RepairProgress,
     RepairView,
 )
@@ -53,21 +49,16 @@ with workflow.unsafe.imports_passed_through():
     from activities.models import EventType, FleetEvent, StartRepairRequest
     from activities.workflow_ops import WorkflowOps
 
-SIGNAL_GPU_FINDING = "gpu_finding"
-SIGNAL_HEARTBEAT = "heartbeat"
-SIGNAL_REPAIR_PROGRESS = "repair_progress"
-SIGNAL_INJECT_HEARTBEAT_LOSS = "inject_heartbeat_loss"
-
 RECENT_FINDINGS = 20
 REMEMBERED_FINDING_IDS = 500
 # A run accepts at most 10,000 signals and that limit does not raise the continue-as-new suggestion.
 SIGNALS_PER_RUN = 2_000
 
 
-@workflow.defn
+@workflow.defn(name=names.HEALTH_WORKFLOW)
 class InstanceHealthWorkflow:
     @workflow.init
-    def __init__(self, input: HealthInput) -> None:
+    def __init__(self, input: HealthRun) -> None:
         self._instance_id = input.instance_id
         self._group = input.group
         self._state = input.carry or HealthCarry()
@@ -86,7 +77,7 @@ class InstanceHealthWorkflow:
     # --- the runbook ------------------------------------------------------------------------------------------
 
     @workflow.run
-    async def run(self, input: HealthInput) -> InstanceHealthView:
+    async def run(self, input: HealthRun) -> InstanceHealthView:
         if workflow.info().typed_search_attributes.get(sa.INSTANCE_ID) is None:
             workflow.upsert_search_attributes(
                 [sa.INSTANCE_ID.value_set(self._instance_id), sa.CAPACITY_GROUP.value_set(self._group)]
@@ -117,9 +108,7 @@ class InstanceHealthWorkflow:
             if self._time_to_continue():
                 watchdog.cancel()
                 await workflow.wait_condition(workflow.all_handlers_finished)
-                workflow.continue_as_new(
-                    HealthInput(instance_id=self._instance_id, group=self._group, carry=self._state)
-                )
+                workflow.continue_as_new(HealthRun(instance_id=self._instance_id, group=self._group, carry=self._state))
 
     async def _watch_heartbeats(self, threshold: timedelta) -> None:
         """One timer at a time, set for when the agent would count as lost; a heartbeat just moves the deadline."""
@@ -137,7 +126,7 @@ class InstanceHealthWorkflow:
             self._set_check(
                 CheckType.AGENT_CONNECTIVITY,
                 HealthState.IMPAIRED,
-                f"Agent disconnected since {_iso(since)}",
+                f"Agent disconnected since {iso(since)}",
                 now,
             )
             self._publish_if_changed(before)
@@ -184,7 +173,7 @@ class InstanceHealthWorkflow:
         self._state.repair_requested = True
         if group.auto_repair is AutoRepair.DISABLED:
             workflow.logger.info("instance impaired; auto repair DISABLED for group %s, monitoring only", self._group)
-            self._state.repair_withheld = f"auto repair DISABLED for group {self._group} at {_iso(workflow.now())}"
+            self._state.repair_withheld = f"auto repair DISABLED for group {self._group} at {iso(workflow.now())}"
             return
         reason, finding = self._impairment()
         gpu = f" on GPU {finding.gpu.pci}" if finding is not None and finding.gpu.pci else ""
@@ -220,18 +209,18 @@ class InstanceHealthWorkflow:
         self._publish_if_changed(before)
 
     def _dispatch(self, name: str, payloads: Sequence[RawValue]) -> None:
-        if name == SIGNAL_GPU_FINDING:
+        if name == names.SIGNAL_GPU_FINDING:
             self._accept(decode(name, payloads, GpuFinding), self._on_finding)
-        elif name == SIGNAL_HEARTBEAT:
+        elif name == names.SIGNAL_HEARTBEAT:
             self._accept(decode(name, payloads, Heartbeat), self._on_heartbeat)
-        elif name == SIGNAL_REPAIR_PROGRESS:
+        elif name == names.SIGNAL_REPAIR_PROGRESS:
             self._accept(decode(name, payloads, RepairProgress), self._on_repair_progress)
-        elif name == SIGNAL_INJECT_HEARTBEAT_LOSS:
+        elif name == names.SIGNAL_INJECT_HEARTBEAT_LOSS:
             self._accept(decode(name, payloads, HeartbeatLossInjection), self._on_heartbeat_loss_injection)
         else:
             self._reject(Rejected(f"unknown signal {name!r}"))
 
-    @workflow.query
+    @workflow.query(name=names.QUERY_HEALTH)
     def health(self) -> InstanceHealthView:
         return self._view()
 
@@ -316,7 +305,7 @@ class InstanceHealthWorkflow:
         workflow.logger.warning(
             "game day: heartbeats of %s ignored until %s (requested by %s)",
             self._instance_id,
-            _iso(until),
+            iso(until),
             injection.requested_by or "unknown",
         )
 
@@ -420,7 +409,7 @@ class InstanceHealthWorkflow:
         lines = [f"**{self._instance_id}** in `{self._group}`: **{health.overallStatus.value}**", ""]
         lines += ["| check | status | reason | since |", "|---|---|---|---|"]
         for d in health.details:
-            lines.append(f"| {d.type.value} | {d.status.value} | {d.statusReason or ''} | {_iso(d.lastStatusChange)} |")
+            lines.append(f"| {d.type.value} | {d.status.value} | {d.statusReason or ''} | {iso(d.lastStatusChange)} |")
         if self._state.repair is not None:
             r = self._state.repair
             lines += ["", f"Repair `{r.workflow_id}`: {r.phase.value}"]
@@ -428,11 +417,7 @@ class InstanceHealthWorkflow:
             lines += ["", f"Not repaired: {self._state.repair_withheld}"]
         ignored_until = self._state.heartbeats_ignored_until
         if ignored_until is not None and workflow.now() < ignored_until:
-            lines += ["", f"Game day: heartbeats ignored until {_iso(ignored_until)}"]
+            lines += ["", f"Game day: heartbeats ignored until {iso(ignored_until)}"]
         if self._state.rejected_signals:
             lines += ["", f"{self._state.rejected_signals} malformed or duplicate signals dropped"]
         return "\n".join(lines)
-
-
-def _iso(moment: datetime) -> str:
-    return moment.isoformat().replace("+00:00", "Z")

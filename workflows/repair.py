@@ -21,20 +21,14 @@ from temporalio import workflow
 from temporalio.common import RawValue, RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError, FailureError
 
-from workflows import search_attributes as sa
+from contract import names
+from contract import search_attributes as sa
+from contract.formats import iso
+from contract.groups import CapacityGroup
+from contract.ids import health_workflow_id, semaphore_workflow_id
+from contract.repair import PhaseStep, RepairInput, RepairPhase
 from workflows.group_config import read_group_config
-from workflows.ids import health_workflow_id, semaphore_workflow_id
-from workflows.models import (
-    CapacityGroup,
-    PermitGrant,
-    PermitRelease,
-    PhaseStep,
-    RepairInput,
-    RepairPhase,
-    RepairProgress,
-    RepairResult,
-    RepairStatus,
-)
+from workflows.models import PermitGrant, PermitRelease, RepairProgress, RepairResult, RepairStatus
 from workflows.options import CALL_RETRY, CALL_TIMEOUT
 from workflows.signal_input import Rejected, decode
 
@@ -52,10 +46,6 @@ with workflow.unsafe.imports_passed_through():
     )
     from activities.workflow_ops import WorkflowOps
 
-SIGNAL_PERMIT_GRANTED = "permit_granted"
-SIGNAL_RELEASE = "release"
-SIGNAL_REPAIR_PROGRESS = "repair_progress"
-
 # Re-ask for the permit now and then: a semaphore that was reset by an operator forgets its waiters.
 PERMIT_REQUEST_REFRESH = timedelta(minutes=5)
 LAUNCH_BACKOFF_FIRST = timedelta(seconds=5)
@@ -72,7 +62,7 @@ RUNBOOK = [
 ]
 
 
-@workflow.defn
+@workflow.defn(name=names.REPAIR_WORKFLOW)
 class InstanceRepairWorkflow:
     @workflow.init
     def __init__(self, input: RepairInput) -> None:
@@ -277,7 +267,7 @@ class InstanceRepairWorkflow:
             wait = max(min(group.task_poll_interval, next_deadline - now), timedelta(seconds=1))
             await workflow.sleep(
                 wait,
-                summary=f"{len(running.tasks)} tasks draining; next stop timeout at {_iso(next_deadline)}",
+                summary=f"{len(running.tasks)} tasks draining; next stop timeout at {iso(next_deadline, 'seconds')}",
             )
 
     async def _release_permit(self) -> None:
@@ -285,7 +275,7 @@ class InstanceRepairWorkflow:
             return
         handle = workflow.get_external_workflow_handle(semaphore_workflow_id(self._input.group))
         try:
-            await handle.signal(SIGNAL_RELEASE, PermitRelease(holder_workflow_id=workflow.info().workflow_id))
+            await handle.signal(names.SIGNAL_RELEASE, PermitRelease(holder_workflow_id=workflow.info().workflow_id))
         except FailureError as err:
             # The semaphore is gone (reset by an operator): it holds no permit of ours to release.
             workflow.logger.warning("could not release drain permit: %s", err)
@@ -314,7 +304,7 @@ class InstanceRepairWorkflow:
         )
         handle = workflow.get_external_workflow_handle(health_workflow_id(self._input.instance_id))
         try:
-            await handle.signal(SIGNAL_REPAIR_PROGRESS, progress)
+            await handle.signal(names.SIGNAL_REPAIR_PROGRESS, progress)
         except FailureError as err:
             workflow.logger.info("health workflow not told of %s: %s", self._phase.value, err)
 
@@ -342,7 +332,7 @@ class InstanceRepairWorkflow:
 
     @workflow.signal(dynamic=True)
     def on_signal(self, name: str, payloads: Sequence[RawValue]) -> None:
-        if name != SIGNAL_PERMIT_GRANTED:
+        if name != names.SIGNAL_PERMIT_GRANTED:
             self._reject(Rejected(f"unknown signal {name!r}"))
             return
         grant = decode(name, payloads, PermitGrant)
@@ -351,13 +341,13 @@ class InstanceRepairWorkflow:
             return
         if not self._granted:
             self._granted = True
-            self._notes[RepairPhase.WAITING_FOR_PERMIT] = f"granted at {_iso(grant.granted_at)}"
+            self._notes[RepairPhase.WAITING_FOR_PERMIT] = f"granted at {iso(grant.granted_at, 'seconds')}"
 
     def _reject(self, why: Rejected) -> None:
         self._rejected += 1
         workflow.logger.warning("dropped signal: %s", why)
 
-    @workflow.query
+    @workflow.query(name=names.QUERY_STATUS)
     def status(self) -> RepairStatus:
         return RepairStatus(
             workflow_id=workflow.info().workflow_id,
@@ -395,7 +385,3 @@ def _describe(err: ActivityError) -> str:
     if isinstance(cause, ApplicationError):
         return f"{cause.type}: {cause.message}" if cause.type else cause.message
     return str(cause or err)
-
-
-def _iso(moment: datetime) -> str:
-    return moment.isoformat(timespec="seconds").replace("+00:00", "Z")

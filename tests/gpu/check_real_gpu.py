@@ -27,12 +27,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere, without installing
 
-from node_probe.kmsg import KMSG_PATH, KmsgSource
-from node_probe.nvml_source import NvmlSource
-from node_probe.policy import POLICY_NAMES, Policy
+from contract.probe import GpuFinding, Heartbeat
+from node_probe.classify.policy import POLICY_NAMES, Policy
 from node_probe.probe import Probe, ProbeConfig
-from node_probe.source import RecordSource
-from workflows.models import GpuFinding, Heartbeat
+from node_probe.sources.base import RecordSource
+from node_probe.sources.kmsg import KMSG_PATH, KmsgSource
+from node_probe.sources.nvml import NvmlSource
 
 
 class RecordingReporter:

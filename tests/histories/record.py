@@ -14,11 +14,11 @@ from pathlib import Path
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 
+from contract.ids import health_workflow_id, repair_workflow_id, semaphore_workflow_id
+from simulator.servers import MotoServer, TemporalDevServer
 from tests.conftest import free_port
 from tests.fleet import simulated_fleet
 from tests.harness import eventually, read_events
-from worker.servers import MotoServer, TemporalDevServer
-from workflows.ids import health_workflow_id, repair_workflow_id, semaphore_workflow_id
 
 HERE = Path(__file__).parent
 

@@ -28,10 +28,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from node_probe.classify.kernel_log import KernelRecord
+from node_probe.classify.policy import NVML_GPU_UNAVAILABLE, NVML_RECOVERY_ACTION_PREFIX, NVML_REMAP_FAILURE
 from node_probe.host import boot_id
-from node_probe.kernel_log import KernelRecord
-from node_probe.policy import NVML_GPU_UNAVAILABLE, NVML_RECOVERY_ACTION_PREFIX, NVML_REMAP_FAILURE
-from node_probe.source import Observation, SourceStatus, TrackedStatus
+from node_probe.sources.base import Observation, SourceStatus, TrackedStatus
 
 log = logging.getLogger(__name__)
 

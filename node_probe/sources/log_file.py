@@ -16,9 +16,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import BinaryIO
 
-from node_probe.cursor import CursorStore, FileCursor
-from node_probe.kernel_log import KernelRecord
-from node_probe.source import LineAssembler, Observation, SourceStatus
+from node_probe.classify.kernel_log import KernelRecord
+from node_probe.delivery.cursor import CursorStore, FileCursor
+from node_probe.sources.base import LineAssembler, Observation, SourceStatus
 
 log = logging.getLogger(__name__)
 

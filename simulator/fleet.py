@@ -38,9 +38,12 @@ from botocore.exceptions import ClientError
 from pydantic import BaseModel, Field, model_validator
 from temporalio.client import Client
 
-from worker.settings import DEFAULT_TASK_QUEUE
-from workflows.ids import health_workflow_id
-from workflows.models import HealthState, InstanceHealthView, RepairPhase
+from contract import names
+from contract.health import HealthState
+from contract.ids import health_workflow_id
+from contract.names import DEFAULT_TASK_QUEUE, GROUP_TAG
+from contract.repair import RepairPhase
+from workflows.models import InstanceHealthView
 
 if TYPE_CHECKING:
     from mypy_boto3_ec2 import EC2Client
@@ -48,7 +51,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-GROUP_TAG = "gpu-autorepair:group"
 STUBBORN_TAG = "fleet-sim:stubborn"
 STARTED_BY = "fleet-sim"
 
@@ -245,8 +247,8 @@ ProbeRunner = Callable[["SimulatedFleet", SimNode], Awaitable[None]]
 async def run_real_probe(fleet: SimulatedFleet, node: SimNode) -> None:
     """The real node probe, following the node's kernel log and signalling its health workflow."""
     # Imported here so the AWS side of the simulator (and its tests) works without Temporal or the probe.
+    from node_probe.delivery.reporter import Reporter
     from node_probe.probe import Probe, ProbeConfig
-    from node_probe.reporter import Reporter
 
     if fleet.client is None:
         raise RuntimeError("a probe needs a Temporal client")
@@ -783,7 +785,9 @@ class SimulatedFleet:
             return None
         handle = self.client.get_workflow_handle(health_workflow_id(instance_id))
         try:
-            return await handle.query("health", result_type=InstanceHealthView, rpc_timeout=timedelta(seconds=3))
+            return await handle.query(
+                names.QUERY_HEALTH, result_type=InstanceHealthView, rpc_timeout=timedelta(seconds=3)
+            )
         except Exception:
             # Not started yet (no heartbeat so far), or no worker to answer: unknown, not unhealthy.
             return None

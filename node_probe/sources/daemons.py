@@ -19,9 +19,9 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
+from node_probe.classify.kernel_log import KernelRecord, RecordKind
 from node_probe.host import CommandResult, CommandRunner, boot_id, run_command
-from node_probe.kernel_log import KernelRecord, RecordKind
-from node_probe.source import Observation, SourceStatus, TrackedStatus, polled
+from node_probe.sources.base import Observation, SourceStatus, TrackedStatus, polled
 
 log = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, Field
 
-from node_probe.catalog import XidCatalog, default_catalog
-from node_probe.kernel_log import KernelRecord
+from node_probe.classify.catalog import XidCatalog, default_catalog
+from node_probe.classify.kernel_log import KernelRecord
 
 POLICY_ECS = "ecs"
 POLICY_NVIDIA_CATALOG = "nvidia-catalog"

@@ -15,12 +15,10 @@ from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 from temporalio.exceptions import WorkflowAlreadyStartedError
 
-from workflows.ids import health_workflow_id
-from workflows.models import GpuFinding, HealthInput, Heartbeat
-
-HEALTH_WORKFLOW = "InstanceHealthWorkflow"
-SIGNAL_GPU_FINDING = "gpu_finding"
-SIGNAL_HEARTBEAT = "heartbeat"
+from contract import names
+from contract.health import HealthInput
+from contract.ids import health_workflow_id
+from contract.probe import GpuFinding, Heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +40,12 @@ class Reporter:
         self._rpc_timeout = rpc_timeout
 
     async def send_finding(self, finding: GpuFinding, task_queue: str) -> None:
-        await self._signal_with_start(finding.instance_id, finding.group, task_queue, SIGNAL_GPU_FINDING, finding)
+        await self._signal_with_start(finding.instance_id, finding.group, task_queue, names.SIGNAL_GPU_FINDING, finding)
 
     async def send_heartbeat(self, heartbeat: Heartbeat, task_queue: str) -> None:
-        await self._signal_with_start(heartbeat.instance_id, heartbeat.group, task_queue, SIGNAL_HEARTBEAT, heartbeat)
+        await self._signal_with_start(
+            heartbeat.instance_id, heartbeat.group, task_queue, names.SIGNAL_HEARTBEAT, heartbeat
+        )
 
     async def _signal_with_start(
         self, instance_id: str, group: str, task_queue: str, signal: str, payload: GpuFinding | Heartbeat
@@ -53,7 +53,7 @@ class Reporter:
         # The RPC timeout does not cover a lazy client's first connect; bound the whole call, so a black-holed
         # server cannot stall delivery (a retry after a late success is dropped by the finding id).
         call = self._client.start_workflow(
-            HEALTH_WORKFLOW,
+            names.HEALTH_WORKFLOW,
             HealthInput(instance_id=instance_id, group=group),
             id=health_workflow_id(instance_id),
             task_queue=task_queue,

@@ -40,9 +40,9 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from node_probe.classify.kernel_log import KernelRecord
 from node_probe.host import CommandResult, CommandRunner, boot_id, first_line, run_command
-from node_probe.kernel_log import KernelRecord
-from node_probe.source import Observation, SourceStatus, TrackedStatus, polled
+from node_probe.sources.base import Observation, SourceStatus, TrackedStatus, polled
 
 log = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from node_probe import host
-from node_probe.cursor import CursorStore, KmsgCursor
-from node_probe.findings import record_position
-from node_probe.source import LineAssembler, Observation, SourceStatus
+from node_probe.classify.findings import record_position
+from node_probe.delivery.cursor import CursorStore, KmsgCursor
+from node_probe.sources.base import LineAssembler, Observation, SourceStatus
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from typing import BinaryIO, Protocol
 
 from pydantic import ValidationError
 
-from workflows.models import GpuFinding
+from contract.probe import GpuFinding
 
 log = logging.getLogger(__name__)
 

@@ -74,7 +74,7 @@ class XidCatalog:
 @functools.cache
 def default_catalog() -> XidCatalog:
     """The catalog shipped with the package (cached: it is immutable, so sharing it is safe)."""
-    text = resources.files("node_probe").joinpath(CATALOG_RESOURCE).read_text(encoding="utf-8")
+    text = resources.files(__package__).joinpath(CATALOG_RESOURCE).read_text(encoding="utf-8")
     catalog = XidCatalog.from_text(text)
     if len(catalog.ecs_codes) != ECS_XID_COUNT:
         raise RuntimeError(

@@ -25,10 +25,10 @@ from typing import Any
 from pydantic import BaseModel
 
 from node_probe import host
-from node_probe.cursor import CursorStore
-from node_probe.findings import record_position
-from node_probe.kernel_log import KernelLogParser, KernelRecord
-from node_probe.source import Observation, SourceStatus, TrackedStatus
+from node_probe.classify.findings import record_position
+from node_probe.classify.kernel_log import KernelLogParser, KernelRecord
+from node_probe.delivery.cursor import CursorStore
+from node_probe.sources.base import Observation, SourceStatus, TrackedStatus
 
 log = logging.getLogger(__name__)
 

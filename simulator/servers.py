@@ -28,7 +28,7 @@ from typing import IO, Any
 
 from temporalio.common import SearchAttributeIndexedValueType, SearchAttributeKey
 
-from workflows import search_attributes
+from contract import search_attributes
 
 DEFAULT_START_TIMEOUT_S = 60.0
 DEFAULT_STOP_TIMEOUT_S = 10.0

@@ -39,10 +39,12 @@ from temporalio.runtime import (
     TelemetryFilter,
 )
 
-from worker.fleet_sim import FleetSnapshot, SimTiming, SimulatedFleet
-from worker.servers import MotoServer, ServerError, TemporalDevServer
-from worker.settings import AwsSettings, EventSettings, Settings, TemporalSettings
-from workflows.models import AutoRepair, CapacityGroup, HealthState
+from contract.config import AwsSettings, EventSettings, TemporalSettings
+from contract.groups import AutoRepair, CapacityGroup
+from contract.health import HealthState
+from simulator.fleet import FleetSnapshot, SimTiming, SimulatedFleet
+from simulator.servers import MotoServer, ServerError, TemporalDevServer
+from worker.settings import Settings
 
 DEMO_GROUP = "gpu-a"
 DEMO_CLUSTER = "gpu-demo"
@@ -429,7 +431,7 @@ async def run_demo(args: argparse.Namespace) -> int:
 
 async def _run(plan: _Plan, console: Console) -> int:
     # Imported here: the worker pulls in every workflow and activity, which `--help` does not need.
-    from worker.client import connect
+    from contract.temporal_client import connect
     from worker.main import run_worker
 
     started = time.monotonic()

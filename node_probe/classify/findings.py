@@ -9,9 +9,9 @@ from __future__ import annotations
 import hashlib
 from datetime import datetime
 
-from node_probe.kernel_log import KernelRecord
-from node_probe.policy import Verdict
-from workflows.models import GpuFinding, GpuRef
+from contract.probe import GpuFinding, GpuRef
+from node_probe.classify.kernel_log import KernelRecord
+from node_probe.classify.policy import Verdict
 
 # Signals are stored in workflow history: cap what a pathological line can put there.
 MAX_RAW_CHARS = 4096

@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from node_probe.kernel_log import KernelLogParser, KernelRecord
-from workflows.models import HealthState
+from contract.health import HealthState
+from node_probe.classify.kernel_log import KernelLogParser, KernelRecord
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ log = structlog.get_logger(__name__)
 
 
 async def _run_worker_command(args: argparse.Namespace) -> int:
-    from worker.client import connect
+    from contract.temporal_client import connect
     from worker.main import run_worker
     from worker.setup import ensure_search_attributes
     from worker.telemetry import runtime, tracing_interceptors
@@ -40,7 +40,7 @@ async def _run_worker_command(args: argparse.Namespace) -> int:
 
 
 async def _run_setup_command(args: argparse.Namespace) -> int:
-    from worker.client import connect
+    from contract.temporal_client import connect
     from worker.setup import ensure_search_attributes
 
     settings = Settings()
@@ -65,8 +65,8 @@ def _one_line(err: ValidationError) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     from node_probe.cli import add_classify_arguments, add_probe_arguments, run_classify, run_probe_command
-    from worker.demo import add_demo_arguments, run_demo
-    from worker.ops_cli import add_ops_commands
+    from operator_cli.commands import add_ops_commands
+    from simulator.demo import add_demo_arguments, run_demo
 
     parser = OneLineErrorParser(prog="autorepair", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)

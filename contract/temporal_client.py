@@ -8,7 +8,7 @@ from temporalio.client import Client, Interceptor, TLSConfig
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.runtime import Runtime
 
-from worker.settings import TemporalSettings
+from contract.config import TemporalSettings
 
 
 def tls_config(settings: TemporalSettings) -> TLSConfig | bool:

@@ -20,7 +20,6 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
-from urllib.parse import quote
 
 from pydantic import TypeAdapter, ValidationError
 from rich.console import Console
@@ -41,40 +40,27 @@ from temporalio.exceptions import ApplicationError, TemporalError
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.workflow_ops import live_group_config
+from contract import formats, names
+from contract import search_attributes as sa
+from contract.config import TemporalSettings
+from contract.groups import AutoRepair, CapacityGroup, GroupConfigState, GroupConfigUpdate
+from contract.health import HealthState, HeartbeatLossInjection
+from contract.ids import health_workflow_id, semaphore_workflow_id
+from contract.probe import GpuFinding
+from contract.repair import PhaseStep, RepairInput, RepairPhase
+from contract.semaphore import SemaphoreInput
+from node_probe.classify.findings import make_finding
+from node_probe.classify.kernel_log import KernelRecord, parse_lines
+from node_probe.classify.policy import Policy
 
 # The probe's own policy options and loader (private there, shared on purpose: one definition of the flags).
 from node_probe.cli import CliError, _add_policy_arguments, _load_policy_config
-from node_probe.findings import make_finding
-from node_probe.kernel_log import KernelRecord, parse_lines
-from node_probe.policy import Policy
-from node_probe.reporter import Reporter
-from worker.settings import Settings, TemporalSettings
-from workflows import search_attributes as sa
-from workflows.ids import health_workflow_id, semaphore_workflow_id
-from workflows.models import (
-    AutoRepair,
-    CapacityGroup,
-    GpuFinding,
-    GroupConfigState,
-    GroupConfigUpdate,
-    HealthState,
-    HeartbeatLossInjection,
-    InstanceHealthView,
-    PhaseStep,
-    RepairInput,
-    RepairPhase,
-    RepairResult,
-    RepairStatus,
-    SemaphoreInput,
-    SemaphoreView,
-)
+from node_probe.delivery.reporter import Reporter
+from worker.settings import Settings
+from workflows.models import InstanceHealthView, RepairResult, RepairStatus, SemaphoreView
 
 T = TypeVar("T")
 
-HEALTH_WORKFLOW = "InstanceHealthWorkflow"
-REPAIR_WORKFLOW = "InstanceRepairWorkflow"
-SEMAPHORE_WORKFLOW = "DrainSemaphoreWorkflow"
-SIGNAL_INJECT_HEARTBEAT_LOSS = "inject_heartbeat_loss"  # workflows/health.py's name, not imported (sandboxed code)
 
 CONNECT_TIMEOUT = timedelta(seconds=10)
 # A query of a closed workflow is answered by a worker replaying it; with no worker it would wait for one.
@@ -279,7 +265,7 @@ def _temporal(args: argparse.Namespace) -> TemporalSettings:
 
 
 async def _connect(temporal: TemporalSettings) -> Client:
-    from worker.client import connect
+    from contract.temporal_client import connect
 
     try:
         return await asyncio.wait_for(connect(temporal), timeout=CONNECT_TIMEOUT.total_seconds())
@@ -301,9 +287,8 @@ def _connect_reason(err: Exception) -> str:
 
 
 def workflow_url(temporal: TemporalSettings, workflow_id: str, run_id: str | None) -> str:
-    """The Web UI page of a workflow run (ids are path-escaped: they contain '/')."""
-    base = f"{temporal.ui_url.rstrip('/')}/namespaces/{quote(temporal.namespace, safe='')}/workflows/"
-    return base + quote(workflow_id, safe="") + (f"/{quote(run_id, safe='')}" if run_id else "")
+    """The Web UI page of a workflow run."""
+    return formats.workflow_url(temporal.ui_url, temporal.namespace, workflow_id, run_id)
 
 
 async def _bounded(calls: Iterable[Awaitable[T]]) -> list[T]:
@@ -333,7 +318,7 @@ def _print_json(value: Any) -> None:
 
 
 def _iso(moment: datetime | None) -> str | None:
-    return None if moment is None else moment.astimezone(UTC).isoformat().replace("+00:00", "Z")
+    return None if moment is None else formats.iso(moment)
 
 
 def _short_time(moment: datetime | None) -> str:
@@ -372,7 +357,7 @@ async def describe_instances(args: argparse.Namespace) -> int:
         instances: list[tuple[str, str | None]] = [(i, None) for i in dict.fromkeys(args.instance)]
     else:
         query = (
-            f"WorkflowType = '{HEALTH_WORKFLOW}' AND CapacityGroup = {sa.quoted(args.group)} "
+            f"WorkflowType = '{names.HEALTH_WORKFLOW}' AND CapacityGroup = {sa.quoted(args.group)} "
             "AND ExecutionStatus = 'Running'"
         )
         if args.status:
@@ -401,9 +386,9 @@ async def _describe_one(
     try:
         if run_id is None:
             run_id = (await handle.describe(rpc_timeout=QUERY_TIMEOUT)).run_id
-        view = await handle.query("health", result_type=InstanceHealthView, rpc_timeout=QUERY_TIMEOUT)
+        view = await handle.query(names.QUERY_HEALTH, result_type=InstanceHealthView, rpc_timeout=QUERY_TIMEOUT)
     except RPCError as err:
-        return {"ec2InstanceId": instance_id, "error": _rpc_reason(err, "health")}
+        return {"ec2InstanceId": instance_id, "error": _rpc_reason(err, names.QUERY_HEALTH)}
     except (WorkflowQueryFailedError, WorkflowQueryRejectedError) as err:
         return {"ec2InstanceId": instance_id, "error": _one_line(str(err))}
     return health_entry(view, workflow_url(temporal, workflow_id, run_id))
@@ -510,7 +495,7 @@ async def repair_history(args: argparse.Namespace) -> int:
         raise OpsError("--limit must be at least 1")
     temporal = _temporal(args)
     client = await _connect(temporal)
-    clauses = [f"WorkflowType = '{REPAIR_WORKFLOW}'"]
+    clauses = [f"WorkflowType = '{names.REPAIR_WORKFLOW}'"]
     if args.group:
         clauses.append(f"CapacityGroup = {sa.quoted(args.group)}")
     if args.instance:
@@ -576,10 +561,10 @@ async def _repair_progress(
         except (TemporalError, RPCError):
             pass
     try:
-        status = await handle.query("status", result_type=RepairStatus, rpc_timeout=QUERY_TIMEOUT)
+        status = await handle.query(names.QUERY_STATUS, result_type=RepairStatus, rpc_timeout=QUERY_TIMEOUT)
         return status, status.timeline, None
     except (RPCError, WorkflowQueryFailedError, WorkflowQueryRejectedError, TimeoutError) as err:
-        text = _rpc_reason(err, "status") if isinstance(err, RPCError) else _one_line(str(err)) or "timeout"
+        text = _rpc_reason(err, names.QUERY_STATUS) if isinstance(err, RPCError) else _one_line(str(err)) or "timeout"
         return None, None, f"durations unavailable: {text}"
 
 
@@ -753,7 +738,7 @@ async def _inject_heartbeat_loss(client: Client, args: argparse.Namespace) -> in
     workflow_id = health_workflow_id(args.instance)
     handle = client.get_workflow_handle(workflow_id)
     try:
-        await handle.signal(SIGNAL_INJECT_HEARTBEAT_LOSS, injection, rpc_timeout=QUERY_TIMEOUT)
+        await handle.signal(names.SIGNAL_INJECT_HEARTBEAT_LOSS, injection, rpc_timeout=QUERY_TIMEOUT)
     except RPCError as err:
         if err.status == RPCStatusCode.NOT_FOUND:
             raise OpsError(f"no running health workflow for {args.instance}: its probe has never reported") from None
@@ -786,7 +771,9 @@ async def group_describe(args: argparse.Namespace) -> int:
     handle = client.get_workflow_handle(semaphore_workflow_id(args.name))
     # A semaphore that is not running still has the overrides its last run left: the next one takes them over.
     state, running = await live_group_config(client, args.name, QUERY_TIMEOUT)
-    view = await handle.query("state", result_type=SemaphoreView, rpc_timeout=QUERY_TIMEOUT) if running else None
+    view = (
+        await handle.query(names.QUERY_STATE, result_type=SemaphoreView, rpc_timeout=QUERY_TIMEOUT) if running else None
+    )
     local = _local_group(args.name)
     effective, source = (
         (state.effective, "drain semaphore (worker settings + live overrides)")
@@ -874,7 +861,7 @@ async def group_update(args: argparse.Namespace) -> int:
     temporal = _temporal(args)
     client = await _connect(temporal)
     start: WithStartWorkflowOperation[Any, Any] = WithStartWorkflowOperation(
-        SEMAPHORE_WORKFLOW,
+        names.SEMAPHORE_WORKFLOW,
         SemaphoreInput(group=args.name),
         id=semaphore_workflow_id(args.name),
         task_queue=temporal.task_queue,
@@ -885,7 +872,7 @@ async def group_update(args: argparse.Namespace) -> int:
     try:
         state = await asyncio.wait_for(
             client.execute_update_with_start_workflow(
-                "update_group", update, start_workflow_operation=start, result_type=GroupConfigState
+                names.UPDATE_GROUP, update, start_workflow_operation=start, result_type=GroupConfigState
             ),
             timeout=args.timeout.total_seconds(),
         )

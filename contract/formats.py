@@ -1,0 +1,23 @@
+"""How times and Web UI links are written wherever a person or another program reads them."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Literal
+from urllib.parse import quote
+
+
+def iso(moment: datetime, timespec: Literal["auto", "seconds"] = "auto") -> str:
+    """ISO 8601 with a `Z` for UTC; `seconds` where a person reads it. An aware time is written in UTC; a naive one
+    as it is (in workflow code converting it would consult the host's time zone)."""
+    if moment.tzinfo is not None:
+        moment = moment.astimezone(UTC)
+    return moment.isoformat(timespec=timespec).replace("+00:00", "Z")
+
+
+def workflow_url(ui_url: str, namespace: str, workflow_id: str | None = None, run_id: str | None = None) -> str:
+    """The Temporal Web UI's list of workflows, or one workflow (run). Ids are path-escaped: they contain '/'."""
+    url = f"{ui_url.rstrip('/')}/namespaces/{quote(namespace, safe='')}/workflows"
+    if workflow_id is None:
+        return url
+    return f"{url}/{quote(workflow_id, safe='')}" + (f"/{quote(run_id, safe='')}" if run_id else "")

@@ -1,0 +1,41 @@
+"""The ECS-shaped health vocabulary, and what starts or steers an instance's health workflow."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from enum import StrEnum
+
+from pydantic import BaseModel, Field
+
+
+class HealthState(StrEnum):
+    OK = "OK"
+    IMPAIRED = "IMPAIRED"
+    INSUFFICIENT_DATA = "INSUFFICIENT_DATA"
+    INITIALIZING = "INITIALIZING"
+
+
+# Most severe first: the overall status is the most severe detail.
+SEVERITY = [HealthState.IMPAIRED, HealthState.INSUFFICIENT_DATA, HealthState.INITIALIZING, HealthState.OK]
+
+
+class CheckType(StrEnum):
+    ACCELERATED_COMPUTE = "ACCELERATED_COMPUTE"
+    AGENT_CONNECTIVITY = "AGENT_CONNECTIVITY"
+    CONTAINER_RUNTIME = "CONTAINER_RUNTIME"
+    DAEMON = "DAEMON"
+
+
+class HealthInput(BaseModel):
+    """What starts `health/<instance>` (the probe's signal-with-start). The workflow's own carried state is
+    added by the workflow itself (workflows.models.HealthRun)."""
+
+    instance_id: str
+    group: str
+
+
+class HeartbeatLossInjection(BaseModel):
+    """Game day: the health workflow ignores heartbeats for `duration`, exactly as if the probe were silent."""
+
+    duration: timedelta = Field(gt=timedelta(0))
+    requested_by: str = ""

@@ -1,0 +1,39 @@
+"""Wire names: what a workflow, signal, query, update or memo key is called on the Temporal server.
+
+They are in recorded histories and in operators' scripts (`temporal workflow signal --name ...`), so they change
+only with a migration. Workflow code, activities, the CLI and the probe all take them from here.
+"""
+
+from typing import Final
+
+DEFAULT_TASK_QUEUE: Final = "gpu-autorepair"
+
+# Workflow types (each workflow class's `@workflow.defn(name=...)`).
+HEALTH_WORKFLOW: Final = "InstanceHealthWorkflow"
+REPAIR_WORKFLOW: Final = "InstanceRepairWorkflow"
+SEMAPHORE_WORKFLOW: Final = "DrainSemaphoreWorkflow"
+
+# Signals to a health workflow: the probe's two, the repair's progress, and the game-day injection.
+SIGNAL_GPU_FINDING: Final = "gpu_finding"
+SIGNAL_HEARTBEAT: Final = "heartbeat"
+SIGNAL_REPAIR_PROGRESS: Final = "repair_progress"
+SIGNAL_INJECT_HEARTBEAT_LOSS: Final = "inject_heartbeat_loss"
+
+# Signals between a repair and its group's drain semaphore.
+SIGNAL_REQUEST: Final = "request"
+SIGNAL_RELEASE: Final = "release"
+SIGNAL_PERMIT_GRANTED: Final = "permit_granted"
+
+# Queries and updates.
+QUERY_HEALTH: Final = "health"  # health workflow: InstanceHealthView
+QUERY_STATUS: Final = "status"  # repair workflow: RepairStatus
+QUERY_STATE: Final = "state"  # drain semaphore: SemaphoreView
+QUERY_GROUP_CONFIG: Final = "group_config"  # drain semaphore: GroupConfigState
+UPDATE_GROUP: Final = "update_group"  # drain semaphore: GroupConfigUpdate -> GroupConfigState
+
+# The semaphore keeps its GroupConfigState in this memo key, so that a run started after an operator terminated the
+# last one can take the live overrides over (WorkflowOps.previous_group_config).
+GROUP_CONFIG_MEMO: Final = "group_config"
+
+# The EC2 tag that names an instance's capacity group, on replacements and on the simulated fleet.
+GROUP_TAG: Final = "gpu-autorepair:group"
