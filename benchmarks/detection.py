@@ -43,8 +43,9 @@ from benchmarks.probe_throughput import machine
 from contract.probe import GpuFinding, Heartbeat
 from node_probe import host
 from node_probe.classify.catalog import XidCatalog, XidInfo, default_catalog
-from node_probe.classify.kernel_log import KernelRecord, parse_lines
+from node_probe.classify.kernel_log import parse_lines
 from node_probe.classify.policy import APPLICATION_BUCKETS, HARDWARE_BUCKETS, Policy, PolicyConfig, RepeatRule
+from node_probe.classify.record import FaultRecord
 from node_probe.probe import Probe, ProbeConfig
 from node_probe.sources.base import LineAssembler
 from tests.conftest import free_port
@@ -131,7 +132,7 @@ def pci_for(code: int) -> str:
 class Rule:
     name: str
     note: str
-    impairs: Callable[[KernelRecord, XidInfo | None], bool]
+    impairs: Callable[[FaultRecord, XidInfo | None], bool]
 
 
 def rules() -> list[Rule]:
@@ -170,11 +171,11 @@ def reference_label(info: XidInfo) -> str:
     return "other"  # WORKFLOW_XID_45, XID_154 (depend on another Xid), UPDATE_SWFW, CHECK_UVM
 
 
-def parse_check(catalog: XidCatalog) -> tuple[dict[str, Any], dict[int, KernelRecord]]:
+def parse_check(catalog: XidCatalog) -> tuple[dict[str, Any], dict[int, FaultRecord]]:
     """Every code under every prefix must come back as exactly one xid record with its code and GPU."""
     wrong: list[str] = []
     total = 0
-    records: dict[int, KernelRecord] = {}
+    records: dict[int, FaultRecord] = {}
     for info in catalog:
         pci = pci_for(info.code)
         body = xid_body(info.code, info, pci)
@@ -189,7 +190,7 @@ def parse_check(catalog: XidCatalog) -> tuple[dict[str, Any], dict[int, KernelRe
     return {"lines": total, "parsed_correctly": total - len(wrong), "wrong": wrong}, records
 
 
-def score_rules(catalog: XidCatalog, records: dict[int, KernelRecord]) -> list[dict[str, Any]]:
+def score_rules(catalog: XidCatalog, records: dict[int, FaultRecord]) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
     for rule in rules():
         # A line the parser did not turn into a record cannot start a repair: it counts as "does not impair".

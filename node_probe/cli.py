@@ -23,8 +23,9 @@ from rich.table import Table
 
 from contract.config import ConfigSources, TemporalSettings
 from contract.temporal_client import connect
-from node_probe.classify.kernel_log import KernelRecord, parse_lines
+from node_probe.classify.kernel_log import parse_lines
 from node_probe.classify.policy import POLICY_ECS, POLICY_NAMES, Policy, PolicyConfig, Verdict
+from node_probe.classify.record import FaultRecord
 from node_probe.delivery.reporter import Reporter
 from node_probe.imds import ImdsError, imds_instance_id
 from node_probe.probe import Probe, ProbeConfig
@@ -103,7 +104,7 @@ def _open_input(file: str | os.PathLike[str] | None) -> Iterator[TextIO]:
         yield handle
 
 
-def classification_row(record: KernelRecord, verdict: Verdict) -> dict[str, Any]:
+def classification_row(record: FaultRecord, verdict: Verdict) -> dict[str, Any]:
     fields = record.to_dict()
     row: dict[str, Any] = {
         "line": record.line,

@@ -50,8 +50,9 @@ from contract.probe import GpuFinding
 from contract.repair import PhaseStep, RepairInput, RepairPhase
 from contract.semaphore import SemaphoreInput
 from node_probe.classify.findings import make_finding
-from node_probe.classify.kernel_log import KernelRecord, parse_lines
+from node_probe.classify.kernel_log import parse_lines
 from node_probe.classify.policy import Policy
+from node_probe.classify.record import FaultRecord
 
 # The probe's own policy options and loader (private there, shared on purpose: one definition of the flags).
 from node_probe.cli import CliError, _add_policy_arguments, _load_policy_config
@@ -662,7 +663,7 @@ async def inject_fault(args: argparse.Namespace) -> int:
     return await _inject_findings(client, temporal, args, records)
 
 
-def _records(args: argparse.Namespace) -> list[KernelRecord]:
+def _records(args: argparse.Namespace) -> list[FaultRecord]:
     text = xid_line(args.xid, args.pci) if args.xid is not None else args.kernel_line
     records = list(parse_lines(text.splitlines()))
     if not records:
@@ -690,7 +691,7 @@ async def _check_instance(client: Client, instance_id: str, group: str) -> None:
 
 
 async def _inject_findings(
-    client: Client, temporal: TemporalSettings, args: argparse.Namespace, records: list[KernelRecord]
+    client: Client, temporal: TemporalSettings, args: argparse.Namespace, records: list[FaultRecord]
 ) -> int:
     try:
         policy = Policy(args.policy, _load_policy_config(args.policy_config))

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from node_probe.classify import kernel_log
-from node_probe.classify.kernel_log import UUID_MEMORY, KernelLogParser, KernelRecord, parse_lines
+from node_probe.classify.kernel_log import UUID_MEMORY, KernelLogParser, parse_lines
+from node_probe.classify.record import FaultRecord
 
 PREFIXES = [
     "",
@@ -31,13 +32,13 @@ PREFIXES = [
 ]
 
 
-def one(line: str) -> KernelRecord:
+def one(line: str) -> FaultRecord:
     records = list(parse_lines([line]))
     assert len(records) == 1, (line, records)
     return records[0]
 
 
-def check(record: KernelRecord, expected: dict[str, Any]) -> None:
+def check(record: FaultRecord, expected: dict[str, Any]) -> None:
     actual = {key: getattr(record, key) for key in expected}
     assert actual == expected
 
@@ -641,7 +642,7 @@ def test_a_gpu_named_again_takes_its_new_uuid_and_memory_is_bounded() -> None:
 
 
 def test_template_field_slices_match_the_record_fields() -> None:
-    fields = KernelRecord._fields
+    fields = FaultRecord._fields
     assert fields[:2] == ("line", "raw")
     assert fields[kernel_log._BODY_FIELDS] == ("kind", "code", "pci", "message")
     assert fields[kernel_log._BODY_FIELDS.stop : kernel_log._DETAIL_FIELDS.start] == ("kmsg_seq", "uptime_s", "wall_s")

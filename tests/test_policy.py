@@ -7,15 +7,16 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from node_probe.classify.catalog import default_catalog
-from node_probe.classify.kernel_log import KernelRecord, parse_lines
+from node_probe.classify.kernel_log import parse_lines
 from node_probe.classify.policy import Policy, PolicyConfig, RepeatMemory, RepeatRule, Verdict
+from node_probe.classify.record import FaultRecord
 
 NOW = datetime(2025, 1, 21, 4, 41, 44, tzinfo=UTC)
 ECS_XIDS = {46, 48, 54, 62, 64, 74, 79, 95, 109, 110, 136, 140, 142, 143, 151, 155, 156, 158}
 
 
-def xid(code: int, pci: str = "0000:3b:00", message: str = "something", line: int = 1) -> KernelRecord:
-    return KernelRecord(
+def xid(code: int, pci: str = "0000:3b:00", message: str = "something", line: int = 1) -> FaultRecord:
+    return FaultRecord(
         line=line,
         raw=f"NVRM: Xid (PCI:{pci}): {code}, {message}",
         kind="xid",
@@ -25,7 +26,7 @@ def xid(code: int, pci: str = "0000:3b:00", message: str = "something", line: in
     )
 
 
-def record(text: str) -> KernelRecord:
+def record(text: str) -> FaultRecord:
     (parsed,) = parse_lines([text])
     return parsed
 

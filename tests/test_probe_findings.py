@@ -12,8 +12,9 @@ from contract.health import HealthInput, HealthState
 from contract.probe import GpuFinding, Heartbeat
 from node_probe.classify.dedupe import BurstCollapser
 from node_probe.classify.findings import burst_rollup, dedupe_key, finding_id, make_finding
-from node_probe.classify.kernel_log import KernelLogParser, KernelRecord, parse_lines
+from node_probe.classify.kernel_log import KernelLogParser, parse_lines
 from node_probe.classify.policy import Policy, Verdict
+from node_probe.classify.record import FaultRecord
 from node_probe.delivery.reporter import Reporter
 
 NOW = datetime(2025, 1, 21, 4, 41, 44, tzinfo=UTC)
@@ -23,7 +24,7 @@ XID_95 = (
 )
 
 
-def finding(record: KernelRecord, **overrides: Any) -> GpuFinding:
+def finding(record: FaultRecord, **overrides: Any) -> GpuFinding:
     values: dict[str, Any] = {
         "instance_id": "i-1",
         "group": "g",
@@ -104,7 +105,7 @@ def test_burst_collapser_is_bounded_in_keys() -> None:
 def test_flood_of_800k_identical_xid95_lines_is_one_burst_with_flat_memory() -> None:
     parser = KernelLogParser()
     policy = Policy()
-    bursts: BurstCollapser[Any, KernelRecord] = BurstCollapser(timedelta(minutes=5))
+    bursts: BurstCollapser[Any, FaultRecord] = BurstCollapser(timedelta(minutes=5))
     emitted = 0
 
     def feed(count: int) -> None:

@@ -10,8 +10,8 @@ import hashlib
 from datetime import datetime
 
 from contract.probe import GpuFinding, GpuRef
-from node_probe.classify.kernel_log import KernelRecord
 from node_probe.classify.policy import Verdict
+from node_probe.classify.record import FaultRecord
 
 # Signals are stored in workflow history: cap what a pathological line can put there.
 MAX_RAW_CHARS = 4096
@@ -20,7 +20,7 @@ MAX_MESSAGE_CHARS = 1024
 DedupeKey = tuple[str, str | None, int | None, int | None, bool]
 
 
-def record_position(record: KernelRecord) -> str:
+def record_position(record: FaultRecord) -> str:
     """Where the record sits in its source: kmsg's sequence number when there is one, else its line number."""
     return f"seq:{record.kmsg_seq}" if record.kmsg_seq is not None else f"line:{record.line}"
 
@@ -35,7 +35,7 @@ def _clip(text: str, limit: int) -> str:
 
 
 def make_finding(
-    record: KernelRecord,
+    record: FaultRecord,
     verdict: Verdict,
     *,
     instance_id: str,
@@ -67,7 +67,7 @@ def make_finding(
     )
 
 
-def dedupe_key(record: KernelRecord, verdict: Verdict) -> DedupeKey:
+def dedupe_key(record: FaultRecord, verdict: Verdict) -> DedupeKey:
     """Same reason on the same GPU is one burst. `impairs` is part of the key so that a repeat rule firing on
     the third Xid 13 is not swallowed by the burst the first two (warnings) opened. The GPU is its PCI address
     when known (so NVML and kernel-log records of one fault collapse together), else its UUID."""

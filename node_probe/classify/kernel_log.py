@@ -23,11 +23,9 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta, timezone
-from typing import Any, Final, Literal, NamedTuple
+from typing import Any, Final, NamedTuple
 
-RecordKind = Literal[
-    "xid", "sxid", "gpu_fallen_off_bus", "gpu_init_failed", "nvml", "dcgm", "daemon", "daemon_recovered"
-]
+from node_probe.classify.record import FaultRecord
 
 # Prefixes that log tools put before the kernel's own text. They can stack (syslog's header, then dmesg's
 # uptime stamp), so they are stripped in a loop. Each alternative is anchored so that an application line
@@ -110,58 +108,11 @@ UUID_MEMORY = 64
 _UNKNOWN_VALUES = frozenset({"", "<unknown>", "'<unknown>'", "...", "'...'"})
 
 
-class KernelRecord(NamedTuple):
-    """One GPU fault record. `line` is the 1-based number of its first input line.
-
-    A NamedTuple rather than a frozen dataclass: as immutable, and several times cheaper to build, which
-    counts when a storm logs hundreds of thousands of records."""
-
-    line: int
-    raw: str
-    kind: RecordKind
-    code: int | None
-    pci: str | None
-    message: str
-    kmsg_seq: int | None = None
-    # Seconds since boot, when the line carries it (kmsg, dmesg): lets repeat rules measure real spacing even
-    # when a restarted probe re-reads old history in one go.
-    uptime_s: float | None = None
-    # POSIX time of the line, when its prefix carries a wall-clock time (dmesg -T, syslog, ISO stamps); a time
-    # without a UTC offset is the host's local time, a syslog time without a year the latest not a day ahead.
-    wall_s: float | None = None
-    mig_gpu_instance: int | None = None
-    mig_compute_instance: int | None = None
-    pid: int | None = None
-    process_name: str | None = None
-    caused_by_xid: int | None = None
-    recovery_action_from: str | None = None
-    recovery_action_to: str | None = None
-    recovery_action_from_code: int | None = None
-    recovery_action_to_code: int | None = None
-    rst: bool | None = None
-    d_rst: bool | None = None
-    nvlink_unit: str | None = None
-    nvlink_fatal: bool | None = None
-    nvlink_link: int | None = None
-    nvswitch: int | None = None
-    # The GPU's UUID: set by the NVML, DCGM and daemon sources, and by the kernel-log parser when the log named
-    # the GPU at that PCI address before (`NVRM: GPU at PCI:...: GPU-...`, printed before its first Xid).
-    uuid: str | None = None
-    # Set by the NVML, DCGM and daemon sources (never by the kernel-log parser): the condition's name (the
-    # finding's reason, e.g. NVML_REMAP_FAILURE), and the source's own "hard failure" verdict (a DCGM "fail", a
-    # daemon marked critical) that the policy turns into impairs.
-    reason: str | None = None
-    critical: bool | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return self._asdict()
-
-
 # The parts of a cached template that _place copies around each line's own values: the fields after (line, raw),
 # those after (kmsg_seq, uptime_s, wall_s) up to uuid, and those after uuid.
-_BODY_FIELDS = slice(2, KernelRecord._fields.index("kmsg_seq"))
-_UUID_FIELD = KernelRecord._fields.index("uuid")
-_DETAIL_FIELDS = slice(KernelRecord._fields.index("wall_s") + 1, _UUID_FIELD)
+_BODY_FIELDS = slice(2, FaultRecord._fields.index("kmsg_seq"))
+_UUID_FIELD = FaultRecord._fields.index("uuid")
+_DETAIL_FIELDS = slice(FaultRecord._fields.index("wall_s") + 1, _UUID_FIELD)
 _AFTER_UUID_FIELDS = slice(_UUID_FIELD + 1, None)
 
 
@@ -262,7 +213,7 @@ def _yes_no(text: str) -> bool:
     return text == "Yes"
 
 
-def _parse_xid(body: str) -> KernelRecord | None:
+def _parse_xid(body: str) -> FaultRecord | None:
     match = _XID.match(body)
     if match is None:
         return None
@@ -306,7 +257,7 @@ def _parse_xid(body: str) -> KernelRecord | None:
                 nvlink_fatal=nvlink.group("sev") == "Fatal",
                 nvlink_link=int(nvlink.group("link")),
             )
-    return KernelRecord(
+    return FaultRecord(
         line=0,
         raw="",
         kind="xid",
@@ -321,12 +272,12 @@ def _parse_xid(body: str) -> KernelRecord | None:
     )
 
 
-def _parse_sxid(body: str) -> KernelRecord | None:
+def _parse_sxid(body: str) -> FaultRecord | None:
     match = _SXID.match(body)
     if match is None:
         return None
     pci = match.group("pci")
-    return KernelRecord(
+    return FaultRecord(
         line=0,
         raw="",
         kind="sxid",
@@ -337,11 +288,11 @@ def _parse_sxid(body: str) -> KernelRecord | None:
     )
 
 
-def _parse_other_nvrm(body: str) -> KernelRecord | None:
+def _parse_other_nvrm(body: str) -> FaultRecord | None:
     if "fallen off the bus" in body:
         match = _FALLEN.match(body)
         if match is not None:
-            return KernelRecord(
+            return FaultRecord(
                 line=0,
                 raw="",
                 kind="gpu_fallen_off_bus",
@@ -353,7 +304,7 @@ def _parse_other_nvrm(body: str) -> KernelRecord | None:
         match = _INIT_FAILED.match(body)
         if match is not None:
             pci = match.group("pci")
-            return KernelRecord(
+            return FaultRecord(
                 line=0,
                 raw="",
                 kind="gpu_init_failed",
@@ -364,7 +315,7 @@ def _parse_other_nvrm(body: str) -> KernelRecord | None:
     return None
 
 
-def _parse_body(body: str) -> KernelRecord | None:
+def _parse_body(body: str) -> FaultRecord | None:
     """The stateless part: what one line's text (after the prefixes) says, at line 0 with no raw text."""
     if body.startswith("NVRM: Xid"):
         return _parse_xid(body)
@@ -374,10 +325,10 @@ def _parse_body(body: str) -> KernelRecord | None:
 
 
 def _place(
-    template: KernelRecord, line: int, raw: str, prefix: _Prefix, wall: float | None, uuid: str | None
-) -> KernelRecord:
+    template: FaultRecord, line: int, raw: str, prefix: _Prefix, wall: float | None, uuid: str | None
+) -> FaultRecord:
     fields: tuple[Any, ...] = template
-    return KernelRecord._make(
+    return FaultRecord._make(
         (
             line,
             raw,
@@ -486,16 +437,16 @@ def _syslog_minute(key: str, now: float) -> tuple[float, float, float] | None:
 # Storms repeat a handful of distinct texts (NVSentinel#1120: 800K lines, 29 distinct) behind changing
 # timestamps, so parsing each distinct text once makes a storm cheap. Bounded: cleared when full.
 _TEMPLATE_CACHE_SIZE = 512
-_MISS: Final = KernelRecord(line=-1, raw="", kind="xid", code=None, pci=None, message="")
+_MISS: Final = FaultRecord(line=-1, raw="", kind="xid", code=None, pci=None, message="")
 # Markers in the cache: a body that holds escapes (several lines of one printk, or a kmsg `\xNN`); one that is no
 # record but may change the parser's state (a banner's first line, a GPU's identity); the driver loading (its own
 # marker, checked inline: the benchmark's mixed log has it often).
-_ESCAPED: Final = KernelRecord(line=-2, raw="", kind="xid", code=None, pci=None, message="")
-_STATEFUL: Final = KernelRecord(line=-3, raw="", kind="xid", code=None, pci=None, message="")
-_DRIVER_LOAD: Final = KernelRecord(line=-4, raw="", kind="xid", code=None, pci=None, message="")
+_ESCAPED: Final = FaultRecord(line=-2, raw="", kind="xid", code=None, pci=None, message="")
+_STATEFUL: Final = FaultRecord(line=-3, raw="", kind="xid", code=None, pci=None, message="")
+_DRIVER_LOAD: Final = FaultRecord(line=-4, raw="", kind="xid", code=None, pci=None, message="")
 
 
-def _template(body: str) -> KernelRecord | None:
+def _template(body: str) -> FaultRecord | None:
     """What the cache keeps for a body without escapes: its record at line 0, a marker, or None."""
     record = _parse_body(body)
     if record is None:
@@ -514,7 +465,7 @@ class KernelLogParser:
     def __init__(self, now: Callable[[], float] = time.time) -> None:
         self._line_no = 0
         self._banner: _Banner | None = None
-        self._templates: dict[str, KernelRecord | None] = {}
+        self._templates: dict[str, FaultRecord | None] = {}
         self._uuids: dict[str, str] = {}  # PCI address (dddd:bb:dd, lower case) -> GPU UUID, oldest first
         self._now = now
         self._walls: dict[str, float | None] = {}
@@ -533,7 +484,7 @@ class KernelLogParser:
             return None
         return banner.line
 
-    def feed(self, line: str) -> list[KernelRecord]:
+    def feed(self, line: str) -> list[FaultRecord]:
         self._line_no += 1
         if "NVRM" not in line and "SXid" not in line:
             return []
@@ -580,12 +531,12 @@ class KernelLogParser:
             )
         ]
 
-    def _remember(self, body: str, template: KernelRecord | None) -> None:
+    def _remember(self, body: str, template: FaultRecord | None) -> None:
         if len(self._templates) >= _TEMPLATE_CACHE_SIZE:
             self._templates.clear()
         self._templates[body] = template
 
-    def _record(self, template: KernelRecord, raw: str, prefix: _Prefix) -> KernelRecord:
+    def _record(self, template: FaultRecord, raw: str, prefix: _Prefix) -> FaultRecord:
         """The record of this line: the template with the line's own values, its wall time and its GPU's UUID."""
         clock = prefix[3]
         uuids = self._uuids
@@ -598,13 +549,13 @@ class KernelLogParser:
             uuids.get(template[4] or "") if uuids else None,  # never an SXid's: the switch's address has a function
         )
 
-    def _feed_pieces(self, raw: str, body: str, prefix: _Prefix) -> list[KernelRecord]:
+    def _feed_pieces(self, raw: str, body: str, prefix: _Prefix) -> list[FaultRecord]:
         """A body holding several lines of one printk: each line is a body with the record's prefix, at its input
         line. /dev/kmsg's `\\xNN` escapes come undone: rsyslog's imkmsg passes them on too, and dmesg, journald
         and imklog show text unescaped, where a literal `\\x` is too rare in NVIDIA's messages to matter."""
         text = _unescape_kmsg(body) if "\\x" in body else body
         pieces = text.replace(_SYSLOG_NEWLINE, "\n").split("\n")
-        records: list[KernelRecord] = []
+        records: list[FaultRecord] = []
         for piece in pieces:
             if not piece.startswith(_KERNEL_BODIES):
                 continue
@@ -618,7 +569,7 @@ class KernelLogParser:
             records.extend(self._feed_other(raw, piece, prefix, template))
         return records
 
-    def _feed_other(self, raw: str, body: str, prefix: _Prefix, template: KernelRecord | None) -> list[KernelRecord]:
+    def _feed_other(self, raw: str, body: str, prefix: _Prefix, template: FaultRecord | None) -> list[FaultRecord]:
         """A body while a banner is pending, or one that is no record by itself (banner lines, GPU identity)."""
         banner = self._banner
         if banner is not None:
@@ -659,7 +610,7 @@ class KernelLogParser:
             del uuids[next(iter(uuids))]
         uuids[pci] = uuid
 
-    def _continue_banner(self, banner: _Banner, raw: str, body: str, prefix: _Prefix) -> KernelRecord | None:
+    def _continue_banner(self, banner: _Banner, raw: str, body: str, prefix: _Prefix) -> FaultRecord | None:
         """Advance the three-line banner; a line that does not continue it drops it (self._banner = None)."""
         expected = _BANNER_2 if len(banner.bodies) == 1 else _BANNER_3
         if self._line_no - banner.line > BANNER_MAX_GAP or expected.match(body) is None:
@@ -669,7 +620,7 @@ class KernelLogParser:
         if expected is _BANNER_2:
             return None
         self._banner = None
-        return KernelRecord(
+        return FaultRecord(
             line=banner.line,
             raw="\n".join(banner.raws),
             kind="gpu_fallen_off_bus",
@@ -721,7 +672,7 @@ class KernelLogParser:
         return cached[0] + seconds
 
 
-def parse_lines(lines: Iterable[str], now: Callable[[], float] = time.time) -> Iterator[KernelRecord]:
+def parse_lines(lines: Iterable[str], now: Callable[[], float] = time.time) -> Iterator[FaultRecord]:
     """Parse a whole log (any iterable of lines, e.g. an open file) lazily."""
     parser = KernelLogParser(now)
     for line in lines:

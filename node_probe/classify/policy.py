@@ -28,7 +28,7 @@ from typing import Literal, NamedTuple
 from pydantic import BaseModel, Field
 
 from node_probe.classify.catalog import XidCatalog, default_catalog
-from node_probe.classify.kernel_log import KernelRecord
+from node_probe.classify.record import FaultRecord
 
 POLICY_ECS = "ecs"
 POLICY_NVIDIA_CATALOG = "nvidia-catalog"
@@ -90,7 +90,7 @@ class PolicyConfig(BaseModel):
     repeat: list[RepeatRule] = Field(default_factory=list)
 
 
-def reason_for(record: KernelRecord) -> str:
+def reason_for(record: FaultRecord) -> str:
     if record.reason is not None:
         return record.reason
     if record.kind == "xid":
@@ -102,7 +102,7 @@ def reason_for(record: KernelRecord) -> str:
     return "GPU_INIT_FAILED"
 
 
-def _ecs(record: KernelRecord, catalog: XidCatalog) -> tuple[bool, str]:
+def _ecs(record: FaultRecord, catalog: XidCatalog) -> tuple[bool, str]:
     assert record.code is not None  # only Xid records come here
     if record.code in catalog.ecs_codes:
         return True, "ecs:xid-list"
@@ -123,7 +123,7 @@ def _recovery_action_impairs(action: str | None) -> tuple[bool, str]:
     return False, "nvidia-catalog:xid154-action-other"
 
 
-def _nvidia(record: KernelRecord, catalog: XidCatalog) -> tuple[bool, str]:
+def _nvidia(record: FaultRecord, catalog: XidCatalog) -> tuple[bool, str]:
     code = record.code
     assert code is not None
     if code == 154:
@@ -148,7 +148,7 @@ def _nvidia(record: KernelRecord, catalog: XidCatalog) -> tuple[bool, str]:
     return bucket in HARDWARE_BUCKETS, f"nvidia-catalog:bucket-{bucket}"
 
 
-def _source_record(policy: str, record: KernelRecord) -> tuple[bool, str]:
+def _source_record(policy: str, record: FaultRecord) -> tuple[bool, str]:
     if record.kind == "dcgm":
         return (True, f"{policy}:dcgm-fail") if record.critical else (False, f"{policy}:dcgm-warn")
     if record.kind == "daemon":
@@ -201,7 +201,7 @@ class _RepeatTracker:
         self.changes = 0
 
     def fires(
-        self, index: int, rule: RepeatRule, record: KernelRecord, at: float, source: str, position: str | None
+        self, index: int, rule: RepeatRule, record: FaultRecord, at: float, source: str, position: str | None
     ) -> bool:
         # Counted per source: NVML's Xid event and the kernel's line about one fault are one fault, not two.
         key = (index, source, record.pci, record.mig_gpu_instance, record.mig_compute_instance)
@@ -266,9 +266,7 @@ class Policy:
         self._booted_at = booted_at
         self._repeats = _RepeatTracker()
 
-    def classify(
-        self, record: KernelRecord, now: datetime, *, source: str = "", position: str | None = None
-    ) -> Verdict:
+    def classify(self, record: FaultRecord, now: datetime, *, source: str = "", position: str | None = None) -> Verdict:
         """`source` and `position` (where the record sits in it) let a repeat rule count each source's records
         apart and tell a record read again after a restart from a new one."""
         reason = reason_for(record)
@@ -290,7 +288,7 @@ class Policy:
         self._repeats.restore(memory.seen, self.config.repeat)
         return True
 
-    def _decide(self, record: KernelRecord, now: datetime, source: str, position: str | None) -> tuple[bool, str]:
+    def _decide(self, record: FaultRecord, now: datetime, source: str, position: str | None) -> tuple[bool, str]:
         if (
             self._booted_at is not None
             and record.wall_s is not None
@@ -321,7 +319,7 @@ class Policy:
             return _ecs(record, self._catalog)
         return _nvidia(record, self._catalog)
 
-    def _repeat_rule_fired(self, record: KernelRecord, now: datetime, source: str, position: str | None) -> str | None:
+    def _repeat_rule_fired(self, record: FaultRecord, now: datetime, source: str, position: str | None) -> str | None:
         # The record's own stamp, when the log has one, keeps old history read at start-up in one go from counting
         # as a burst. Wall clock first: unlike uptime it does not restart at each boot of a log spanning reboots.
         at = record.wall_s if record.wall_s is not None else record.uptime_s

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from contract.health import HealthState
-from node_probe.classify.kernel_log import KernelLogParser, KernelRecord
+from node_probe.classify.kernel_log import KernelLogParser
+from node_probe.classify.record import FaultRecord
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ class SourceStatus:
 
 @dataclass(frozen=True, slots=True)
 class Observation:
-    record: KernelRecord
+    record: FaultRecord
     source: str  # e.g. "kernel_log:/var/log/kern.log", "kmsg"
     position: str  # stable place of the record within the source, for the finding id
 
@@ -105,14 +106,14 @@ class LineAssembler:
         """The incomplete last line, waiting for its newline."""
         return self._partial
 
-    def feed(self, chunk: bytes) -> list[KernelRecord]:
+    def feed(self, chunk: bytes) -> list[FaultRecord]:
         data = self._partial + chunk
         lines = data.split(b"\n")
         self._partial = lines.pop()
         if len(self._partial) > MAX_LINE_BYTES:
             lines.append(self._partial)
             self._partial = b""
-        records: list[KernelRecord] = []
+        records: list[FaultRecord] = []
         for line in lines:
             records.extend(self.parser.feed(line.decode("utf-8", "replace")))
         return records

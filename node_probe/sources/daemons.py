@@ -19,7 +19,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from node_probe.classify.kernel_log import KernelRecord, RecordKind
+from node_probe.classify.record import FaultRecord, RecordKind
 from node_probe.host import CommandResult, CommandRunner, boot_id, run_command
 from node_probe.sources.base import Observation, SourceStatus, TrackedStatus, polled
 
@@ -183,7 +183,7 @@ class DaemonSource(TrackedStatus):
         )
 
     def _observation(self, spec: DaemonSpec, kind: RecordKind, state: str, message: str, episode: str) -> Observation:
-        record = KernelRecord(
+        record = FaultRecord(
             line=0,
             raw=f"systemctl is-active {spec.unit}: {state}",
             kind=kind,

@@ -40,7 +40,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from node_probe.classify.kernel_log import KernelRecord
+from node_probe.classify.record import FaultRecord
 from node_probe.host import CommandResult, CommandRunner, boot_id, first_line, run_command
 from node_probe.sources.base import Observation, SourceStatus, TrackedStatus, polled
 
@@ -272,7 +272,7 @@ class DcgmHealthSource(TrackedStatus):
                 pci, uuid = identity
         where = f"{incident.entity_group} {incident.entity_id}".strip() or "host"
         verdict = "Failure" if incident.health == "fail" else "Warning"
-        record = KernelRecord(
+        record = FaultRecord(
             line=0,
             raw=f"dcgmi health: {where}: {incident.system}: {verdict}: {incident.message}",
             kind="dcgm",

@@ -26,7 +26,8 @@ from pydantic import BaseModel
 
 from node_probe import host
 from node_probe.classify.findings import record_position
-from node_probe.classify.kernel_log import KernelLogParser, KernelRecord
+from node_probe.classify.kernel_log import KernelLogParser
+from node_probe.classify.record import FaultRecord
 from node_probe.delivery.cursor import CursorStore
 from node_probe.sources.base import Observation, SourceStatus, TrackedStatus
 
@@ -283,7 +284,7 @@ class JournaldSource(TrackedStatus):
         message = _message(entry.get("MESSAGE"))
         cursor = entry.get("__CURSOR")
         cursor = cursor if isinstance(cursor, str) and cursor else None
-        records: list[KernelRecord] = []
+        records: list[FaultRecord] = []
         if message is not None:
             prefix = _uptime_prefix(entry)
             for text in message.split("\n"):

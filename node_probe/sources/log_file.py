@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import BinaryIO
 
-from node_probe.classify.kernel_log import KernelRecord
+from node_probe.classify.record import FaultRecord
 from node_probe.delivery.cursor import CursorStore, FileCursor
 from node_probe.sources.base import LineAssembler, Observation, SourceStatus
 
@@ -70,7 +70,7 @@ class _ResumableLines(LineAssembler):
         self._tail = tail
         self._banner: tuple[int, int, bytes] | None = None  # where the last banner's first line starts
 
-    def feed(self, chunk: bytes) -> list[KernelRecord]:
+    def feed(self, chunk: bytes) -> list[FaultRecord]:
         data = self.partial + chunk
         lines_before, end_before, tail_before = self.parser.lines_seen, self._end, self._tail
         records = super().feed(chunk)

@@ -28,8 +28,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from node_probe.classify.kernel_log import KernelRecord
 from node_probe.classify.policy import NVML_GPU_UNAVAILABLE, NVML_RECOVERY_ACTION_PREFIX, NVML_REMAP_FAILURE
+from node_probe.classify.record import FaultRecord
 from node_probe.host import boot_id
 from node_probe.sources.base import Observation, SourceStatus, TrackedStatus
 
@@ -181,7 +181,7 @@ class _Unavailable(Exception):
     """NVML cannot be used right now; the message is the status reason."""
 
 
-Found = tuple[KernelRecord, str]  # a record and its position (for the finding id)
+Found = tuple[FaultRecord, str]  # a record and its position (for the finding id)
 
 
 def _handle_key(handle: Any) -> int:
@@ -394,7 +394,7 @@ class NvmlSource(TrackedStatus):
             return f"nvml: {what}: {exc}"
         return f"nvml: {what} failed: {exc!r}"
 
-    def _observation(self, record: KernelRecord, position: str) -> Observation:
+    def _observation(self, record: FaultRecord, position: str) -> Observation:
         return Observation(record, self.name, position)
 
     # --- the NVML thread: every function below runs there --------------------------------------------------
@@ -508,7 +508,7 @@ class NvmlSource(TrackedStatus):
         if any(gpu.lost for gpu in session.gpus) or session.lost_unidentified:
             return found
         session.lost_unidentified = True
-        record = KernelRecord(
+        record = FaultRecord(
             line=0,
             raw="nvmlEventSetWait: NVML_ERROR_GPU_IS_LOST",
             kind="gpu_fallen_off_bus",
@@ -567,7 +567,7 @@ class NvmlSource(TrackedStatus):
         mig = "" if mig_gi is None else f" GPU-I:{mig_gi}" + ("" if mig_ci is None else f" GPU-CI:{mig_ci}")
         pci = gpu.pci if gpu else None
         uuid = gpu.uuid if gpu else None
-        record = KernelRecord(
+        record = FaultRecord(
             line=0,
             raw=f"NVML event XidCriticalError (PCI:{pci or '?'}{mig} {uuid or '?'}): {code}",
             kind="xid",
@@ -583,7 +583,7 @@ class NvmlSource(TrackedStatus):
     def _event_record(self, gpu: NvmlGpu | None, reason: str, message: str) -> Found:
         pci = gpu.pci if gpu else None
         uuid = gpu.uuid if gpu else None
-        record = KernelRecord(
+        record = FaultRecord(
             line=0,
             raw=f"NVML event {reason} (PCI:{pci or '?'} {uuid or '?'})",
             kind="nvml",
@@ -596,7 +596,7 @@ class NvmlSource(TrackedStatus):
         return record, self._next_event_position()
 
     def _state_record(self, gpu: NvmlGpu, reason: str, condition: str, message: str, **extra: Any) -> Found:
-        record = KernelRecord(
+        record = FaultRecord(
             line=0,
             raw=f"NVML {reason} (PCI:{gpu.pci or '?'} {gpu.uuid or '?'}): {message}",
             kind="nvml",
@@ -645,7 +645,7 @@ class NvmlSource(TrackedStatus):
         if gpu.lost:
             return []
         gpu.lost = True
-        record = KernelRecord(
+        record = FaultRecord(
             line=0,
             raw=f"NVML (PCI:{gpu.pci or '?'} {gpu.uuid or '?'}): NVML_ERROR_GPU_IS_LOST",
             kind="gpu_fallen_off_bus",
