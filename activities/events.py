@@ -11,11 +11,11 @@ import asyncio
 import json
 import logging
 import os
+from collections.abc import Callable
 from datetime import UTC, date, datetime
 from enum import Enum
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
@@ -25,6 +25,7 @@ from activities.metrics import EventMetrics
 from activities.models import EventType, FleetEvent
 from activities.webhook import WebhookSink
 from contract.config import EventSettings
+from contract.formats import workflow_url
 
 log = logging.getLogger(__name__)
 
@@ -82,17 +83,17 @@ class EventActivities:
     def __init__(self, aws: AwsClients, settings: EventSettings, ui_url: str | None = None) -> None:
         self._aws = aws
         self._settings = settings
-        self._ui_url = ui_url.rstrip("/") if ui_url else None
+        self._ui_url = ui_url
         self._webhook = WebhookSink(settings) if settings.webhook_url else None
 
-    def activities(self) -> list[Any]:
+    def activities(self) -> list[Callable[..., Any]]:
+        """The bound activity methods, for `Worker(activities=...)`."""
         return [self.publish_event]
 
     def _workflow_url(self, event: FleetEvent) -> str | None:
         if self._ui_url is None or not event.workflow_id:
             return None
-        namespace = quote(activity.info().workflow_namespace or "default", safe="")
-        return f"{self._ui_url}/namespaces/{namespace}/workflows/{quote(event.workflow_id, safe='')}"
+        return workflow_url(self._ui_url, activity.info().workflow_namespace or "default", event.workflow_id)
 
     @activity.defn(name="publish_event")
     async def publish_event(self, event: FleetEvent) -> None:

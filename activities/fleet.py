@@ -4,8 +4,8 @@ Every activity is idempotent, because Temporal may run it again after a timeout 
 first looks at what AWS already has (the instance already DRAINING, a replacement already tagged for this
 impaired instance, the instance already terminated) and treats "already done" as success.
 
-Instances belong to a capacity group when their EC2 tag `gpu-autorepair:group` names the group, or when they
-are members of the group's Auto Scaling group.
+The EC2 and Auto Scaling lookups are in activities/ec2.py, the two ways to launch a replacement in
+activities/launch.py.
 """
 
 from __future__ import annotations
@@ -13,15 +13,17 @@ from __future__ import annotations
 import asyncio
 import re
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from temporalio import activity
 from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
 
 from activities.aws import AwsClients, aws_call
+from activities.ec2 import GONE_EC2_STATES, Ec2, chunks
+from activities.launch import Launcher
 from activities.models import (
     ContainerInstanceRef,
     DrainResult,
@@ -39,46 +41,22 @@ from activities.models import (
 )
 from activities.workflow_ops import live_group_config
 from contract.groups import CapacityGroup, GroupConfigOverrides
-from contract.names import GROUP_TAG
 
 if TYPE_CHECKING:
-    from mypy_boto3_autoscaling.type_defs import AutoScalingGroupTypeDef
-    from mypy_boto3_ec2.type_defs import InstanceTypeDef, LaunchTemplateSpecificationTypeDef, TagTypeDef
     from mypy_boto3_ecs.type_defs import ContainerInstanceTypeDef
 
 
-REPLACES_TAG = "gpu-autorepair:replaces"
-# Auto Scaling mode: when the impaired instance was detached (AWS clock), so the instance the group launched
-# after it can be told from the ones it already had, even on a retry that lost everything in memory.
-DETACHED_AT_TAG = "gpu-autorepair:detached-at"
-
-LIVE_EC2_STATES = ["pending", "running", "stopping", "stopped"]
-GONE_EC2_STATES = frozenset({"shutting-down", "terminated"})
 REGISTERED_STATUSES = ("ACTIVE", "DRAINING")
 # The ECS agent's default (ECS_CONTAINER_STOP_TIMEOUT) for a container without stopTimeout, on EC2.
 ECS_DEFAULT_STOP_TIMEOUT = 30
 ECS_REASON_MAX = 255
-# API batch limits.
+# API batch limit.
 ECS_DESCRIBE_BATCH = 100
-EC2_FILTER_VALUES_MAX = 200
 # While waiting for ECS registration, look at the EC2 instance itself every this many polls (not every poll,
 # to stay far from the EC2 API rate limits with many repairs waiting at once).
 EC2_CHECK_EVERY_POLLS = 15
 
 INSTANCE_ID = re.compile(r"^i-[0-9a-f]{8,17}$")
-# A name may start with "lt-" too; an id is exactly this shape.
-LAUNCH_TEMPLATE_ID = re.compile(r"^lt-[0-9a-f]{17}$")
-
-T = TypeVar("T")
-
-
-def _chunks(items: Sequence[T], size: int) -> Iterator[list[T]]:
-    for start in range(0, len(items), size):
-        yield list(items[start : start + size])
-
-
-def _tags(tags: Iterable[TagTypeDef] | None) -> dict[str, str]:
-    return {t.get("Key", ""): t.get("Value", "") for t in tags or ()}
 
 
 def _is_not_found(err: ApplicationError) -> bool:
@@ -97,6 +75,8 @@ class FleetActivities:
         client: Client | None = None,
     ) -> None:
         self._aws = aws
+        self._ec2 = Ec2(aws)
+        self._launch = Launcher(aws, self._ec2)
         self._groups = groups
         # Reads the live overrides an operator set on the group's drain semaphore; None: settings only.
         self._client = client
@@ -131,7 +111,7 @@ class FleetActivities:
             arns += await self._list_container_instance_arns(group.cluster, status=status)
         container_instances = await self._describe_container_instances(group.cluster, arns)
         ec2_ids = {ci["ec2InstanceId"] for ci in container_instances if ci.get("ec2InstanceId")}
-        members = await self._members(group, ec2_ids)
+        members = await self._ec2.members(group, ec2_ids)
         return GroupCapacity(
             group=group.name, instance_count=len(members), max_draining=group.max_draining(len(members))
         )
@@ -174,7 +154,7 @@ class FleetActivities:
                     type="ContainerInstanceNotFound" if missing else "UpdateContainerInstancesStateFailed",
                     non_retryable=missing,
                 )
-        instance = await self._ec2_instance(ref.instance_id)
+        instance = await self._ec2.instance(ref.instance_id)
         return DrainResult(
             container_instance_arn=arn,
             availability_zone=(instance or {}).get("Placement", {}).get("AvailabilityZone"),
@@ -186,13 +166,13 @@ class FleetActivities:
         """Start the replacement before anything is stopped. Idempotent through the `replaces` tag."""
         group = self._group(request.group)
         _check_instance_id(request.impaired_instance_id)
-        existing = await self._find_replacement(request.impaired_instance_id)
+        existing = await self._ec2.find_replacement(request.impaired_instance_id)
         if existing is not None:
             return LaunchResult(replacement_instance_id=existing, already_existed=True)
         if group.launch_template:
-            return await self._launch_from_template(group, request)
+            return await self._launch.from_template(group, request)
         if group.auto_scaling_group:
-            return await self._replace_in_auto_scaling_group(group, request)
+            return await self._launch.in_auto_scaling_group(group, request)
         raise ApplicationError(
             f"capacity group {group.name} has neither launch_template nor auto_scaling_group: "
             "cannot launch a replacement",
@@ -215,7 +195,7 @@ class FleetActivities:
             if ci is not None and status == "ACTIVE":
                 return ContainerInstanceRef(container_instance_arn=ci["containerInstanceArn"])
             if polls % EC2_CHECK_EVERY_POLLS == 0:
-                instance = await self._ec2_instance(ref.instance_id)
+                instance = await self._ec2.instance(ref.instance_id)
                 state = (instance or {}).get("State", {}).get("Name")
                 # Waiting for an instance that is gone would only end at the timeout; fail now so the workflow
                 # can launch another. (Not found just after launch is normal: EC2 is eventually consistent.)
@@ -237,7 +217,7 @@ class FleetActivities:
         ci = await self._find_container_instance(group, ref.instance_id)
         if ci is None:
             return InstanceTasks(tasks=[])  # deregistered: its tasks are gone with it
-        instance = await self._ec2_instance(ref.instance_id)
+        instance = await self._ec2.instance(ref.instance_id)
         if instance is None or instance.get("State", {}).get("Name") in GONE_EC2_STATES:
             return InstanceTasks(tasks=[])
         arn = ci["containerInstanceArn"]
@@ -324,142 +304,6 @@ class FleetActivities:
         previous = resp.get("TerminatingInstances", [{}])[0].get("PreviousState", {}).get("Name")
         return TerminateResult(previous_state=previous, already_terminated=previous in GONE_EC2_STATES)
 
-    # --- launch modes -------------------------------------------------------------------------------------
-
-    async def _launch_from_template(self, group: CapacityGroup, request: LaunchRequest) -> LaunchResult:
-        template = group.launch_template or ""
-        version = group.launch_template_version
-        by_id = LAUNCH_TEMPLATE_ID.match(template) is not None
-        resource = f"launch template {template} version {version} (capacity group {group.name})"
-        # Look the template up first: a missing one is a configuration error that no retry fixes, and
-        # DescribeLaunchTemplates names it plainly (moto also answers RunInstances with a 500 for it).
-        describe = self._aws.ec2.describe_launch_templates
-        found = await (
-            aws_call(resource, describe, LaunchTemplateIds=[template])
-            if by_id
-            else aws_call(resource, describe, LaunchTemplateNames=[template])
-        )
-        if not found.get("LaunchTemplates"):
-            raise ApplicationError(
-                f"ec2:DescribeLaunchTemplates on {resource} failed: no such launch template",
-                type="InvalidLaunchTemplateId.NotFound" if by_id else "InvalidLaunchTemplateName.NotFoundException",
-                non_retryable=True,
-            )
-        spec: LaunchTemplateSpecificationTypeDef = (
-            {"LaunchTemplateId": template, "Version": version}
-            if by_id
-            else {"LaunchTemplateName": template, "Version": version}
-        )
-        kwargs: dict[str, Any] = {}
-        # Same subnet (hence AZ) as the impaired instance: its tasks' placement constraints stay valid.
-        if request.subnet_id:
-            kwargs["SubnetId"] = request.subnet_id
-        elif request.availability_zone:
-            kwargs["Placement"] = {"AvailabilityZone": request.availability_zone}
-        resp = await aws_call(
-            resource,
-            self._aws.ec2.run_instances,
-            LaunchTemplate=spec,
-            MinCount=1,
-            MaxCount=1,
-            # AWS returns the first launch for a repeated token; the `replaces` tag covers moto (ignores it).
-            ClientToken=request.client_token,
-            TagSpecifications=[
-                {
-                    "ResourceType": "instance",
-                    "Tags": [
-                        {"Key": GROUP_TAG, "Value": group.name},
-                        {"Key": REPLACES_TAG, "Value": request.impaired_instance_id},
-                        {"Key": "Name", "Value": f"{group.name} (replaces {request.impaired_instance_id})"},
-                    ],
-                }
-            ],
-            **kwargs,
-        )
-        return LaunchResult(replacement_instance_id=resp["Instances"][0]["InstanceId"])
-
-    async def _replace_in_auto_scaling_group(self, group: CapacityGroup, request: LaunchRequest) -> LaunchResult:
-        """Detach-and-replace: detach without decrementing desired capacity; the group launches a new one."""
-        asg_name = group.auto_scaling_group or ""
-        impaired = request.impaired_instance_id
-        resource = f"EC2 instance {impaired} in Auto Scaling group {asg_name}"
-        instance = await self._ec2_instance(impaired)
-        tags = _tags((instance or {}).get("Tags"))
-        membership = await aws_call(
-            resource, self._aws.autoscaling.describe_auto_scaling_instances, InstanceIds=[impaired]
-        )
-        in_group = any(m.get("AutoScalingGroupName") == asg_name for m in membership.get("AutoScalingInstances", []))
-        if in_group:
-            if DETACHED_AT_TAG not in tags:
-                # Written before detaching (worker clock): a crash right after the detach leaves a cutoff.
-                # The group tag keeps the detached instance counted in the group while it drains.
-                now = datetime.now(UTC).isoformat()
-                await self._tag(impaired, {DETACHED_AT_TAG: now, GROUP_TAG: group.name})
-                tags[DETACHED_AT_TAG] = now
-            detached_at = await self._detach(asg_name, impaired, resource)
-            if detached_at is not None:
-                # The AWS clock is the one the new instance's LaunchTime is on: prefer it to ours.
-                tags[DETACHED_AT_TAG] = detached_at.isoformat()
-                await self._tag(impaired, {DETACHED_AT_TAG: tags[DETACHED_AT_TAG]})
-        elif DETACHED_AT_TAG not in tags:
-            raise ApplicationError(
-                f"autoscaling:DetachInstances: EC2 instance {impaired} is not in Auto Scaling group "
-                f"{asg_name} (capacity group {group.name}), so detaching it would launch nothing",
-                type="NotInAutoScalingGroup",
-                non_retryable=True,
-            )
-        cutoff = datetime.fromisoformat(tags[DETACHED_AT_TAG]).astimezone(UTC).replace(microsecond=0)
-
-        asg = await self._auto_scaling_group(group)
-        in_service = [
-            i["InstanceId"]
-            for i in asg.get("Instances", [])
-            if i.get("LifecycleState") == "InService" and i["InstanceId"] != impaired
-        ]
-        candidates = [
-            inst
-            for inst in (await self._ec2_instances(in_service)).values()
-            if REPLACES_TAG not in _tags(inst.get("Tags"))
-            and inst.get("State", {}).get("Name") in LIVE_EC2_STATES
-            # LaunchTime has whole seconds, hence the cutoff rounded down.
-            and inst["LaunchTime"] >= cutoff
-        ]
-        if not candidates:
-            raise ApplicationError(
-                f"Auto Scaling group {asg_name} has not yet launched an in-service replacement for {impaired}",
-                type="ReplacementNotYetLaunched",
-            )
-        # The first launched after the detach is most likely the one the detach caused.
-        chosen = min(candidates, key=lambda i: (i["LaunchTime"], i["InstanceId"]))["InstanceId"]
-        await self._tag(chosen, {REPLACES_TAG: impaired, GROUP_TAG: group.name})
-        # Two repairs in one group may pick the same new instance: the tag's last writer owns it, the
-        # other retries.
-        owner = _tags(((await self._ec2_instance(chosen)) or {}).get("Tags")).get(REPLACES_TAG)
-        if owner != impaired:
-            raise ApplicationError(
-                f"new instance {chosen} of Auto Scaling group {asg_name} was claimed by the repair of {owner}",
-                type="ReplacementClaimConflict",
-            )
-        return LaunchResult(replacement_instance_id=chosen)
-
-    async def _detach(self, asg_name: str, instance_id: str, resource: str) -> datetime | None:
-        """Detach; returns the detach activity's start time (AWS clock), or None if already detached."""
-        try:
-            resp = await aws_call(
-                resource,
-                self._aws.autoscaling.detach_instances,
-                AutoScalingGroupName=asg_name,
-                InstanceIds=[instance_id],
-                ShouldDecrementDesiredCapacity=False,
-            )
-        except ApplicationError as err:
-            if err.type == "ValidationError" and "not part of" in err.message:
-                return None  # detached between our membership check and the call
-            raise
-        activities = resp.get("Activities", [])
-        start = activities[0].get("StartTime") if activities else None
-        return start.astimezone(UTC) if start is not None else None
-
     # --- lookups ------------------------------------------------------------------------------------------
 
     async def _live_overrides(self, group: str) -> GroupConfigOverrides:
@@ -499,7 +343,7 @@ class FleetActivities:
 
     async def _describe_container_instances(self, cluster: str, arns: Sequence[str]) -> list[ContainerInstanceTypeDef]:
         found: list[ContainerInstanceTypeDef] = []
-        for chunk in _chunks(arns, ECS_DESCRIBE_BATCH):
+        for chunk in chunks(arns, ECS_DESCRIBE_BATCH):
             resp = await aws_call(
                 f"ECS cluster {cluster}",
                 self._aws.ecs.describe_container_instances,
@@ -525,87 +369,9 @@ class FleetActivities:
         # A re-registered instance (agent state reset) has two; the newest is the live one.
         return max(matches, key=lambda ci: ci.get("registeredAt") or datetime.min.replace(tzinfo=UTC))
 
-    async def _ec2_instances(self, instance_ids: Iterable[str]) -> dict[str, InstanceTypeDef]:
-        """Instances by id. A filter, not InstanceIds=, so an id that no longer exists is skipped."""
-        ids = sorted(set(instance_ids))
-        found: dict[str, InstanceTypeDef] = {}
-        for chunk in _chunks(ids, EC2_FILTER_VALUES_MAX):
-            token: str | None = None
-            while True:
-                kwargs: dict[str, Any] = {"NextToken": token} if token else {}
-                page = await aws_call(
-                    f"EC2 instances {', '.join(chunk[:3])}{'...' if len(chunk) > 3 else ''}",
-                    self._aws.ec2.describe_instances,
-                    Filters=[{"Name": "instance-id", "Values": chunk}],
-                    **kwargs,
-                )
-                for reservation in page.get("Reservations", []):
-                    for inst in reservation.get("Instances", []):
-                        found[inst["InstanceId"]] = inst
-                token = page.get("NextToken")
-                if not token:
-                    break
-        return found
-
-    async def _ec2_instance(self, instance_id: str) -> InstanceTypeDef | None:
-        return (await self._ec2_instances([instance_id])).get(instance_id)
-
-    async def _find_replacement(self, impaired_instance_id: str) -> str | None:
-        """A live instance already launched (or claimed) for this impaired instance: the idempotency key."""
-        resp = await aws_call(
-            f"replacement of EC2 instance {impaired_instance_id}",
-            self._aws.ec2.describe_instances,
-            Filters=[
-                {"Name": f"tag:{REPLACES_TAG}", "Values": [impaired_instance_id]},
-                {"Name": "instance-state-name", "Values": LIVE_EC2_STATES},
-            ],
-        )
-        instances = [i for r in resp.get("Reservations", []) for i in r.get("Instances", [])]
-        if not instances:
-            return None
-        return min(instances, key=lambda i: (i["LaunchTime"], i["InstanceId"]))["InstanceId"]
-
-    async def _auto_scaling_group(self, group: CapacityGroup) -> AutoScalingGroupTypeDef:
-        name = group.auto_scaling_group or ""
-        resp = await aws_call(
-            f"Auto Scaling group {name}",
-            self._aws.autoscaling.describe_auto_scaling_groups,
-            AutoScalingGroupNames=[name],
-        )
-        groups = resp.get("AutoScalingGroups", [])
-        if not groups:
-            raise ApplicationError(
-                f"autoscaling:DescribeAutoScalingGroups: Auto Scaling group {name} of capacity group "
-                f"{group.name} does not exist",
-                type="AutoScalingGroupNotFound",
-                non_retryable=True,
-            )
-        return groups[0]
-
-    async def _members(self, group: CapacityGroup, instance_ids: Iterable[str]) -> set[str]:
-        """The live instances among `instance_ids` in the group (by tag or Auto Scaling membership)."""
-        asg_ids: set[str] = set()
-        if group.auto_scaling_group:
-            asg = await self._auto_scaling_group(group)
-            asg_ids = {i["InstanceId"] for i in asg.get("Instances", [])}
-        return {
-            iid
-            for iid, inst in (await self._ec2_instances(instance_ids)).items()
-            if inst.get("State", {}).get("Name") in LIVE_EC2_STATES
-            and (_tags(inst.get("Tags")).get(GROUP_TAG) == group.name or iid in asg_ids)
-        }
-
-    async def _tag(self, instance_id: str, tags: dict[str, str]) -> None:
-        await aws_call(
-            f"EC2 instance {instance_id}",
-            self._aws.ec2.create_tags,
-            Resources=[instance_id],
-            Tags=[{"Key": k, "Value": v} for k, v in tags.items()],
-        )
-
     async def _describe_tasks(self, cluster: str, task_arns: Sequence[str]) -> list[Any]:
         tasks: list[Any] = []
-        for chunk in _chunks(task_arns, ECS_DESCRIBE_BATCH):
+        for chunk in chunks(task_arns, ECS_DESCRIBE_BATCH):
             resp = await aws_call(
                 f"tasks in ECS cluster {cluster}", self._aws.ecs.describe_tasks, cluster=cluster, tasks=chunk
             )

@@ -3,6 +3,7 @@ signal-with-start, look at another workflow's status)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -65,6 +66,10 @@ class WorkflowOps:
     def __init__(self, client: Client, task_queue: str) -> None:
         self._client = client
         self._task_queue = task_queue
+
+    def activities(self) -> list[Callable[..., Any]]:
+        """The bound activity methods, for `Worker(activities=...)`."""
+        return [self.start_repair, self.request_drain_permit, self.find_closed_workflows, self.previous_group_config]
 
     @activity.defn
     async def start_repair(self, request: StartRepairRequest) -> StartRepairResult:

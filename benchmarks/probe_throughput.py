@@ -1,6 +1,6 @@
 """Probe throughput, flood memory and idle CPU.
 
-    .venv/bin/python benchmarks/probe_throughput.py [--quick] [--idle-seconds 30] [--json FILE]
+    .venv/bin/python -m benchmarks.probe_throughput [--quick] [--idle-seconds 30] [--json FILE]   (repository root)
 
 Measures, on this machine:
   1. lines/s through parse + policy + burst collapse (+ building the findings that go out), fed in 1 MiB chunks
@@ -30,8 +30,6 @@ from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from contract.probe import GpuFinding, Heartbeat
 from node_probe.classify.dedupe import BurstCollapser

@@ -1,4 +1,4 @@
-"""`autorepair classify` and `autorepair probe`; worker/cli.py wires them into the `autorepair` command."""
+"""`autorepair classify` and `autorepair probe`; operator_cli/main.py wires them into the `autorepair` command."""
 
 from __future__ import annotations
 
@@ -57,7 +57,8 @@ def _fail(command: str, error: CliError) -> int:
     return 2
 
 
-def _add_policy_arguments(parser: argparse.ArgumentParser) -> None:
+def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--policy` and `--policy-config`, defined once for classify, probe and the operator's inject."""
     parser.add_argument("--policy", choices=POLICY_NAMES, default=POLICY_ECS, help="base policy (default: ecs)")
     parser.add_argument(
         "--policy-config",
@@ -68,7 +69,8 @@ def _add_policy_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _load_policy_config(path: Path | None) -> PolicyConfig:
+def load_policy_config(path: Path | None) -> PolicyConfig:
+    """The operator overrides in `--policy-config` (none: the base policy as is); a bad file is a CliError."""
     if path is None:
         return PolicyConfig()
     try:
@@ -84,7 +86,7 @@ def _load_policy_config(path: Path | None) -> PolicyConfig:
 
 def add_classify_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", nargs="?", default=None, metavar="FILE", help="kernel log text (default: stdin)")
-    _add_policy_arguments(parser)
+    add_policy_arguments(parser)
     parser.add_argument("--format", choices=("json", "table"), default="table", help="output (default: table)")
 
 
@@ -123,7 +125,7 @@ def classification_row(record: FaultRecord, verdict: Verdict) -> dict[str, Any]:
 def run_classify(args: argparse.Namespace) -> int:
     """Print one line per fault record, in input order, without de-duplication (a burst shows in full)."""
     try:
-        policy = Policy(getattr(args, "policy", POLICY_ECS), _load_policy_config(getattr(args, "policy_config", None)))
+        policy = Policy(getattr(args, "policy", POLICY_ECS), load_policy_config(getattr(args, "policy_config", None)))
         with _open_input(getattr(args, "file", None)) as handle:
             now = datetime.now(UTC)
             rows = (classification_row(r, policy.classify(r, now)) for r in parse_lines(handle))
@@ -201,7 +203,7 @@ def add_probe_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"where undelivered findings wait (default: {DEFAULT_SPOOL_DIR}, or memory if not writable)",
     )
-    _add_policy_arguments(parser)
+    add_policy_arguments(parser)
 
 
 async def _resolve_instance_id(given: str | None) -> str:
@@ -260,7 +262,7 @@ async def build_probe(args: argparse.Namespace) -> Probe:
             dcgm=args.dcgm if getattr(args, "dcgm", None) is not None else True,
             daemons=_daemon_specs(args),
             policy=args.policy,
-            policy_config=_load_policy_config(args.policy_config),
+            policy_config=load_policy_config(args.policy_config),
             heartbeat_interval=timedelta(seconds=args.heartbeat_interval),
             dedupe_window=timedelta(seconds=args.dedupe_window),
             task_queue=temporal.task_queue,

@@ -9,44 +9,18 @@ import sys
 from collections.abc import Callable, Coroutine
 from typing import Any, NoReturn
 
-import structlog
 from pydantic import ValidationError
 
+from node_probe.cli import add_classify_arguments, add_probe_arguments, run_classify, run_probe_command
+from operator_cli.client import guarded
+from operator_cli.describe import add_describe_arguments, describe_instances
+from operator_cli.group import add_group_arguments, group_usage
+from operator_cli.history import add_history_arguments, repair_history
+from operator_cli.inject import add_inject_arguments, inject_fault
+from simulator.demo import add_demo_arguments, run_demo
+from worker.commands import run_setup_command, run_worker_command
 from worker.logging_setup import configure_logging
 from worker.settings import Settings
-
-log = structlog.get_logger(__name__)
-
-
-async def _run_worker_command(args: argparse.Namespace) -> int:
-    from contract.temporal_client import connect
-    from worker.main import run_worker
-    from worker.setup import ensure_search_attributes
-    from worker.telemetry import runtime, tracing_interceptors
-
-    settings = Settings()
-    client = await connect(settings.temporal, runtime=runtime(settings), interceptors=tracing_interceptors(settings))
-    await ensure_search_attributes(client)
-    log.info(
-        "worker starting",
-        address=settings.temporal.address,
-        namespace=settings.temporal.namespace,
-        task_queue=settings.temporal.task_queue,
-        groups=[g.name for g in settings.groups],
-        metrics=settings.metrics_bind_address,
-    )
-    await run_worker(settings, client)
-    return 0
-
-
-async def _run_setup_command(args: argparse.Namespace) -> int:
-    from contract.temporal_client import connect
-    from worker.setup import ensure_search_attributes
-
-    settings = Settings()
-    added = await ensure_search_attributes(await connect(settings.temporal))
-    print(f"search attributes added: {', '.join(added)}" if added else "search attributes already registered")
-    return 0
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -64,10 +38,6 @@ def _one_line(err: ValidationError) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from node_probe.cli import add_classify_arguments, add_probe_arguments, run_classify, run_probe_command
-    from operator_cli.commands import add_ops_commands
-    from simulator.demo import add_demo_arguments, run_demo
-
     parser = OneLineErrorParser(prog="autorepair", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -76,12 +46,27 @@ def build_parser() -> argparse.ArgumentParser:
         sub.set_defaults(run=run)
         return sub
 
-    command("worker", "run the repair workers (workflows and activities) on this host", _run_worker_command)
-    command("setup", "register the custom search attributes in the Temporal namespace", _run_setup_command)
+    command("worker", "run the repair workers (workflows and activities) on this host", run_worker_command)
+    command("setup", "register the custom search attributes in the Temporal namespace", run_setup_command)
     add_demo_arguments(command("demo", "run a simulated GPU fleet that heals itself, locally", run_demo))
     add_probe_arguments(command("probe", "run the node probe on a GPU host", run_probe_command))
     add_classify_arguments(command("classify", "classify kernel log text under a repair policy", run_classify))
-    add_ops_commands(command)
+    # The operator's commands read and change the fleet through Temporal; guarded() turns what the operator can
+    # fix (a bad argument, an unreachable server, an unknown instance) into one line and an exit status.
+    add_describe_arguments(
+        command(
+            "describe-instances", "health status, GPU findings and repair of instances", guarded(describe_instances)
+        )
+    )
+    add_history_arguments(
+        command("history", "past and running repairs, phase by phase, from Temporal", guarded(repair_history))
+    )
+    add_inject_arguments(
+        command(
+            "inject", "game day: inject a GPU fault or a heartbeat loss, as a real one arrives", guarded(inject_fault)
+        )
+    )
+    add_group_arguments(command("group", "a capacity group's configuration, changed live", guarded(group_usage)))
     return parser
 
 

@@ -29,6 +29,7 @@ from typing import IO, Any
 from temporalio.common import SearchAttributeIndexedValueType, SearchAttributeKey
 
 from contract import search_attributes
+from contract.formats import workflow_url
 
 DEFAULT_START_TIMEOUT_S = 60.0
 DEFAULT_STOP_TIMEOUT_S = 10.0
@@ -215,7 +216,7 @@ class TemporalDevServer(_Subprocess):
         return f"http://localhost:{self.ui_port}"
 
     def workflows_url(self) -> str:
-        return f"{self.ui_url}/namespaces/{self.namespace}/workflows"
+        return workflow_url(self.ui_url, self.namespace)
 
     def command(self) -> list[str]:
         return [

@@ -17,9 +17,16 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
 from activities.aws import AwsClients, aws_call
+from activities.ec2 import DETACHED_AT_TAG, REPLACES_TAG
 from activities.errors import aws_errors, is_retryable
-from activities.fleet import DETACHED_AT_TAG, REPLACES_TAG, FleetActivities
-from activities.models import GroupConfigRequest, GroupRef, InstanceRef, LaunchRequest, StopTasksRequest
+from activities.fleet import FleetActivities
+from activities.models import (
+    GroupCapacityRequest,
+    GroupConfigRequest,
+    InstanceRef,
+    LaunchRequest,
+    StopTasksRequest,
+)
 from contract.config import AwsSettings
 from contract.groups import CapacityGroup
 from contract.names import GROUP_TAG
@@ -123,7 +130,7 @@ async def test_capacity_counts_group_instances_and_caps_draining(fleet: Fleet, c
     fleet.register(fleet.launch(tagged=False)[0])
     fleet.launch()
 
-    result = await run(fleet.acts.describe_group_capacity, GroupRef(group=fleet.group.name))
+    result = await run(fleet.acts.describe_group_capacity, GroupCapacityRequest(group=fleet.group.name))
 
     assert (result.group, result.instance_count, result.max_draining) == (fleet.group.name, count, cap)
 
@@ -134,7 +141,7 @@ async def test_capacity_counts_draining_and_drops_deregistered(fleet: Fleet) -> 
     await run(fleet.acts.set_draining, InstanceRef(group=fleet.group.name, instance_id=ids[0]))
     fleet.aws.ecs.deregister_container_instance(cluster=fleet.group.cluster, containerInstance=arns[1], force=True)
 
-    result = await run(fleet.acts.describe_group_capacity, GroupRef(group=fleet.group.name))
+    result = await run(fleet.acts.describe_group_capacity, GroupCapacityRequest(group=fleet.group.name))
 
     assert (result.instance_count, result.max_draining) == (2, 1)
 
@@ -142,7 +149,7 @@ async def test_capacity_counts_draining_and_drops_deregistered(fleet: Fleet) -> 
 async def test_get_group_config_and_unknown_group(fleet: Fleet) -> None:
     assert await run(fleet.acts.get_group_config, GroupConfigRequest(group=fleet.group.name)) == fleet.group
     with pytest.raises(ApplicationError) as exc:
-        await run(fleet.acts.describe_group_capacity, GroupRef(group="no-such-group"))
+        await run(fleet.acts.describe_group_capacity, GroupCapacityRequest(group="no-such-group"))
     assert "no-such-group" in permanent(exc, "UnknownCapacityGroup")
 
 
@@ -299,10 +306,10 @@ async def test_launch_in_auto_scaling_group_detaches_and_returns_the_new_instanc
     assert replacement["InstanceId"] == first.replacement_instance_id
     # The detached instance is still counted (group tag) until it is terminated; the replacement is not
     # registered in ECS yet.
-    capacity = await run(fleet.acts.describe_group_capacity, GroupRef(group=fleet.group.name))
+    capacity = await run(fleet.acts.describe_group_capacity, GroupCapacityRequest(group=fleet.group.name))
     assert capacity.instance_count == 2
     fleet.register(first.replacement_instance_id)
-    capacity = await run(fleet.acts.describe_group_capacity, GroupRef(group=fleet.group.name))
+    capacity = await run(fleet.acts.describe_group_capacity, GroupCapacityRequest(group=fleet.group.name))
     assert capacity.instance_count == 3
 
 

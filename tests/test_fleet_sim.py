@@ -21,7 +21,9 @@ import pytest
 
 from contract import search_attributes
 from contract.names import GROUP_TAG
-from simulator.fleet import CRITICAL_XIDS, NOISE_XIDS, SimNode, SimTiming, SimulatedFleet, SimWorkload
+from simulator.fleet import CRITICAL_XIDS, NOISE_XIDS, SimTiming, SimulatedFleet
+from simulator.fleet_aws import SimWorkload
+from simulator.nodes import SimNode
 from simulator.servers import MotoServer, TemporalDevServer, port_in_use, search_attribute_args
 
 FAST = SimTiming(

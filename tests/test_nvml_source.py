@@ -29,7 +29,8 @@ from node_probe.classify.kernel_log import parse_lines
 from node_probe.classify.policy import Policy
 from node_probe.probe import Probe, ProbeConfig
 from node_probe.sources.base import Observation
-from node_probe.sources.nvml import NvmlSource, normalise_bus_id, nvml_available
+from node_probe.sources.nvml import NvmlSource, nvml_available
+from node_probe.sources.nvml_session import normalise_bus_id
 from tests.test_probe import FakeReporter, eventually
 
 NOW = datetime(2025, 1, 1, tzinfo=UTC)

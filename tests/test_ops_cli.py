@@ -30,7 +30,10 @@ from contract.probe import Heartbeat
 from contract.repair import PhaseStep, RepairPhase
 from node_probe.classify.kernel_log import parse_lines
 from node_probe.classify.policy import Policy
-from operator_cli.commands import parse_duration, parse_since, phase_durations, workflow_url, xid_line
+from operator_cli.arguments import parse_duration, parse_since
+from operator_cli.client import workflow_url
+from operator_cli.history import phase_durations
+from operator_cli.inject import xid_line
 from tests.conftest import free_port
 from tests.fleet import Fleet, simulated_fleet
 from tests.harness import eventually, make_settings, read_events, running_worker, unique

@@ -43,21 +43,7 @@ def build_worker(settings: Settings, client: Client) -> Worker:
         task_queue=settings.temporal.task_queue,
         workflows=WORKFLOWS,
         workflow_runner=SANDBOX,
-        activities=[
-            fleet.get_group_config,
-            fleet.describe_group_capacity,
-            fleet.set_draining,
-            fleet.launch_replacement,
-            fleet.await_container_instance_active,
-            fleet.list_instance_tasks,
-            fleet.stop_tasks,
-            fleet.terminate_instance,
-            events.publish_event,
-            ops.start_repair,
-            ops.request_drain_permit,
-            ops.find_closed_workflows,
-            ops.previous_group_config,
-        ],
+        activities=[*fleet.activities(), *events.activities(), *ops.activities()],
     )
 
 

@@ -13,7 +13,8 @@ and journalctl indent the later lines with no prefix, journald's MESSAGE keeps t
 parser takes each of those lines as a body of its own, at the input line it came in.
 
 Records also carry what earlier lines and the prefix said: the GPU's UUID (`NVRM: GPU at PCI:...: GPU-...`, printed
-before a GPU's first Xid) and the wall-clock time of the line, when its prefix has one.
+before a GPU's first Xid) and the wall-clock time of the line, when its prefix has one (the parser finds the
+stamp; wall_clock.py turns it into POSIX time).
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ import re
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta, timezone
 from typing import Any, Final, NamedTuple
 
 from node_probe.classify.record import FaultRecord
+from node_probe.classify.wall_clock import WallClock
 
 # Prefixes that log tools put before the kernel's own text. They can stack (syslog's header, then dmesg's
 # uptime stamp), so they are stripped in a loop. Each alternative is anchored so that an application line
@@ -353,87 +354,6 @@ def _unescape_kmsg(text: str) -> str:
     return data.decode("utf-8", "replace")
 
 
-# --- wall-clock times in prefixes: parsed for records only, each distinct minute once ------------------------
-
-_MONTHS: Final = {
-    name: number
-    for number, name in enumerate(
-        ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"), start=1
-    )
-}
-_DAY_S = 86_400.0
-_WALL_CACHE_SIZE = 256
-
-
-def _latest_reading(local: datetime) -> float:
-    """POSIX time of a host-local time. In the hour that repeats when clocks go back, the later of its two readings:
-    a line is another boot's history only if every reading of its stamp is before this boot."""
-    return max(local.timestamp(), local.replace(fold=1).timestamp())
-
-
-def _local_minute(year: int, month: int, day: int, hour: int, minute: int) -> float | None:
-    """POSIX time of a host-local minute; None for one that does not exist."""
-    try:
-        return _latest_reading(datetime(year, month, day, hour, minute))
-    except (ValueError, OverflowError):
-        return None
-
-
-def _ctime_minute(key: str) -> float | None:
-    """dmesg -T's `Fri Aug 30 11:43` + `2024`, host local time."""
-    _, month, day, hour_minute, year = key.split()
-    number = _MONTHS.get(month)
-    if number is None:
-        return None
-    return _local_minute(int(year), number, int(day), int(hour_minute[:2]), int(hour_minute[3:5]))
-
-
-def _iso_minute(key: str) -> float | None:
-    """`2025-01-21T04:41` + an optional offset (`Z`, `+00:00`, `+0000`); without one, host local time."""
-    offset = key[16:]
-    try:
-        when = datetime(int(key[0:4]), int(key[5:7]), int(key[8:10]), int(key[11:13]), int(key[14:16]))
-        if not offset:
-            return _latest_reading(when)
-        if offset == "Z":
-            return when.replace(tzinfo=UTC).timestamp()
-        digits = offset[1:].replace(":", "")
-        delta = timedelta(hours=int(digits[:2]), minutes=int(digits[2:4]))
-        return when.replace(tzinfo=timezone(-delta if offset[0] == "-" else delta)).timestamp()
-    except (ValueError, OverflowError):
-        return None
-
-
-def _syslog_minute(key: str, now: float) -> tuple[float, float, float] | None:
-    """A syslog `Nov 22 15:39` (host local time, no year) in the latest year that puts it at most a day after
-    `now`, with the range of `now` for which that year stays the answer; None for a date that does not exist."""
-    month_name, day, hour_minute = key.split()
-    month = _MONTHS.get(month_name)
-    if month is None:
-        return None
-    hour, minute = int(hour_minute[:2]), int(hour_minute[3:5])
-    latest = time.localtime(now).tm_year + 1
-    found: float | None = None
-    later = float("inf")  # the same date in the next year it exists (29 February: four years on)
-    for year in range(latest, latest - 9, -1):
-        seconds = _local_minute(year, month, int(day), hour, minute)
-        if seconds is None:
-            continue
-        if seconds <= now + _DAY_S:
-            found = seconds
-            break
-        later = seconds
-    if found is None:
-        return None
-    if later == float("inf"):
-        for year in range(latest + 1, latest + 9):
-            seconds = _local_minute(year, month, int(day), hour, minute)
-            if seconds is not None:
-                later = seconds
-                break
-    return found, found - _DAY_S, later - _DAY_S
-
-
 # Storms repeat a handful of distinct texts (NVSentinel#1120: 800K lines, 29 distinct) behind changing
 # timestamps, so parsing each distinct text once makes a storm cheap. Bounded: cleared when full.
 _TEMPLATE_CACHE_SIZE = 512
@@ -467,9 +387,7 @@ class KernelLogParser:
         self._banner: _Banner | None = None
         self._templates: dict[str, FaultRecord | None] = {}
         self._uuids: dict[str, str] = {}  # PCI address (dddd:bb:dd, lower case) -> GPU UUID, oldest first
-        self._now = now
-        self._walls: dict[str, float | None] = {}
-        self._syslog_walls: dict[str, tuple[float, float, float]] = {}
+        self._clock = WallClock(now)
 
     @property
     def lines_seen(self) -> int:
@@ -634,42 +552,18 @@ class KernelLogParser:
         )
 
     def _wall(self, clock: re.Match[str]) -> float | None:
-        """POSIX time of a prefix's wall-clock time. Storm lines differ only in their seconds (or fraction), so
-        each distinct minute is parsed once and the seconds are added to it."""
+        """POSIX time of a prefix's wall-clock time: this module's regexes say which group holds what, the clock
+        does the calendar work."""
         groups = clock.groups()
         if clock.re is _PREFIX_BRACKET:  # uptime, minute, second, year
             _, minute, second, year = groups
-            base = self._cached_minute(minute + " " + year, _ctime_minute)
-            return None if base is None else base + int(second)
+            return self._clock.ctime(minute, second, year)
         if clock.re is _PREFIX_SYSLOG:  # BSD minute, seconds, then the ISO groups
             if groups[0] is not None:
-                return self._syslog_wall(groups[0], float(groups[1]))
+                return self._clock.syslog(groups[0], float(groups[1]))
             groups = groups[2:]
         minute, second, offset = groups  # ISO
-        base = self._cached_minute(minute + offset if offset else minute, _iso_minute)
-        return None if base is None else base + float(second.replace(",", ".") if "," in second else second)
-
-    def _cached_minute(self, key: str, parse: Callable[[str], float | None]) -> float | None:
-        walls = self._walls
-        if key in walls:
-            return walls[key]
-        seconds = parse(key)
-        if len(walls) >= _WALL_CACHE_SIZE:
-            walls.clear()
-        walls[key] = seconds
-        return seconds
-
-    def _syslog_wall(self, minute: str, seconds: float) -> float | None:
-        now = self._now()
-        cached = self._syslog_walls.get(minute)
-        if cached is None or not cached[1] <= now < cached[2]:
-            cached = _syslog_minute(minute, now)
-            if cached is None:
-                return None
-            if len(self._syslog_walls) >= _WALL_CACHE_SIZE:
-                self._syslog_walls.clear()
-            self._syslog_walls[minute] = cached
-        return cached[0] + seconds
+        return self._clock.iso(minute, second, offset)
 
 
 def parse_lines(lines: Iterable[str], now: Callable[[], float] = time.time) -> Iterator[FaultRecord]:

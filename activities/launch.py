@@ -1,0 +1,165 @@
+"""The two ways to launch a replacement: from the group's launch template (RunInstances with a client token), or
+by detaching the impaired instance from the group's Auto Scaling group, which then launches one itself."""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from temporalio.exceptions import ApplicationError
+
+from activities.aws import AwsClients, aws_call
+from activities.ec2 import DETACHED_AT_TAG, LIVE_EC2_STATES, REPLACES_TAG, Ec2, tags_of
+from activities.models import LaunchRequest, LaunchResult
+from contract.groups import CapacityGroup
+from contract.names import GROUP_TAG
+
+if TYPE_CHECKING:
+    from mypy_boto3_ec2.type_defs import LaunchTemplateSpecificationTypeDef
+
+# A name may start with "lt-" too; an id is exactly this shape.
+LAUNCH_TEMPLATE_ID = re.compile(r"^lt-[0-9a-f]{17}$")
+
+
+class Launcher:
+    """Launches one replacement for an impaired instance; FleetActivities.launch_replacement has already checked
+    that none exists yet (the `replaces` tag)."""
+
+    def __init__(self, aws: AwsClients, ec2: Ec2) -> None:
+        self._aws = aws
+        self._ec2 = ec2
+
+    async def from_template(self, group: CapacityGroup, request: LaunchRequest) -> LaunchResult:
+        template = group.launch_template or ""
+        version = group.launch_template_version
+        by_id = LAUNCH_TEMPLATE_ID.match(template) is not None
+        resource = f"launch template {template} version {version} (capacity group {group.name})"
+        # Look the template up first: a missing one is a configuration error that no retry fixes, and
+        # DescribeLaunchTemplates names it plainly (moto also answers RunInstances with a 500 for it).
+        describe = self._aws.ec2.describe_launch_templates
+        found = await (
+            aws_call(resource, describe, LaunchTemplateIds=[template])
+            if by_id
+            else aws_call(resource, describe, LaunchTemplateNames=[template])
+        )
+        if not found.get("LaunchTemplates"):
+            raise ApplicationError(
+                f"ec2:DescribeLaunchTemplates on {resource} failed: no such launch template",
+                type="InvalidLaunchTemplateId.NotFound" if by_id else "InvalidLaunchTemplateName.NotFoundException",
+                non_retryable=True,
+            )
+        spec: LaunchTemplateSpecificationTypeDef = (
+            {"LaunchTemplateId": template, "Version": version}
+            if by_id
+            else {"LaunchTemplateName": template, "Version": version}
+        )
+        kwargs: dict[str, Any] = {}
+        # Same subnet (hence AZ) as the impaired instance: its tasks' placement constraints stay valid.
+        if request.subnet_id:
+            kwargs["SubnetId"] = request.subnet_id
+        elif request.availability_zone:
+            kwargs["Placement"] = {"AvailabilityZone": request.availability_zone}
+        resp = await aws_call(
+            resource,
+            self._aws.ec2.run_instances,
+            LaunchTemplate=spec,
+            MinCount=1,
+            MaxCount=1,
+            # AWS returns the first launch for a repeated token; the `replaces` tag covers moto (ignores it).
+            ClientToken=request.client_token,
+            TagSpecifications=[
+                {
+                    "ResourceType": "instance",
+                    "Tags": [
+                        {"Key": GROUP_TAG, "Value": group.name},
+                        {"Key": REPLACES_TAG, "Value": request.impaired_instance_id},
+                        {"Key": "Name", "Value": f"{group.name} (replaces {request.impaired_instance_id})"},
+                    ],
+                }
+            ],
+            **kwargs,
+        )
+        return LaunchResult(replacement_instance_id=resp["Instances"][0]["InstanceId"])
+
+    async def in_auto_scaling_group(self, group: CapacityGroup, request: LaunchRequest) -> LaunchResult:
+        """Detach-and-replace: detach without decrementing desired capacity; the group launches a new one."""
+        asg_name = group.auto_scaling_group or ""
+        impaired = request.impaired_instance_id
+        resource = f"EC2 instance {impaired} in Auto Scaling group {asg_name}"
+        instance = await self._ec2.instance(impaired)
+        tags = tags_of((instance or {}).get("Tags"))
+        membership = await aws_call(
+            resource, self._aws.autoscaling.describe_auto_scaling_instances, InstanceIds=[impaired]
+        )
+        in_group = any(m.get("AutoScalingGroupName") == asg_name for m in membership.get("AutoScalingInstances", []))
+        if in_group:
+            if DETACHED_AT_TAG not in tags:
+                # Written before detaching (worker clock): a crash right after the detach leaves a cutoff.
+                # The group tag keeps the detached instance counted in the group while it drains.
+                now = datetime.now(UTC).isoformat()
+                await self._ec2.tag(impaired, {DETACHED_AT_TAG: now, GROUP_TAG: group.name})
+                tags[DETACHED_AT_TAG] = now
+            detached_at = await self._detach(asg_name, impaired, resource)
+            if detached_at is not None:
+                # The AWS clock is the one the new instance's LaunchTime is on: prefer it to ours.
+                tags[DETACHED_AT_TAG] = detached_at.isoformat()
+                await self._ec2.tag(impaired, {DETACHED_AT_TAG: tags[DETACHED_AT_TAG]})
+        elif DETACHED_AT_TAG not in tags:
+            raise ApplicationError(
+                f"autoscaling:DetachInstances: EC2 instance {impaired} is not in Auto Scaling group "
+                f"{asg_name} (capacity group {group.name}), so detaching it would launch nothing",
+                type="NotInAutoScalingGroup",
+                non_retryable=True,
+            )
+        cutoff = datetime.fromisoformat(tags[DETACHED_AT_TAG]).astimezone(UTC).replace(microsecond=0)
+
+        asg = await self._ec2.auto_scaling_group(group)
+        in_service = [
+            i["InstanceId"]
+            for i in asg.get("Instances", [])
+            if i.get("LifecycleState") == "InService" and i["InstanceId"] != impaired
+        ]
+        candidates = [
+            inst
+            for inst in (await self._ec2.instances(in_service)).values()
+            if REPLACES_TAG not in tags_of(inst.get("Tags"))
+            and inst.get("State", {}).get("Name") in LIVE_EC2_STATES
+            # LaunchTime has whole seconds, hence the cutoff rounded down.
+            and inst["LaunchTime"] >= cutoff
+        ]
+        if not candidates:
+            raise ApplicationError(
+                f"Auto Scaling group {asg_name} has not yet launched an in-service replacement for {impaired}",
+                type="ReplacementNotYetLaunched",
+            )
+        # The first launched after the detach is most likely the one the detach caused.
+        chosen = min(candidates, key=lambda i: (i["LaunchTime"], i["InstanceId"]))["InstanceId"]
+        await self._ec2.tag(chosen, {REPLACES_TAG: impaired, GROUP_TAG: group.name})
+        # Two repairs in one group may pick the same new instance: the tag's last writer owns it, the
+        # other retries.
+        owner = tags_of(((await self._ec2.instance(chosen)) or {}).get("Tags")).get(REPLACES_TAG)
+        if owner != impaired:
+            raise ApplicationError(
+                f"new instance {chosen} of Auto Scaling group {asg_name} was claimed by the repair of {owner}",
+                type="ReplacementClaimConflict",
+            )
+        return LaunchResult(replacement_instance_id=chosen)
+
+    async def _detach(self, asg_name: str, instance_id: str, resource: str) -> datetime | None:
+        """Detach; returns the detach activity's start time (AWS clock), or None if already detached."""
+        try:
+            resp = await aws_call(
+                resource,
+                self._aws.autoscaling.detach_instances,
+                AutoScalingGroupName=asg_name,
+                InstanceIds=[instance_id],
+                ShouldDecrementDesiredCapacity=False,
+            )
+        except ApplicationError as err:
+            if err.type == "ValidationError" and "not part of" in err.message:
+                return None  # detached between our membership check and the call
+            raise
+        activities = resp.get("Activities", [])
+        start = activities[0].get("StartTime") if activities else None
+        return start.astimezone(UTC) if start is not None else None

@@ -1,0 +1,191 @@
+"""`autorepair describe-instances`: each instance's health status, the GPU findings behind it and its repair.
+
+Health comes from the instances' health workflows through their `health` query, never from a worker's memory; a
+group's instances are found through visibility (running health workflows with its CapacityGroup).
+"""
+
+from __future__ import annotations
+
+import argparse
+from datetime import datetime
+from typing import Any
+
+from rich.table import Table
+from temporalio.client import Client, WorkflowQueryFailedError, WorkflowQueryRejectedError
+from temporalio.service import RPCError
+
+from contract import names
+from contract import search_attributes as sa
+from contract.config import TemporalSettings
+from contract.health import HealthState
+from contract.ids import health_workflow_id
+from operator_cli.arguments import add_common_arguments, safe_name
+from operator_cli.client import (
+    QUERY_TIMEOUT,
+    OpsError,
+    bounded,
+    connect_client,
+    list_workflows,
+    one_line,
+    rpc_reason,
+    temporal_settings,
+    workflow_url,
+)
+from operator_cli.output import iso, print_json, short_time, stdout_console
+from workflows.models import InstanceHealthView
+
+STATUS_STYLES = {"IMPAIRED": "bold red", "INSUFFICIENT_DATA": "yellow", "INITIALIZING": "cyan", "OK": "green"}
+
+
+def add_describe_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--group", type=safe_name("group name"), help="capacity group (lists its running instances)")
+    parser.add_argument(
+        "--instance", type=safe_name("instance id"), action="append", default=[], help="instance id (repeatable)"
+    )
+    parser.add_argument(
+        "--status",
+        type=str.upper,
+        choices=[state.value for state in HealthState],
+        help="with --group: only instances whose overall status is this (e.g. IMPAIRED)",
+    )
+    add_common_arguments(parser)
+
+
+async def describe_instances(args: argparse.Namespace) -> int:
+    """Exit status 1 when any instance could not be described (its line says why)."""
+    if not args.group and not args.instance:
+        raise OpsError("give --group G (all its running instances) or --instance I (repeatable)")
+    temporal = temporal_settings(args)
+    client = await connect_client(temporal)
+    if args.instance:
+        instances: list[tuple[str, str | None]] = [(i, None) for i in dict.fromkeys(args.instance)]
+    else:
+        query = (
+            f"WorkflowType = '{names.HEALTH_WORKFLOW}' AND CapacityGroup = {sa.quoted(args.group)} "
+            "AND ExecutionStatus = 'Running'"
+        )
+        if args.status:
+            query += f" AND {sa.HEALTH_STATUS.name} = {sa.quoted(args.status)}"
+        executions = await list_workflows(client, query)
+        instances = sorted(
+            (
+                execution.typed_search_attributes.get(sa.INSTANCE_ID) or execution.id.removeprefix("health/"),
+                execution.run_id,
+            )
+            for execution in executions
+        )
+    entries = await bounded(_describe_one(client, temporal, instance, run_id) for instance, run_id in instances)
+    if args.json:
+        print_json(entries)
+    else:
+        _print_instances(entries, args.group)
+    return 1 if any("error" in e for e in entries) else 0
+
+
+async def _describe_one(
+    client: Client, temporal: TemporalSettings, instance_id: str, run_id: str | None
+) -> dict[str, Any]:
+    workflow_id = health_workflow_id(instance_id)
+    handle = client.get_workflow_handle(workflow_id, run_id=run_id)
+    try:
+        if run_id is None:
+            run_id = (await handle.describe(rpc_timeout=QUERY_TIMEOUT)).run_id
+        view = await handle.query(names.QUERY_HEALTH, result_type=InstanceHealthView, rpc_timeout=QUERY_TIMEOUT)
+    except RPCError as err:
+        return {"ec2InstanceId": instance_id, "error": rpc_reason(err, names.QUERY_HEALTH)}
+    except (WorkflowQueryFailedError, WorkflowQueryRejectedError) as err:
+        return {"ec2InstanceId": instance_id, "error": one_line(str(err))}
+    return health_entry(view, workflow_url(temporal, workflow_id, run_id))
+
+
+def health_entry(view: InstanceHealthView, url: str | None = None) -> dict[str, Any]:
+    """One instance shaped like an entry of ECS DescribeContainerInstances (`ec2InstanceId`, `healthStatus`),
+    extended with the findings behind the status and the repair in progress."""
+    return {
+        "ec2InstanceId": view.instance_id,
+        "capacityGroup": view.group,
+        "healthStatus": view.healthStatus.model_dump(mode="json"),
+        "findings": [f.model_dump(mode="json") for f in view.recent_findings],
+        "warningCounts": view.warning_counts,
+        "repair": view.repair.model_dump(mode="json") if view.repair is not None else None,
+        "repairWithheld": view.repair_withheld,
+        "lastHeartbeat": iso(view.last_heartbeat),
+        "heartbeatsIgnoredUntil": iso(view.heartbeats_ignored_until),
+        "rejectedSignals": view.rejected_signals,
+        "retired": view.retired,
+        "probeSources": [s.model_dump(mode="json") for s in view.probe_sources],
+        "workflowUrl": url,
+    }
+
+
+def _print_instances(entries: list[dict[str, Any]], group: str | None) -> None:
+    console = stdout_console()
+    checks = Table(title=f"Instance health{f' in {group}' if group else ''}")
+    for column in ("instance", "overall", "check", "status", "reason", "last updated", "last change"):
+        checks.add_column(column, overflow="fold")
+    findings = Table(title="GPU findings behind it")
+    for column in ("instance", "observed", "reason", "impairs", "gpu", "count", "rule", "message"):
+        findings.add_column(column, overflow="fold")
+    repairs = Table(title="Repairs")
+    for column in ("instance", "repair", "phase", "reason", "replacement", "error"):
+        repairs.add_column(column, overflow="fold")
+    sources = Table(title="Probe sources that are down")
+    for column in ("instance", "source", "state", "reason"):
+        sources.add_column(column, overflow="fold")
+    problems: list[str] = []
+    for entry in entries:
+        instance = entry["ec2InstanceId"]
+        if "error" in entry:
+            problems.append(f"{instance}: {entry['error']}")
+            continue
+        health = entry["healthStatus"]
+        overall = health["overallStatus"]
+        for index, detail in enumerate(health["details"]):
+            checks.add_row(
+                instance if index == 0 else "",
+                f"[{STATUS_STYLES.get(overall, '')}]{overall}[/]" if index == 0 else "",
+                detail["type"],
+                f"[{STATUS_STYLES.get(detail['status'], '')}]{detail['status']}[/]",
+                detail.get("statusReason") or "",
+                short_time(datetime.fromisoformat(detail["lastUpdated"])),
+                short_time(datetime.fromisoformat(detail["lastStatusChange"])),
+            )
+        for finding in entry["findings"]:
+            findings.add_row(
+                instance,
+                short_time(datetime.fromisoformat(finding["observed_at"])),
+                finding["reason"],
+                "yes" if finding["impairs"] else "no",
+                (finding.get("gpu") or {}).get("pci") or "",
+                str(finding["count"]),
+                finding["rule"],
+                finding["message"],
+                style="bold red" if finding["impairs"] else None,
+            )
+        repair = entry["repair"]
+        if repair is not None:
+            repairs.add_row(
+                instance,
+                repair["workflow_id"],
+                repair["phase"],
+                repair["reason"],
+                repair.get("replacement_instance_id") or "",
+                repair.get("error") or "",
+            )
+        elif entry["repairWithheld"]:
+            repairs.add_row(instance, "", "not repaired", entry["repairWithheld"], "", "")
+        for source in entry["probeSources"]:
+            if source["state"] != "OK":
+                sources.add_row(instance, source["name"], source["state"], source.get("reason") or "")
+    if checks.row_count:
+        console.print(checks)
+    if findings.row_count:
+        console.print(findings)
+    if repairs.row_count:
+        console.print(repairs)
+    if sources.row_count:
+        console.print(sources)
+    if not entries:
+        console.print("no running health workflows found")
+    for problem in problems:
+        console.print(f"[yellow]{problem}[/]")

@@ -1,0 +1,203 @@
+"""`autorepair group describe | update`: a capacity group's configuration, read and changed live.
+
+The live configuration is the group's drain semaphore's: the worker settings plus the overrides operators made
+through its `update_group` update, kept across its runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from datetime import timedelta
+from typing import Any
+
+from rich.table import Table
+from temporalio.client import WithStartWorkflowOperation, WorkflowUpdateFailedError
+from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.exceptions import ApplicationError
+
+from activities.workflow_ops import live_group_config
+from contract import names
+from contract.groups import AutoRepair, CapacityGroup, GroupConfigState, GroupConfigUpdate
+from contract.ids import semaphore_workflow_id
+from contract.semaphore import SemaphoreInput
+from operator_cli.arguments import add_common_arguments, parse_duration, safe_name
+from operator_cli.client import (
+    QUERY_TIMEOUT,
+    OpsError,
+    connect_client,
+    guarded,
+    one_line,
+    requested_by,
+    temporal_settings,
+    workflow_url,
+)
+from operator_cli.output import iso, print_json, seconds_text, stdout_console
+from worker.settings import Settings
+from workflows.models import SemaphoreView
+
+
+def add_group_arguments(parser: argparse.ArgumentParser) -> None:
+    """`group describe` and `group update`, each with its own run; `group` alone runs group_usage."""
+    actions = parser.add_subparsers(dest="group_command", metavar="{describe,update}")
+    show = actions.add_parser("describe", help="effective configuration and live overrides")
+    show.set_defaults(run=guarded(group_describe))
+    show.add_argument("--name", type=safe_name("group name"), required=True)
+    add_common_arguments(show)
+    update = actions.add_parser("update", help="change auto repair, the drain cap or the heartbeat threshold now")
+    update.set_defaults(run=guarded(group_update))
+    update.add_argument("--name", type=safe_name("group name"), required=True)
+    update.add_argument("--auto-repair", type=str.upper, choices=[a.value for a in AutoRepair])
+    update.add_argument("--max-draining-percent", type=int, metavar="P")
+    update.add_argument("--heartbeat-loss-threshold", type=parse_duration, metavar="DURATION")
+    update.add_argument(
+        "--reset", action="store_true", help="drop every live override (back to the settings), then apply the rest"
+    )
+    update.add_argument("--timeout", type=parse_duration, default=timedelta(seconds=60), help="wait this long (60s)")
+    add_common_arguments(update)
+
+
+async def group_usage(args: argparse.Namespace) -> int:
+    """`autorepair group` without describe or update."""
+    raise OpsError("choose describe or update: autorepair group describe --name G")
+
+
+async def group_describe(args: argparse.Namespace) -> int:
+    temporal = temporal_settings(args)
+    client = await connect_client(temporal)
+    handle = client.get_workflow_handle(semaphore_workflow_id(args.name))
+    # A semaphore that is not running still has the overrides its last run left: the next one takes them over.
+    state, running = await live_group_config(client, args.name, QUERY_TIMEOUT)
+    view = (
+        await handle.query(names.QUERY_STATE, result_type=SemaphoreView, rpc_timeout=QUERY_TIMEOUT) if running else None
+    )
+    local = _local_group(args.name)
+    effective, source = (
+        (state.effective, "drain semaphore (worker settings + live overrides)")
+        if state is not None and state.effective is not None
+        else (local, "local settings (no live overrides)")
+        if local is not None
+        else (None, None)
+    )
+    document = {
+        "name": args.name,
+        "semaphoreRunning": running,
+        "effective": effective.model_dump(mode="json") if effective is not None else None,
+        "effectiveSource": source,
+        "overrides": state.overrides.model_dump(mode="json", exclude_none=True) if state else {},
+        "revision": state.revision if state else 0,
+        "updatedAt": iso(state.updated_at) if state else None,
+        "updatedBy": state.updated_by if state else "",
+        "draining": None
+        if view is None
+        else {
+            "capacity": view.capacity,
+            "groupSize": view.group_size,
+            "holders": [p.instance_id for p in view.holders],
+            "waiting": [w.instance_id for w in view.waiters],
+        },
+        "workflowUrl": workflow_url(temporal, semaphore_workflow_id(args.name), None) if state else None,
+    }
+    if args.json:
+        print_json(document)
+    else:
+        _print_group(document)
+    return 0
+
+
+def _local_group(name: str) -> CapacityGroup | None:
+    try:
+        return Settings().group(name)
+    except KeyError:
+        return None
+
+
+def _print_group(document: dict[str, Any]) -> None:
+    console = stdout_console()
+    table = Table(title=f"Capacity group {document['name']}")
+    for column in ("setting", "value", "live override"):
+        table.add_column(column, overflow="fold")
+    overrides = document["overrides"]
+    effective = document["effective"] or {}
+    for key in ("auto_repair", "max_draining_percent", "heartbeat_loss_threshold"):
+        value = effective.get(key, "?")
+        table.add_row(key, str(value), "yes" if key in overrides else "", style="bold" if key in overrides else None)
+    for key in ("cluster", "launch_template", "auto_scaling_group", "replacement_ready_timeout"):
+        if effective.get(key) is not None:
+            table.add_row(key, str(effective[key]), "")
+    if document["effectiveSource"]:
+        table.caption = f"from {document['effectiveSource']}"
+    console.print(table)
+    if document["revision"]:
+        console.print(
+            f"revision {document['revision']}, changed {document['updatedAt']} by {document['updatedBy'] or '?'}"
+        )
+    draining = document["draining"]
+    if draining is not None:
+        console.print(
+            f"draining {len(draining['holders'])} / {draining['capacity']} ({draining['groupSize']} instances)"
+            + (f", waiting: {', '.join(draining['waiting'])}" if draining["waiting"] else "")
+        )
+    elif not document["semaphoreRunning"]:
+        kept = " (its last run's overrides apply, and the next run takes them over)" if document["revision"] else ""
+        console.print(f"no drain semaphore running for this group now{kept}")
+
+
+async def group_update(args: argparse.Namespace) -> int:
+    update = GroupConfigUpdate(
+        auto_repair=AutoRepair(args.auto_repair) if args.auto_repair else None,
+        max_draining_percent=args.max_draining_percent,
+        heartbeat_loss_threshold=args.heartbeat_loss_threshold,
+        reset=args.reset,
+        requested_by=requested_by(),
+    )
+    settings_groups = [g.name for g in Settings().groups]
+    if settings_groups and args.name not in settings_groups:
+        # Only when this host has the groups configured; otherwise the worker (which always has) decides.
+        raise OpsError(f"unknown capacity group {args.name!r} (configured: {', '.join(settings_groups)})")
+    temporal = temporal_settings(args)
+    client = await connect_client(temporal)
+    start: WithStartWorkflowOperation[Any, Any] = WithStartWorkflowOperation(
+        names.SEMAPHORE_WORKFLOW,
+        SemaphoreInput(group=args.name),
+        id=semaphore_workflow_id(args.name),
+        task_queue=temporal.task_queue,
+        # The semaphore may not be running yet (no repair so far): start it, the update is its first act.
+        id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+        static_summary=f"drain cap for capacity group {args.name}",
+    )
+    try:
+        state = await asyncio.wait_for(
+            client.execute_update_with_start_workflow(
+                names.UPDATE_GROUP, update, start_workflow_operation=start, result_type=GroupConfigState
+            ),
+            timeout=args.timeout.total_seconds(),
+        )
+    except WorkflowUpdateFailedError as err:
+        cause = err.cause
+        message = cause.message if isinstance(cause, ApplicationError) else str(cause)
+        raise OpsError(one_line(message)) from None
+    except TimeoutError:
+        raise OpsError(
+            f"no worker completed the update within {seconds_text(args.timeout.total_seconds())}: is "
+            f"`autorepair worker` running on task queue {temporal.task_queue}?",
+            code=3,
+        ) from None
+    if not isinstance(state, GroupConfigState):
+        raise OpsError(f"unexpected answer from the drain semaphore: {state!r}", code=3)
+    if args.json:
+        print_json(
+            {
+                "name": args.name,
+                "effective": state.effective.model_dump(mode="json") if state.effective else None,
+                "overrides": state.overrides.model_dump(mode="json", exclude_none=True),
+                "revision": state.revision,
+                "updatedAt": iso(state.updated_at),
+                "updatedBy": state.updated_by,
+            }
+        )
+    else:
+        changed = ", ".join(f"{k}={v}" for k, v in state.overrides.model_dump(mode="json", exclude_none=True).items())
+        overrides = f"live overrides now {changed}" if changed else "no live overrides (the settings apply)"
+        stdout_console().print(f"capacity group {args.name}: revision {state.revision}, {overrides}")
+    return 0

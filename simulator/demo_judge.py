@@ -1,0 +1,91 @@
+"""When a demo run has reached its goal, or failed: judged from the fleet's snapshot and the events so far.
+
+ENABLED: every faulted instance replaced, the fleet back to N healthy instances, one RepairCompleted per fault.
+DISABLED: every faulted instance IMPAIRED and nothing drained or replaced for a grace period. In both modes a
+repair or an IMPAIRED instance without a fault (a blip taken for a loss, noise taken for a fault) fails the run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+from contract.groups import AutoRepair
+from contract.health import HealthState
+from simulator.fleet import FleetSnapshot
+
+# With auto repair DISABLED, "nothing happened" must hold this long after every fault shows as IMPAIRED.
+DISABLED_GRACE_S = 10.0
+
+
+@dataclass
+class Outcome:
+    """Neither done nor failed: the run goes on."""
+
+    done: bool = False
+    failed: bool = False
+    message: str = ""
+
+
+class Judge:
+    """Decides when the run reached its goal (or failed), from the fleet's snapshot and the event counts."""
+
+    def __init__(self, *, instances: int, auto_repair: AutoRepair, targets: set[str], blipped: set[str]) -> None:
+        self.instances = instances
+        self.auto_repair = auto_repair
+        self.targets = targets  # must be impaired (and, when ENABLED, replaced)
+        self.blipped = blipped
+        self.quiet_since: float | None = None
+
+    def judge(self, snap: FleetSnapshot, events: Counter[str]) -> Outcome:
+        terminated = set(snap.terminated)
+        spurious = sorted(terminated - self.targets)
+        if spurious:
+            which = ", ".join(f"{i} (blip)" if i in self.blipped else i for i in spurious)
+            return Outcome(failed=True, message=f"repaired instances that had no fault: {which}")
+        false_alarms = sorted(
+            iid for iid, status in snap.health.items() if status == HealthState.IMPAIRED and iid not in self.targets
+        )
+        if false_alarms:
+            which = ", ".join(f"{i} (blip)" if i in self.blipped else i for i in false_alarms)
+            return Outcome(failed=True, message=f"IMPAIRED without a fault: {which}")
+        if self.auto_repair is AutoRepair.DISABLED:
+            return self._judge_disabled(snap)
+        replaced = self.targets <= terminated
+        back_to_n = (
+            snap.running == self.instances
+            and snap.healthy == self.instances
+            and snap.container_draining == 0
+            and not snap.booting
+        )
+        repairs_done = events["RepairCompleted"] >= len(self.targets)
+        if replaced and back_to_n and repairs_done:
+            return Outcome(
+                done=True,
+                message=(
+                    f"all {len(self.targets)} impaired instances replaced; "
+                    f"{self.instances}/{self.instances} instances healthy"
+                ),
+            )
+        return Outcome()
+
+    def _judge_disabled(self, snap: FleetSnapshot) -> Outcome:
+        if snap.container_draining or snap.terminated or snap.replacements_running or snap.booting:
+            return Outcome(failed=True, message="auto repair is DISABLED, yet an instance was drained or replaced")
+        impaired = all(snap.health.get(t) == HealthState.IMPAIRED for t in self.targets)
+        if not impaired:
+            self.quiet_since = None
+            return Outcome()
+        now = time.monotonic()
+        if self.quiet_since is None:
+            self.quiet_since = now
+        if now - self.quiet_since >= DISABLED_GRACE_S:
+            return Outcome(
+                done=True,
+                message=(
+                    f"auto repair DISABLED: {len(self.targets)} instance(s) IMPAIRED and reported, "
+                    f"nothing drained or replaced for {DISABLED_GRACE_S:.0f}s"
+                ),
+            )
+        return Outcome()

@@ -1,0 +1,126 @@
+"""What the demo shows while it runs: the events the worker writes, and a live summary of the fleet.
+
+On a terminal the summary is a table redrawn in place (rich); anywhere else (CI, a pipe) it is a plain line
+every few seconds, so a log stays readable. Both are drawn from the fleet's snapshot and the event counts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from contract.groups import AutoRepair
+from simulator.fleet import FleetSnapshot
+
+
+@dataclass
+class EventLog:
+    """Follows the events file the worker appends to, counting event types."""
+
+    path: Path
+    offset: int = 0
+    counts: Counter[str] = field(default_factory=Counter)
+    partial: str = ""
+
+    def read_new(self) -> list[dict[str, Any]]:
+        try:
+            with self.path.open("r", encoding="utf-8") as handle:
+                handle.seek(self.offset)
+                chunk = handle.read()
+                self.offset = handle.tell()
+        except FileNotFoundError:
+            return []
+        text = self.partial + chunk
+        lines = text.split("\n")
+        self.partial = lines.pop()  # an unfinished last line waits for the next read
+        events: list[dict[str, Any]] = []
+        for line in lines:
+            if not line.strip():
+                continue
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(event, dict):
+                self.counts[str(event.get("type", "?"))] += 1
+                events.append(event)
+        return events
+
+
+def describe_event(event: dict[str, Any]) -> str:
+    """One event as one line: its time of day, type, instance and the one detail worth reading."""
+    kind = event.get("type", "?")
+    extra = ""
+    if kind == "RepairStarted":
+        extra = f"reason {event.get('reason')}"
+    elif kind == "ReplacementLaunched":
+        extra = f"replacement {event.get('replacement_instance_id')}"
+    elif kind == "TasksStopped":
+        extra = f"forced {event.get('forced')}"
+    elif kind == "RepairFailed":
+        extra = f"error {event.get('error')}"
+    elif kind == "HealthChanged":
+        extra = str(event.get("overall_status", ""))
+    stamp = str(event.get("time", ""))[11:19]
+    return f"{stamp} {kind:<20} {event.get('instance_id', '')} {extra}".rstrip()
+
+
+@dataclass(frozen=True)
+class LiveSummary:
+    """The live table's fixed parts: which group, in which mode, how many instances, where the Web UI is."""
+
+    group: str
+    auto_repair: AutoRepair
+    instances: int
+    workflows_url: str
+
+    def render(self, snap: FleetSnapshot | None, events: Counter[str], elapsed: float, status: str) -> RenderableType:
+        table = Table(
+            title=f"gpu-autorepair demo: group {self.group}, auto repair {self.auto_repair.value}",
+            caption=f"Web UI: {self.workflows_url}",
+            expand=False,
+        )
+        for column in ("time", "running", "healthy", "impaired", "other", "draining", "replaced", "repairs"):
+            table.add_column(column, justify="right")
+        if snap is None:
+            table.add_row(f"{elapsed:4.0f}s", *["-"] * 7)
+        else:
+            unknown = len(snap.health) - snap.healthy - snap.impaired
+            booting = f" (+{len(snap.booting)} booting)" if snap.booting else ""
+            failed = f" ({events['RepairFailed']} failed)" if events["RepairFailed"] else ""
+            table.add_row(
+                f"{elapsed:4.0f}s",
+                f"{snap.running}/{self.instances}",
+                str(snap.healthy),
+                str(snap.impaired),
+                str(unknown),
+                str(snap.container_draining),
+                f"{len(snap.replacements_running)}{booting}",
+                f"{events['RepairCompleted']} done{failed}",
+            )
+        lines: list[RenderableType] = [table]
+        if snap is not None and snap.repair_phase:
+            phases = ", ".join(f"{iid} {phase.value}" for iid, phase in sorted(snap.repair_phase.items()))
+            lines.append(Text(f"repairing: {phases}", style="yellow"))
+        if snap is not None and snap.probe_errors:
+            lines.append(Text(f"probe errors: {snap.probe_errors}", style="red"))
+        lines.append(Text(status, style="bold"))
+        return Group(*lines)
+
+
+def summary_line(snap: FleetSnapshot | None, events: Counter[str], elapsed: float) -> str:
+    """The summary as one plain line, for output that is not a terminal."""
+    if snap is None:
+        return f"[{elapsed:5.0f}s] starting"
+    return (
+        f"[{elapsed:5.0f}s] running={snap.running} healthy={snap.healthy} impaired={snap.impaired} "
+        f"draining={snap.container_draining} replacements={len(snap.replacements_running)} "
+        f"booting={len(snap.booting)} repairs_completed={events['RepairCompleted']}"
+    )

@@ -1,0 +1,59 @@
+"""One simulated instance's state, shared by the parts of the simulated fleet that act on it.
+
+The AWS side fills in its ECS identity and tasks, the kernel-log writer appends to its log file, the probe
+supervisor starts and stops its probe, and the fleet's watch loop moves it through boot, drain and burial.
+Plain data on purpose: every decision about a node lives with the part that makes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class SimTask:
+    """One ECS task the simulated scheduler started on a node."""
+
+    arn: str
+    family: str
+    stop_timeout_s: int
+    stubborn: bool  # ignores a drain; only StopTask ends it
+
+
+@dataclass
+class SimNode:
+    """One simulated instance: its AWS identity, its kernel log, and its probe."""
+
+    instance_id: str
+    name: str
+    availability_zone: str
+    kernel_log: Path
+    initial: bool
+    seen_at: float  # monotonic; the boot delay counts from here
+    uptime_base_s: float
+    gpu_uuids: dict[str, str]
+    container_instance_arn: str | None = None
+    task_plan: list[tuple[int, bool]] | None = None  # (stop timeout, stubborn) per task, drawn once
+    tasks: dict[str, SimTask] = field(default_factory=dict)
+    booted: bool = False  # registered, tasks started, kernel log written, probe started
+    probe: asyncio.Task[None] | None = None
+    probe_error: str | None = None
+    agent_down: bool = False
+    terminated: bool = False
+    draining_since: float | None = None
+    drained: bool = False
+
+    @property
+    def registered(self) -> bool:
+        return self.container_instance_arn is not None
+
+    @property
+    def probe_running(self) -> bool:
+        return self.probe is not None and not self.probe.done()
+
+    def uptime(self) -> float:
+        # The kernel's clock: a node that has been up a while before the simulation saw it, plus what passed since.
+        return self.uptime_base_s + (time.monotonic() - self.seen_at)

@@ -1,0 +1,75 @@
+"""The rooms stay one role each: imports point down, the product never imports tests/, files stay readable.
+
+Read from the source with ast, so a lazy import inside a function counts as much as one at the top.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MAX_LINES = 600
+
+# What each product folder may import of ours. Everything sits on the contract; the worker, the operator CLI and
+# the simulator sit on top; workflows may call activities by their typed methods, never the reverse.
+ALLOWED: dict[str, set[str]] = {
+    "contract": set(),
+    "activities": {"contract"},
+    "workflows": {"contract", "activities"},
+    "node_probe": {"contract"},
+    "worker": {"contract", "activities", "workflows"},
+    "simulator": {"contract", "activities", "workflows", "worker", "node_probe"},
+    "operator_cli": {"contract", "activities", "workflows", "worker", "node_probe", "simulator"},
+}
+OURS = {*ALLOWED, "tests", "benchmarks"}
+
+
+def _sources(folder: str) -> list[Path]:
+    return sorted((ROOT / folder).rglob("*.py"))
+
+
+def _imported_tops(path: Path) -> set[str]:
+    tops: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            tops |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            tops.add(node.module.split(".")[0])
+    return tops & OURS
+
+
+def test_every_product_folder_is_known() -> None:
+    folders = {
+        d.name
+        for d in ROOT.iterdir()
+        if d.is_dir() and (d / "__init__.py").exists() and d.name not in {"tests", "benchmarks"}
+    }
+    assert folders == set(ALLOWED), "a new product folder needs its place in ALLOWED (and in README's layout)"
+
+
+@pytest.mark.parametrize("folder", sorted(ALLOWED))
+def test_imports_point_down(folder: str) -> None:
+    wrong = {
+        f"{path.relative_to(ROOT)} imports {top}"
+        for path in _sources(folder)
+        for top in _imported_tops(path) - ALLOWED[folder] - {folder}
+    }
+    assert not wrong, sorted(wrong)
+
+
+def test_benchmarks_import_only_the_product() -> None:
+    wrong = [str(p.relative_to(ROOT)) for p in _sources("benchmarks") if "tests" in _imported_tops(p)]
+    assert not wrong
+
+
+def test_no_product_file_is_over_the_limit() -> None:
+    long = {
+        str(path.relative_to(ROOT)): lines
+        for folder in ALLOWED
+        for path in _sources(folder)
+        if (lines := path.read_text(encoding="utf-8").count("\n")) > MAX_LINES
+    }
+    assert not long, long

@@ -1,0 +1,47 @@
+"""`autorepair worker` and `autorepair setup`: start the worker process, or register the search attributes it and
+the operator's tools filter by. operator_cli/main.py wires them into the `autorepair` command."""
+
+from __future__ import annotations
+
+import argparse
+
+import structlog
+
+from worker.settings import Settings
+
+log = structlog.get_logger(__name__)
+
+
+async def run_worker_command(args: argparse.Namespace) -> int:
+    """Run the workers until interrupted, registering any missing search attribute first."""
+    # Imported here, not at the top: every other `autorepair` command (and --help) would otherwise load all the
+    # workflows, activities and telemetry exporters for nothing.
+    from contract.temporal_client import connect
+    from worker.main import run_worker
+    from worker.setup import ensure_search_attributes
+    from worker.telemetry import runtime, tracing_interceptors
+
+    settings = Settings()
+    client = await connect(settings.temporal, runtime=runtime(settings), interceptors=tracing_interceptors(settings))
+    await ensure_search_attributes(client)
+    log.info(
+        "worker starting",
+        address=settings.temporal.address,
+        namespace=settings.temporal.namespace,
+        task_queue=settings.temporal.task_queue,
+        groups=[g.name for g in settings.groups],
+        metrics=settings.metrics_bind_address,
+    )
+    await run_worker(settings, client)
+    return 0
+
+
+async def run_setup_command(args: argparse.Namespace) -> int:
+    """Register whichever search attributes the namespace lacks, and say which."""
+    from contract.temporal_client import connect
+    from worker.setup import ensure_search_attributes
+
+    settings = Settings()
+    added = await ensure_search_attributes(await connect(settings.temporal))
+    print(f"search attributes added: {', '.join(added)}" if added else "search attributes already registered")
+    return 0
