@@ -12,7 +12,7 @@ import json
 import logging
 import os
 from collections.abc import Callable
-from datetime import UTC, date, datetime
+from datetime import date, datetime
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,7 @@ from activities.metrics import EventMetrics
 from activities.models import EventType, FleetEvent
 from activities.webhook import WebhookSink
 from contract.config import EventSettings
-from contract.formats import workflow_url
+from contract.formats import iso, workflow_url
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +37,7 @@ PERMANENT_ENTRY_ERRORS = frozenset({"InvalidArgument", "MalformedDetail", "Acces
 def _json_default(value: Any) -> Any:
     # `fields` may hold datetimes and enums when a caller did not dump its model in JSON mode.
     if isinstance(value, datetime):
-        if value.tzinfo is not None:
-            value = value.astimezone(UTC)
-        return value.isoformat().replace("+00:00", "Z")
+        return iso(value)
     if isinstance(value, date):
         return value.isoformat()
     if isinstance(value, Enum):

@@ -8,6 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from contract.formats import iso
 from contract.groups import GroupConfigOverrides, GroupConfigState
 from contract.repair import RepairInput
 
@@ -54,7 +55,7 @@ class FleetEvent(BaseModel):
     def line(self) -> dict[str, Any]:
         """The flat JSON-lines shape: time, type, group, instance_id, then the type's own keys."""
         head = {
-            "time": self.time.isoformat().replace("+00:00", "Z"),
+            "time": iso(self.time),
             "type": self.type.value,
             "group": self.group,
             "instance_id": self.instance_id,

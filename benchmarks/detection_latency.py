@@ -2,7 +2,7 @@
 
 A Temporal dev server, moto, the simulated fleet running the real probe and an in-process worker
 (benchmarks.support.local_fleet): kernel line -> IMPAIRED -> RepairStarted -> ReplacementReady -> RepairCompleted,
-and heartbeat silence -> AGENT_CONNECTIVITY IMPAIRED, under compressed timings (benchmarks.support.sim_timing).
+and heartbeat silence -> AGENT_CONNECTIVITY IMPAIRED, under compressed timings (SimTiming.compressed()).
 Run through benchmarks.detection.
 """
 

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
-import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -21,12 +19,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from node_probe.classify.catalog import default_catalog
 from node_probe.probe import Probe
-from simulator.fleet import COMMON_CRITICAL_XIDS
+from simulator.events import group_events, repaired_instances
+from simulator.fleet import COMMON_CRITICAL_XIDS, SimTiming, SimulatedFleet
 
 if TYPE_CHECKING:
     from temporalio.client import Client
 
-    from simulator.fleet import SimTiming, SimulatedFleet
     from worker.settings import Settings
 
 T = TypeVar("T")
@@ -43,12 +41,6 @@ def check_critical_xids() -> None:
     not_ecs = sorted(set(CRITICAL_XIDS) - set(default_catalog().ecs_codes))
     if not_ecs:
         raise ValueError(f"benchmark fault Xids not in ECS's list of the shipped catalog: {not_ecs}")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def append(path: Path, text: str) -> None:
@@ -100,25 +92,6 @@ async def eventually(
 # --- The local stack ------------------------------------------------------------------------------------------
 
 
-def sim_timing() -> SimTiming:
-    """Compressed timings (those of the end-to-end tests), so a repair completes in seconds."""
-    from simulator.fleet import SimTiming
-
-    return SimTiming(
-        boot_delay=timedelta(seconds=2),
-        drain_grace=timedelta(seconds=1),
-        heartbeat_interval=timedelta(seconds=1),
-        heartbeat_loss_threshold=timedelta(seconds=6),
-        blip=timedelta(seconds=3),
-    )
-
-
-def read_events(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 @dataclass
 class LocalFleet:
     """A simulated capacity group on the local stack, and the events the engine wrote for it."""
@@ -134,20 +107,16 @@ class LocalFleet:
         return self.settings.groups[0].name
 
     def events(self, type: str | None = None, instance_id: str | None = None) -> list[dict[str, Any]]:
-        # Delivery is at least once: a retried publish repeats an event_id, which counts once.
-        unique_events = {e["event_id"]: e for e in read_events(self.events_path) if e["group"] == self.group}
-        return [
-            e for e in unique_events.values() if type in (None, e["type"]) and instance_id in (None, e["instance_id"])
-        ]
+        return group_events(self.events_path, self.group, type, instance_id)
 
     async def repairs_finished(self, count: int, within: float = 300) -> list[str]:
         """Wait until `count` repairs have completed and handed their permit back; returns their instances."""
 
-        def finished() -> list[str]:
-            released = {e["instance_id"] for e in self.events("DrainPermitReleased")}
-            return [e["instance_id"] for e in self.events("RepairCompleted") if e["instance_id"] in released]
-
-        return await eventually(lambda: asyncio.sleep(0, finished()), lambda done: len(done) >= count, within=within)
+        return await eventually(
+            lambda: asyncio.sleep(0, repaired_instances(self.events_path, self.group)),
+            lambda done: len(done) >= count,
+            within=within,
+        )
 
     async def all_healthy(self, count: int) -> None:
         await eventually(self.sim.snapshot, lambda s: s.healthy == count and s.running == count, within=90)
@@ -184,13 +153,12 @@ async def local_fleet(state: Path, *, instances: int, seed: int) -> AsyncIterato
     """moto and a Temporal dev server on free ports (their files under `state`), the worker in this process, and
     `instances` simulated instances in a new capacity group; all stopped on the way out."""
     from contract.temporal_client import connect
-    from simulator.fleet import SimulatedFleet
-    from simulator.servers import MotoServer, TemporalDevServer
+    from simulator.servers import MotoServer, TemporalDevServer, free_port
     from worker.main import run_worker
 
     # boto3 in the worker and the simulator needs credentials; moto accepts any.
     os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
-    timing = sim_timing()
+    timing = SimTiming.compressed()
     group = f"gpu-{uuid.uuid4().hex[:8]}"
     events_path = state / "events.jsonl"
     async with (

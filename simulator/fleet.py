@@ -84,6 +84,17 @@ class SimTiming(BaseModel):
     watch_interval: timedelta = timedelta(milliseconds=500)
     probe_poll_interval: timedelta = timedelta(milliseconds=200)
 
+    @classmethod
+    def compressed(cls) -> SimTiming:
+        """The end-to-end tests' and benchmarks' timings: a repair completes in seconds."""
+        return cls(
+            boot_delay=timedelta(seconds=2),
+            drain_grace=timedelta(seconds=1),
+            heartbeat_interval=timedelta(seconds=1),
+            heartbeat_loss_threshold=timedelta(seconds=6),
+            blip=timedelta(seconds=3),
+        )
+
     @model_validator(mode="after")
     def _blip_below_threshold(self) -> SimTiming:
         # A blip must recover before the engine could call it a heartbeat loss: the worst-case silence is one

@@ -66,6 +66,13 @@ def find_binary(name: str) -> str:
     return found
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now, for a server started next (tests and benchmarks run several at once)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
 def port_in_use(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.settimeout(0.5)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import time
 import urllib.request
@@ -15,20 +14,14 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
 from contract import search_attributes
-from tests.harness import tool_path
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from simulator.servers import find_binary, free_port
 
 
 @pytest.fixture(scope="session")
 def moto_endpoint() -> Iterator[str]:
     port = free_port()
     proc = subprocess.Popen(
-        [tool_path("moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+        [find_binary("moto_server"), "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -64,7 +57,7 @@ def aws_env(moto_endpoint: str) -> Iterator[str]:
 @pytest.fixture(scope="session")
 async def temporal_env() -> AsyncIterator[WorkflowEnvironment]:
     env = await WorkflowEnvironment.start_local(
-        dev_server_existing_path=tool_path("temporal"),
+        dev_server_existing_path=find_binary("temporal"),
         data_converter=pydantic_data_converter,
         search_attributes=search_attributes.ALL,
         dev_server_extra_args=[

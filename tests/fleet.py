@@ -20,18 +20,13 @@ from temporalio.client import Client
 
 from contract.groups import AutoRepair
 from contract.ids import semaphore_workflow_id
+from simulator.events import group_events, repaired_instances
 from simulator.fleet import SimTiming, SimulatedFleet
-from tests.harness import eventually, make_settings, read_events, running_worker, unique
+from tests.harness import eventually, make_settings, running_worker, unique
 from worker.settings import Settings
 from workflows.models import SemaphoreView
 
-TIMING = SimTiming(
-    boot_delay=timedelta(seconds=2),
-    drain_grace=timedelta(seconds=1),
-    heartbeat_interval=timedelta(seconds=1),
-    heartbeat_loss_threshold=timedelta(seconds=6),
-    blip=timedelta(seconds=3),
-)
+TIMING = SimTiming.compressed()
 
 START_BEFORE_STOP = [
     "RepairStarted",
@@ -62,11 +57,7 @@ class Fleet:
         return self.settings.groups[0].name
 
     def events(self, type: str | None = None, instance_id: str | None = None) -> list[dict[str, Any]]:
-        # Delivery is at least once: a retried publish repeats an event_id, which counts once.
-        unique_events = {e["event_id"]: e for e in read_events(self.events_path) if e["group"] == self.group}
-        return [
-            e for e in unique_events.values() if type in (None, e["type"]) and instance_id in (None, e["instance_id"])
-        ]
+        return group_events(self.events_path, self.group, type, instance_id)
 
     def steps(self, instance_id: str) -> list[str]:
         return [e["type"] for e in self.events(instance_id=instance_id) if e["type"] != "HealthChanged"]
@@ -74,11 +65,11 @@ class Fleet:
     async def repairs_finished(self, count: int, within: float = 300) -> list[str]:
         """Wait until `count` repairs have completed and handed their permit back; returns their instances."""
 
-        def finished() -> list[str]:
-            released = {e["instance_id"] for e in self.events("DrainPermitReleased")}
-            return [e["instance_id"] for e in self.events("RepairCompleted") if e["instance_id"] in released]
-
-        return await eventually(lambda: asyncio.sleep(0, finished()), lambda done: len(done) >= count, within=within)
+        return await eventually(
+            lambda: asyncio.sleep(0, repaired_instances(self.events_path, self.group)),
+            lambda done: len(done) >= count,
+            within=within,
+        )
 
     async def all_healthy(self, count: int) -> None:
         await eventually(self.sim.snapshot, lambda s: s.healthy == count and s.running == count, within=90)

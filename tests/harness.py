@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import shutil
-import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from temporalio.client import Client
 
@@ -23,14 +19,6 @@ from worker.main import build_worker
 from worker.settings import Settings
 
 T = TypeVar("T")
-
-
-def tool_path(name: str) -> str:
-    """A command installed in this virtual environment (temporal, moto_server), even when it is not on PATH."""
-    found = shutil.which(name, path=os.path.dirname(sys.executable)) or shutil.which(name)
-    if not found:
-        raise RuntimeError(f"{name} not found: run the tests through `make test`, which installs it")
-    return found
 
 
 def unique(prefix: str) -> str:
@@ -95,9 +83,3 @@ async def eventually(
             if asyncio.get_running_loop().time() > deadline:
                 raise AssertionError(f"condition not met within {within}s; last value: {value!r}")
         await asyncio.sleep(every)
-
-
-def read_events(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

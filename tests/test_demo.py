@@ -7,8 +7,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from tests.conftest import free_port
-from tests.harness import read_events
+from simulator.events import read_events
+from simulator.servers import free_port
 
 
 async def run_demo(tmp_path: Path, *flags: str) -> tuple[int, str]:

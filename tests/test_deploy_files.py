@@ -16,8 +16,7 @@ import yaml
 from temporalio.common import SearchAttributeKey
 
 from contract import search_attributes
-from simulator.servers import find_binary
-from tests.conftest import free_port
+from simulator.servers import find_binary, free_port
 from worker.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent

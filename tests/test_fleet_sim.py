@@ -301,7 +301,7 @@ async def test_snapshot_counts_aws_state(make_fleet: Callable[..., SimulatedFlee
 
 
 async def test_servers_start_ready_and_stop(tmp_path: Path):
-    from tests.conftest import free_port
+    from simulator.servers import free_port
 
     moto = MotoServer(tmp_path, free_port())
     temporal = TemporalDevServer(tmp_path, free_port(), free_port())

@@ -17,7 +17,9 @@ from contract.groups import AutoRepair
 from contract.health import CheckType, HealthInput, HealthState
 from contract.ids import health_workflow_id
 from contract.probe import GpuFinding, GpuRef, Heartbeat, ProbeSourceHealth
-from tests.harness import eventually, make_settings, read_events, running_worker, tool_path, unique
+from simulator.events import read_events
+from simulator.servers import find_binary
+from tests.harness import eventually, make_settings, running_worker, unique
 from worker.settings import Settings
 from workflows.models import InstanceHealthView
 
@@ -84,7 +86,7 @@ def check(view: InstanceHealthView, kind: CheckType) -> HealthState:
 async def temporal_cli(client: Client, *args: str) -> int:
     # Not subprocess.run: a blocking call here would stall the worker running on this event loop.
     proc = await asyncio.create_subprocess_exec(
-        tool_path("temporal"),
+        find_binary("temporal"),
         *args,
         "--address",
         client.service_client.config.target_host,

@@ -16,7 +16,7 @@ from activities.metrics import _finding_to_impaired, reason_label
 from activities.models import EventType, FleetEvent
 from contract.health import HealthInput, HealthState
 from contract.repair import RepairPhase
-from tests.conftest import free_port
+from simulator.servers import free_port
 from tests.fleet import simulated_fleet
 from tests.harness import eventually, unique
 from tests.test_health_signals import finding, health_of, heartbeat, monitor_only, start_health

@@ -34,9 +34,10 @@ from operator_cli.arguments import parse_duration, parse_since
 from operator_cli.client import workflow_url
 from operator_cli.history import phase_durations
 from operator_cli.inject import xid_line
-from tests.conftest import free_port
+from simulator.events import read_events
+from simulator.servers import free_port
 from tests.fleet import Fleet, simulated_fleet
-from tests.harness import eventually, make_settings, read_events, running_worker, unique
+from tests.harness import eventually, make_settings, running_worker, unique
 from tests.test_health_signals import monitor_only
 from tests.test_repair_engine import worker_environment
 from worker.settings import Settings

@@ -26,10 +26,9 @@ from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.contrib.pydantic import pydantic_data_converter
 
 from contract.ids import health_workflow_id, repair_workflow_id, semaphore_workflow_id
-from simulator.servers import TemporalDevServer
-from tests.conftest import free_port
+from simulator.servers import TemporalDevServer, find_binary, free_port
 from tests.fleet import Fleet, simulated_fleet
-from tests.harness import eventually, tool_path
+from tests.harness import eventually
 
 XID = 79
 CHROMIUM = "/usr/bin/chromium"
@@ -59,7 +58,7 @@ async def run_command(*argv: str, timeout: float = 60.0) -> tuple[int, str, str]
 async def list_workflows(address: str, namespace: str, query: str) -> list[tuple[str, str]]:
     """`temporal workflow list --query` as an operator types it: (workflow id, run id) of each match."""
     code, out, err = await run_command(
-        tool_path("temporal"),
+        find_binary("temporal"),
         "workflow",
         "list",
         "--address",

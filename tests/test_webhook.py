@@ -31,7 +31,7 @@ from activities.events import EventActivities
 from activities.models import EventType, FleetEvent
 from activities.webhook import EVENT_ID_HEADER, SIGNATURE_HEADER, Outbox, webhook_delivery
 from contract.config import AwsSettings, EventSettings
-from tests.conftest import free_port
+from simulator.servers import free_port
 from tests.harness import eventually
 
 SECRET = "webhook-test-secret"
