@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import os
 import sys
 from collections.abc import Callable, Coroutine
@@ -17,7 +18,6 @@ from operator_cli.describe import add_describe_arguments, describe_instances
 from operator_cli.group import add_group_arguments, group_usage
 from operator_cli.history import add_history_arguments, repair_history
 from operator_cli.inject import add_inject_arguments, inject_fault
-from simulator.demo import add_demo_arguments, run_demo
 from worker.commands import run_setup_command, run_worker_command
 from worker.logging_setup import configure_logging
 from worker.settings import Settings
@@ -48,7 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     command("worker", "run the repair workers (workflows and activities) on this host", run_worker_command)
     command("setup", "register the custom search attributes in the Temporal namespace", run_setup_command)
-    add_demo_arguments(command("demo", "run a simulated GPU fleet that heals itself, locally", run_demo))
+    # The simulator is only for trying it out: an image without it (the probe's) still runs every other command.
+    if importlib.util.find_spec("simulator") is not None:
+        from simulator.demo import add_demo_arguments, run_demo
+
+        add_demo_arguments(command("demo", "run a simulated GPU fleet that heals itself, locally", run_demo))
     add_probe_arguments(command("probe", "run the node probe on a GPU host", run_probe_command))
     add_classify_arguments(command("classify", "classify kernel log text under a repair policy", run_classify))
     # The operator's commands read and change the fleet through Temporal; guarded() turns what the operator can

@@ -6,6 +6,8 @@ Read from the source with ast, so a lazy import inside a function counts as much
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -73,3 +75,20 @@ def test_no_product_file_is_over_the_limit() -> None:
         if (lines := path.read_text(encoding="utf-8").count("\n")) > MAX_LINES
     }
     assert not long, long
+
+
+def test_the_autorepair_command_runs_without_the_simulator() -> None:
+    """A privileged probe image need not ship the demo's simulated fleet: with `simulator` unimportable, every
+    other command is still there."""
+    code = (
+        'import sys; sys.modules["simulator"] = None\n'
+        "from operator_cli.main import build_parser\n"
+        "parser = build_parser()\n"
+        "print(parser.format_usage().replace('\\n', ' '))\n"
+        'parser.parse_args(["probe", "--help"])\n'
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert result.returncode == 0, result.stderr
+    usage = result.stdout.splitlines()[0]
+    assert "probe" in usage and "worker" in usage and "demo" not in usage
+    assert "usage: autorepair probe" in result.stdout

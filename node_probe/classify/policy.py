@@ -51,7 +51,7 @@ HARDWARE_BUCKETS = frozenset(
 APPLICATION_BUCKETS = frozenset({"RESTART_APP", "IGNORE"})
 # Recovery actions Xid 154 can announce that need the node taken out of service.
 _NODE_ACTION_WORDS = ("reset", "reboot", "drain", "flr")
-# NVML conditions that NVIDIA's guidance sends to the hardware side (a GPU reset or more); see nvml_source.py.
+# NVML conditions that NVIDIA's guidance sends to the hardware side (a GPU reset or more); see sources/nvml_poll.py.
 NVML_REMAP_FAILURE = "NVML_REMAP_FAILURE"  # like Xid 64, bucket RESET_GPU
 NVML_GPU_UNAVAILABLE = "NVML_GPU_UNAVAILABLE"
 NVML_RECOVERY_ACTION_PREFIX = "NVML_RECOVERY_ACTION_"
