@@ -155,6 +155,8 @@ class StartRepairRequest(BaseModel):
 class StartRepairResult(BaseModel):
     workflow_id: str
     already_running: bool
+    # The progress token of the repair that runs under that id: the one just started, or one started earlier.
+    progress_token: str = ""
 
 
 class PermitRequestOrder(BaseModel):
@@ -164,6 +166,7 @@ class PermitRequestOrder(BaseModel):
     holder_workflow_id: str
     holder_run_id: str
     instance_id: str
+    token: str  # the repair's secret for this request (PermitRequest.token)
 
 
 class WorkflowRun(BaseModel):
@@ -172,4 +175,11 @@ class WorkflowRun(BaseModel):
 
 
 class WorkflowRuns(BaseModel):
+    runs: list[WorkflowRun]
+
+
+class RepairsOfGroup(BaseModel):
+    """Which of these runs are running repair workflows of the group."""
+
+    group: str
     runs: list[WorkflowRun]

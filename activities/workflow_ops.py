@@ -9,7 +9,7 @@ from typing import Any
 
 from opentelemetry import context as otel_context
 from temporalio import activity
-from temporalio.client import Client, WorkflowExecutionStatus, WorkflowQueryRejectedError
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle, WorkflowQueryRejectedError
 from temporalio.common import (
     QueryRejectCondition,
     SearchAttributePair,
@@ -24,6 +24,7 @@ from activities.models import (
     GroupRef,
     PermitRequestOrder,
     PreviousGroupConfig,
+    RepairsOfGroup,
     StartRepairRequest,
     StartRepairResult,
     WorkflowRuns,
@@ -32,7 +33,7 @@ from contract import names
 from contract import search_attributes as sa
 from contract.groups import GroupConfigState
 from contract.ids import repair_workflow_id, semaphore_workflow_id
-from contract.repair import RepairPhase
+from contract.repair import RepairInput, RepairPhase
 from contract.semaphore import PermitRequest, SemaphoreInput
 
 # Enough closed runs to find the latest: visibility lists the most recently closed first.
@@ -69,7 +70,13 @@ class WorkflowOps:
 
     def activities(self) -> list[Callable[..., Any]]:
         """The bound activity methods, for `Worker(activities=...)`."""
-        return [self.start_repair, self.request_drain_permit, self.find_closed_workflows, self.previous_group_config]
+        return [
+            self.start_repair,
+            self.request_drain_permit,
+            self.find_running_repairs,
+            self.find_closed_workflows,
+            self.previous_group_config,
+        ]
 
     @activity.defn
     async def start_repair(self, request: StartRepairRequest) -> StartRepairResult:
@@ -88,7 +95,7 @@ class WorkflowOps:
         # the instance's long-lived health workflow, which would bury it.
         token = otel_context.attach(otel_context.Context())
         try:
-            await self._client.start_workflow(
+            handle = await self._client.start_workflow(
                 names.REPAIR_WORKFLOW,
                 repair,
                 id=workflow_id,
@@ -103,7 +110,21 @@ class WorkflowOps:
             return StartRepairResult(workflow_id=workflow_id, already_running=True)
         finally:
             otel_context.detach(token)
-        return StartRepairResult(workflow_id=workflow_id, already_running=False)
+        running = await self._progress_token(handle)
+        return StartRepairResult(
+            workflow_id=workflow_id,
+            already_running=running != repair.progress_token,
+            progress_token=running,
+        )
+
+    async def _progress_token(self, handle: WorkflowHandle[Any, Any]) -> str:
+        """The progress token in the start input of the run now under the repair's id: ours when this call started
+        it, an earlier one's when a repair was already running (USE_EXISTING)."""
+        async for event in handle.fetch_history_events(page_size=1):
+            payloads = event.workflow_execution_started_event_attributes.input.payloads
+            (started,) = await self._client.data_converter.decode(payloads, [RepairInput])
+            return str(started.progress_token)
+        return ""
 
     @activity.defn
     async def request_drain_permit(self, order: PermitRequestOrder) -> None:
@@ -120,10 +141,32 @@ class WorkflowOps:
                     holder_workflow_id=order.holder_workflow_id,
                     holder_run_id=order.holder_run_id,
                     instance_id=order.instance_id,
+                    token=order.token,
                 )
             ],
             static_summary=f"drain cap for capacity group {order.group}",
         )
+
+    @activity.defn
+    async def find_running_repairs(self, request: RepairsOfGroup) -> WorkflowRuns:
+        """The runs that are running repair workflows of the group, told by their type and their CapacityGroup
+        search attribute (set at start by start_repair): the drain semaphore grants permits to nobody else."""
+        running = []
+        for run in request.runs:
+            handle = self._client.get_workflow_handle(run.workflow_id, run_id=run.run_id)
+            try:
+                description = await handle.describe()
+            except RPCError as err:
+                if err.status in (RPCStatusCode.NOT_FOUND, RPCStatusCode.INVALID_ARGUMENT):
+                    continue
+                raise
+            if (
+                description.status == WorkflowExecutionStatus.RUNNING
+                and description.workflow_type == names.REPAIR_WORKFLOW
+                and description.typed_search_attributes.get(sa.CAPACITY_GROUP) == request.group
+            ):
+                running.append(run)
+        return WorkflowRuns(runs=running)
 
     @activity.defn
     async def find_closed_workflows(self, runs: WorkflowRuns) -> WorkflowRuns:

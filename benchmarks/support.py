@@ -140,6 +140,7 @@ def engine_settings(
                 launch_template=f"{group}-lt",
                 auto_repair=AutoRepair.ENABLED,
                 heartbeat_loss_threshold=timing.heartbeat_loss_threshold,
+                heartbeat_interval=timing.heartbeat_interval,
                 task_poll_interval=timedelta(seconds=1),
                 permit_reclaim_interval=timedelta(seconds=2),
                 replacement_ready_timeout=timedelta(seconds=60),

@@ -2,16 +2,36 @@
 with `__`) over an optional TOML file named by AUTOREPAIR_CONFIG.
 
 The worker's one settings object (worker/settings.py) is made of these sections; the probe and the CLI read the
-sections they need from the same sources.
+sections they need from the same sources. Reading settings is strict at every depth: an unknown key, a duration that
+is not positive or a rule a section states (settings_problems) is an error, and ConfigSources.load() turns any of
+them, a missing file and a TOML syntax error into one ConfigError line naming the file (or environment variable),
+the key and the fix.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
+import re
+import tomllib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from datetime import timedelta
 from pathlib import Path
+from typing import Annotated, Any, Self, get_args
 
-from pydantic import BaseModel, Field, SecretStr, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ModelWrapValidatorHandler,
+    SecretStr,
+    ValidationError,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails, PydanticCustomError
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -22,9 +42,81 @@ from pydantic_settings import (
 from contract import names
 
 CONFIG_ENV = "AUTOREPAIR_CONFIG"
+ENV_PREFIX = "AUTOREPAIR_"
+
+# True while ConfigSources validates: the settings rules below apply only then. A model that is also a wire type
+# (CapacityGroup, inside workflow payloads) must still decode a newer version's field or an older version's value.
+_reading_settings: ContextVar[bool] = ContextVar("autorepair_reading_settings", default=False)
 
 
-class TemporalSettings(BaseModel):
+def duration_problem(value: timedelta) -> str | None:
+    """Why a settings duration is not acceptable (None: it is). Zero or negative would fire at once, every time."""
+    if value > timedelta(0):
+        return None
+    return f'must be a positive duration, e.g. "PT30S" (ISO 8601) or 30 (seconds), not {format_seconds(value)}'
+
+
+def format_seconds(value: timedelta) -> str:
+    seconds = value.total_seconds()
+    return f"{seconds:g}s"
+
+
+def _positive(value: timedelta) -> timedelta:
+    problem = duration_problem(value)
+    if problem:
+        raise ValueError(problem)
+    return value
+
+
+# A duration that must be more than zero, always (for a section that never crosses the wire).
+PositiveDuration = Annotated[timedelta, AfterValidator(_positive)]
+
+
+def _settings_error(loc: tuple[str | int, ...], message: str, value: Any) -> InitErrorDetails:
+    return {"type": PydanticCustomError("settings_rule", message), "loc": loc, "input": value}
+
+
+class SettingsSection(BaseModel):
+    """A table of the settings. Read as settings (inside ConfigSources), an unknown key, a duration that is not
+    positive and every problem settings_problems() names are errors, each at its own key. Built any other way (a
+    wire payload, a model_copy) it validates as a plain model, so recorded workflow payloads keep decoding."""
+
+    # An instance handed to the settings (Settings(groups=[CapacityGroup(...)])) is checked there too.
+    model_config = ConfigDict(revalidate_instances="always")
+
+    def settings_problems(self) -> list[tuple[str | None, str]]:
+        """Rules across fields, checked when read as settings: (the field to blame or None, the problem)."""
+        return []
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _settings_rules(cls, data: Any, handler: ModelWrapValidatorHandler[Self]) -> Self:
+        if not _reading_settings.get():
+            return handler(data)
+        if isinstance(data, dict) and cls.model_config.get("extra") != "forbid":
+            unknown = [key for key in data if key not in cls.model_fields]
+            if unknown:
+                raise ValidationError.from_exception_data(
+                    cls.__name__, [{"type": "extra_forbidden", "loc": (str(k),), "input": data[k]} for k in unknown]
+                )
+        section = handler(data)
+        errors: list[InitErrorDetails] = []
+        for name in type(section).model_fields:
+            value = getattr(section, name)
+            if isinstance(value, timedelta) and (problem := duration_problem(value)):
+                errors.append(_settings_error((name,), problem, value))
+        if not errors:
+            for field, problem in section.settings_problems():
+                loc: tuple[str | int, ...] = (field,) if field else ()
+                errors.append(_settings_error(loc, problem, getattr(section, field) if field else data))
+        if errors:
+            raise ValidationError.from_exception_data(cls.__name__, errors)
+        return section
+
+
+class TemporalSettings(SettingsSection):
+    model_config = ConfigDict(extra="forbid")
+
     address: str = "localhost:7233"
     namespace: str = "default"
     task_queue: str = names.DEFAULT_TASK_QUEUE
@@ -43,14 +135,18 @@ class TemporalSettings(BaseModel):
         return self
 
 
-class AwsSettings(BaseModel):
+class AwsSettings(SettingsSection):
+    model_config = ConfigDict(extra="forbid")
+
     region: str = "us-east-1"
     # Set for moto (or a VPC endpoint); unset means the real AWS endpoints for the region.
     endpoint_url: str | None = None
     max_attempts: int = Field(default=5, ge=1, description="botocore's own retries, before Temporal's")
 
 
-class EventSettings(BaseModel):
+class EventSettings(SettingsSection):
+    model_config = ConfigDict(extra="forbid")
+
     bus_name: str = "default"
     source: str = "gpu-autorepair"
     eventbridge: bool = True
@@ -60,8 +156,8 @@ class EventSettings(BaseModel):
     webhook_secret: SecretStr | None = Field(
         default=None, description="Signs each request: X-Autorepair-Signature: sha256=HMAC-SHA256(secret, body)"
     )
-    webhook_timeout: timedelta = Field(
-        default=timedelta(seconds=2), gt=timedelta(0), description="Per request; publish_event waits at most this"
+    webhook_timeout: PositiveDuration = Field(
+        default=timedelta(seconds=2), description="Per request; publish_event waits at most this"
     )
     webhook_outbox_dir: Path = Field(
         default=Path("/var/lib/autorepair/webhook-outbox"),
@@ -70,10 +166,28 @@ class EventSettings(BaseModel):
     webhook_outbox_max_events: int = Field(default=10_000, ge=1, description="When full, the oldest event is dropped")
 
 
-class ConfigSources(BaseSettings):
-    """Environment over the TOML file; subclasses say which sections they read and how strict they are."""
+class ConfigError(Exception):
+    """Settings that cannot be read, as one line: where (the file or an environment variable), the key, the problem
+    and, where known, the fix. Callers print it and exit with status 2."""
 
-    model_config = SettingsConfigDict(env_prefix="AUTOREPAIR_", env_nested_delimiter="__", extra="forbid")
+
+class ConfigSources(BaseSettings):
+    """Environment over the TOML file; subclasses say which sections they read and how strict they are at the top
+    level (every section below is strict: SettingsSection)."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid")
+
+    def __init__(self, **values: Any) -> None:
+        with _settings_rules():
+            super().__init__(**values)
+
+    @classmethod
+    def load(cls) -> Self:
+        """The settings from the environment and the file, or a ConfigError naming what to fix."""
+        try:
+            return cls()
+        except ValidationError as err:
+            raise ConfigError(describe_validation_error(err, cls)) from None
 
     @classmethod
     def settings_customise_sources(
@@ -87,7 +201,131 @@ class ConfigSources(BaseSettings):
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
         config_path = os.environ.get(CONFIG_ENV)
         if config_path:
-            if not Path(config_path).is_file():
-                raise FileNotFoundError(f"{CONFIG_ENV}={config_path}: no such file")
-            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=config_path))
+            sources.append(_toml_source(settings_cls, Path(config_path)))
         return tuple(sources)
+
+
+@contextmanager
+def _settings_rules() -> Iterator[None]:
+    token = _reading_settings.set(True)
+    try:
+        yield
+    finally:
+        _reading_settings.reset(token)
+
+
+def _toml_source(settings_cls: type[BaseSettings], path: Path) -> TomlConfigSettingsSource:
+    if not path.exists():
+        raise ConfigError(
+            f"{path}: no such file ({CONFIG_ENV} names it: point it at the TOML settings file, or unset it to use "
+            "the defaults and AUTOREPAIR_* environment variables only)"
+        )
+    if not path.is_file():
+        raise ConfigError(f"{path}: not a file ({CONFIG_ENV} must name the TOML settings file)")
+    try:
+        return TomlConfigSettingsSource(settings_cls, toml_file=path)
+    except tomllib.TOMLDecodeError as err:
+        key = _toml_key_at(path, str(err))
+        raise ConfigError(f"{path}: {key + ': ' if key else ''}not valid TOML: {err}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}): save it as UTF-8") from None
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read it: {err.strerror or err}") from None
+
+
+def _toml_key_at(path: Path, message: str) -> str | None:
+    """The dotted key on the line a TOML syntax error points at (groups[1].auto_repair), where one can be seen."""
+    found = re.search(r"at line (\d+)", message)
+    if not found:
+        return None
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return None
+    number = int(found.group(1))
+    table, arrays = "", dict[str, int]()
+    for line in lines[: number - 1]:
+        if header := re.match(r"\s*\[\[\s*([\w.\-]+)\s*\]\]", line):
+            name = header.group(1)
+            arrays[name] = arrays.get(name, -1) + 1
+            table = f"{name}[{arrays[name]}]"
+        elif header := re.match(r"\s*\[\s*([\w.\-]+)\s*\]", line):
+            table = header.group(1)
+    key = re.match(r"\s*([\w.\-]+)\s*=", lines[number - 1]) if number <= len(lines) else None
+    if key is None:
+        return table or None
+    return f"{table}.{key.group(1)}" if table else key.group(1)
+
+
+# --- one line for a ValidationError --------------------------------------------------------------------------------
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The models an annotation holds: X, X | None, list[X], dict[str, X], Annotated[X, ...]."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [model for arg in get_args(annotation) for model in _models_in(arg)]
+
+
+def _annotations_at(settings_cls: type[BaseModel], loc: tuple[str | int, ...]) -> tuple[list[str], list[Any]]:
+    """The keys the table at loc[:-1] knows, and the annotations loc's last key may have."""
+    models: list[type[BaseModel]] = [settings_cls]
+    for part in loc[:-1]:
+        if isinstance(part, str):
+            models = [
+                inner for m in models if part in m.model_fields for inner in _models_in(m.model_fields[part].annotation)
+            ]
+    known = [name for model in models for name in model.model_fields]
+    last = loc[-1] if loc else None
+    annotations = [m.model_fields[last].annotation for m in models if isinstance(last, str) and last in m.model_fields]
+    return known, annotations
+
+
+def dotted_key(loc: tuple[str | int, ...]) -> str:
+    """('groups', 1, 'auto_repiar') -> groups[1].auto_repiar"""
+    key = ""
+    for part in loc:
+        key += f"[{part}]" if isinstance(part, int) else (f".{part}" if key else str(part))
+    return key
+
+
+def _source_of(loc: tuple[str | int, ...]) -> str:
+    """Where the value at loc came from: the environment variable that sets it (or a table above it), else the file."""
+    keys = []
+    for part in loc:
+        if not isinstance(part, str):
+            break
+        keys.append(part.upper())
+    for end in range(len(keys), 0, -1):
+        name = ENV_PREFIX + "__".join(keys[:end])
+        if name in os.environ:
+            return f"environment variable {name}"
+    return os.environ.get(CONFIG_ENV) or "settings"
+
+
+def _problem(error: Any, settings_cls: type[BaseModel]) -> str:
+    loc = tuple(error["loc"])
+    known, annotations = _annotations_at(settings_cls, loc)
+    if error["type"] == "extra_forbidden":
+        close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+        if close:
+            return f"unknown key: did you mean {close[0]}?"
+        return f"unknown key: remove it (known here: {', '.join(known)})" if known else "unknown key: remove it"
+    message = str(error["msg"]).removeprefix("Value error, ")
+    secret = any(SecretStr in (annotation, *get_args(annotation)) for annotation in annotations)
+    value = error.get("input")
+    if error["type"] not in ("settings_rule", "value_error", "missing") and not secret and not isinstance(value, dict):
+        shown = repr(value)
+        message += f" (got {shown if len(shown) <= 60 else shown[:57] + '...'})"
+    return message
+
+
+def describe_validation_error(err: ValidationError, settings_cls: type[BaseModel]) -> str:
+    """One line: the source, the dotted key and the problem of the first error, and how many more there are."""
+    errors = err.errors()
+    first = errors[0]
+    loc = tuple(first["loc"])
+    key = dotted_key(loc)
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    where = f"{_source_of(loc)}: {key}" if key else _source_of(loc)
+    return f"{where}: {_problem(first, settings_cls)}{more}"

@@ -8,10 +8,34 @@ from typing import Annotated
 
 from pydantic import BaseModel, Field
 
+from contract.config import SettingsSection, format_seconds
+
 # The drain cap's percentage: validated by the settings (the field's bounds) and by a live update (problems()).
 MIN_DRAINING_PERCENT, MAX_DRAINING_PERCENT = 1, 100
 DrainingPercent = Annotated[int, Field(ge=MIN_DRAINING_PERCENT, le=MAX_DRAINING_PERCENT)]
+# The heartbeat-loss threshold: validated by the settings (settings_problems) and by a live update (problems()).
+# At least this many of the probes' heartbeat intervals, so that one late or lost heartbeat never impairs.
+HEARTBEATS_PER_THRESHOLD = 3
 MAX_HEARTBEAT_LOSS_THRESHOLD = timedelta(days=1)
+DEFAULT_HEARTBEAT_INTERVAL = timedelta(seconds=60)  # the probe's own default, `--heartbeat-interval 60`
+
+
+def heartbeat_threshold_problem(threshold: timedelta, heartbeat_interval: timedelta | None) -> str | None:
+    """Why a heartbeat-loss threshold does not fit (None: it does); without an interval, only its bounds."""
+    if not timedelta(0) < threshold <= MAX_HEARTBEAT_LOSS_THRESHOLD:
+        return (
+            "heartbeat_loss_threshold must be more than 0s and at most "
+            f"{format_seconds(MAX_HEARTBEAT_LOSS_THRESHOLD)}, not {format_seconds(threshold)}"
+        )
+    if heartbeat_interval is not None and threshold < HEARTBEATS_PER_THRESHOLD * heartbeat_interval:
+        least = HEARTBEATS_PER_THRESHOLD * heartbeat_interval
+        return (
+            f"heartbeat_loss_threshold {format_seconds(threshold)} is less than {HEARTBEATS_PER_THRESHOLD} heartbeat "
+            f"intervals ({HEARTBEATS_PER_THRESHOLD} x {format_seconds(heartbeat_interval)}): one late heartbeat "
+            f"would impair a healthy instance; make it at least {format_seconds(least)}, or lower the group's "
+            "heartbeat_interval together with the probes' --heartbeat-interval"
+        )
+    return None
 
 
 class AutoRepair(StrEnum):
@@ -19,8 +43,12 @@ class AutoRepair(StrEnum):
     DISABLED = "DISABLED"
 
 
-class CapacityGroup(BaseModel):
-    """One capacity group (ECS's capacity provider): the unit of the drain cap and of the auto-repair switch."""
+class CapacityGroup(SettingsSection):
+    """One capacity group (ECS's capacity provider): the unit of the drain cap and of the auto-repair switch.
+
+    A [[groups]] table of the settings, and also a wire type (activity results, the semaphore's state): read as
+    settings an unknown key, a duration that is not positive and a threshold under 3 heartbeat intervals are errors
+    (SettingsSection); on the wire it stays lenient, so a payload of an older or newer version still decodes."""
 
     name: str = Field(min_length=1)
     cluster: str = Field(min_length=1, description="ECS cluster the group's container instances register with")
@@ -29,7 +57,11 @@ class CapacityGroup(BaseModel):
     auto_scaling_group: str | None = None
     auto_repair: AutoRepair = AutoRepair.ENABLED
     max_draining_percent: DrainingPercent = 20
+    # No probe heartbeat for this long: AGENT_CONNECTIVITY IMPAIRED. At least 3 heartbeat intervals, at most a day.
     heartbeat_loss_threshold: timedelta = timedelta(minutes=10)
+    # How often the group's probes send a heartbeat: their --heartbeat-interval (default 60 s), said here once more so
+    # that the threshold can be checked against it.
+    heartbeat_interval: timedelta = DEFAULT_HEARTBEAT_INTERVAL
     # How long a replacement may take from launch to ACTIVE in ECS before the wait is retried.
     replacement_ready_timeout: timedelta = timedelta(minutes=20)
     # How often the repair looks at the draining instance's tasks between stop-timeout deadlines.
@@ -41,6 +73,10 @@ class CapacityGroup(BaseModel):
         """The drain cap, computed here only. ECS's rule: max(1, floor(n * pct / 100)); below 9 instances at 20%
         that is one at a time."""
         return max(1, instance_count * self.max_draining_percent // 100)
+
+    def settings_problems(self) -> list[tuple[str | None, str]]:
+        problem = heartbeat_threshold_problem(self.heartbeat_loss_threshold, self.heartbeat_interval)
+        return [("heartbeat_loss_threshold", problem)] if problem else []
 
 
 class GroupConfigOverrides(BaseModel):
@@ -68,7 +104,10 @@ class GroupConfigUpdate(BaseModel):
     def changes(self) -> GroupConfigOverrides:
         return GroupConfigOverrides.model_validate(self.model_dump(exclude={"requested_by", "reset"}))
 
-    def problems(self) -> list[str]:
+    def problems(self, group: CapacityGroup | None = None) -> list[str]:
+        """What is wrong with this update, for the operator; empty when it may be applied. `group`: the group's
+        effective configuration now (settings + live overrides), to check the threshold against its
+        heartbeat_interval; without it only the bounds are checked."""
         problems = []
         if not self.reset and self.changes() == GroupConfigOverrides():
             problems.append(
@@ -80,11 +119,10 @@ class GroupConfigUpdate(BaseModel):
                 f"max_draining_percent must be between {MIN_DRAINING_PERCENT} and {MAX_DRAINING_PERCENT}, not {percent}"
             )
         threshold = self.heartbeat_loss_threshold
-        if threshold is not None and not timedelta(0) < threshold <= MAX_HEARTBEAT_LOSS_THRESHOLD:
-            problems.append(
-                f"heartbeat_loss_threshold must be more than 0s and at most {MAX_HEARTBEAT_LOSS_THRESHOLD}, "
-                f"not {threshold}"
-            )
+        if threshold is not None:
+            problem = heartbeat_threshold_problem(threshold, group.heartbeat_interval if group else None)
+            if problem:
+                problems.append(problem)
         return problems
 
 

@@ -7,6 +7,8 @@ from enum import StrEnum
 
 from pydantic import BaseModel, Field
 
+from contract.limits import MAX_HEARTBEAT_LOSS_INJECTION, Id, Name
+
 
 class HealthState(StrEnum):
     OK = "OK"
@@ -30,12 +32,12 @@ class HealthInput(BaseModel):
     """What starts `health/<instance>` (the probe's signal-with-start). The workflow's own carried state is
     added by the workflow itself (workflows.models.HealthRun)."""
 
-    instance_id: str
-    group: str
+    instance_id: Id
+    group: Id
 
 
 class HeartbeatLossInjection(BaseModel):
     """Game day: the health workflow ignores heartbeats for `duration`, exactly as if the probe were silent."""
 
-    duration: timedelta = Field(gt=timedelta(0))
-    requested_by: str = ""
+    duration: timedelta = Field(gt=timedelta(0), le=MAX_HEARTBEAT_LOSS_INJECTION)
+    requested_by: Name = ""

@@ -7,6 +7,7 @@ from enum import StrEnum
 
 from pydantic import BaseModel
 
+from contract.limits import Id, Text, Token
 from contract.probe import GpuFinding
 
 
@@ -28,7 +29,10 @@ class PhaseStep(BaseModel):
 
 
 class RepairInput(BaseModel):
-    instance_id: str
-    group: str
-    reason: str
+    instance_id: Id
+    group: Id
+    reason: Text
     finding: GpuFinding | None = None
+    # Set by the health workflow that starts the repair; the repair puts it in every `repair_progress` it sends,
+    # and the health workflow takes progress only with it.
+    progress_token: Token = ""

@@ -4,20 +4,24 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
+
+from contract.limits import Id, OptionalId, Token
 
 
 class PermitRequest(BaseModel):
     """The `request` signal."""
 
-    holder_workflow_id: str = Field(min_length=1)
-    holder_run_id: str | None = None
-    instance_id: str = ""
+    holder_workflow_id: Id
+    holder_run_id: OptionalId | None = None
+    instance_id: OptionalId = ""
     requested_at: datetime | None = None
+    # The repair's own secret for this request: the grant must carry it back, and a release must show it.
+    token: Token = ""
 
 
 class SemaphoreInput(BaseModel):
     """What starts the semaphore. The workflow's own carried state is added by the workflow itself
     (workflows.models.SemaphoreRun)."""
 
-    group: str
+    group: Id

@@ -7,11 +7,12 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import shutil
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, TextIO
@@ -21,7 +22,8 @@ from pydantic_settings import SettingsConfigDict
 from rich.console import Console
 from rich.table import Table
 
-from contract.config import ConfigSources, TemporalSettings
+from contract.config import ConfigError, ConfigSources, TemporalSettings
+from contract.groups import HEARTBEATS_PER_THRESHOLD, MAX_HEARTBEAT_LOSS_THRESHOLD
 from contract.temporal_client import connect
 from node_probe.classify.kernel_log import parse_lines
 from node_probe.classify.policy import POLICY_ECS, POLICY_NAMES, Policy, PolicyConfig, Verdict
@@ -40,12 +42,13 @@ _LEADING = ("line", "kind", "code", "pci", "impairs", "reason", "rule", "message
 
 
 class ProbeSettings(ConfigSources):
-    """The part of the shared settings the probe reads (AUTOREPAIR_TEMPORAL__* or the TOML file); the rest of that
-    file is the worker's, so other keys are left to it."""
+    """The part of the shared settings the probe reads (AUTOREPAIR_TEMPORAL__* or the TOML file); the other top-level
+    sections of that file are the worker's, so they are left to it. Within [temporal] an unknown key is an error."""
 
     model_config = SettingsConfigDict(extra="ignore")
 
     temporal: TemporalSettings = Field(default_factory=TemporalSettings)
+    log_format: str = Field(default="auto", pattern="^(auto|json|console)$")
 
 
 class CliError(Exception):
@@ -162,6 +165,30 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
 
 # --- probe --------------------------------------------------------------------------------------------------
 
+# Heartbeats: at least one a second (a faster one is load on Temporal, not liveness), and at most a third of the
+# longest heartbeat-loss threshold the worker accepts, since that threshold must span 3 heartbeat intervals.
+MIN_HEARTBEAT_INTERVAL_S = 1.0
+MAX_HEARTBEAT_INTERVAL_S = MAX_HEARTBEAT_LOSS_THRESHOLD.total_seconds() / HEARTBEATS_PER_THRESHOLD
+MAX_DEDUPE_WINDOW_S = 86_400.0
+
+
+def seconds_in_range(low: float, high: float, *, low_inclusive: bool = True) -> Callable[[str], float]:
+    """An argparse `type=`: a finite number of seconds within [low, high] (or (low, high]); anything else is an
+    argparse error, one line and exit status 2."""
+
+    def seconds(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+        above_low = value >= low if low_inclusive else value > low
+        if not (math.isfinite(value) and above_low and value <= high):
+            lower = f"at least {low:g}" if low_inclusive else f"more than {low:g}"
+            raise argparse.ArgumentTypeError(f"must be {lower} and at most {high:g} seconds, not {text}")
+        return value
+
+    return seconds
+
 
 def add_probe_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--instance-id", default=None, help="default: this EC2 instance's id, from IMDSv2")
@@ -195,8 +222,22 @@ def add_probe_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temporal-address", default=None)
     parser.add_argument("--namespace", default=None)
     parser.add_argument("--task-queue", default=None)
-    parser.add_argument("--heartbeat-interval", type=float, default=60.0, metavar="SECONDS")
-    parser.add_argument("--dedupe-window", type=float, default=300.0, metavar="SECONDS")
+    parser.add_argument(
+        "--heartbeat-interval",
+        type=seconds_in_range(MIN_HEARTBEAT_INTERVAL_S, MAX_HEARTBEAT_INTERVAL_S),
+        default=60.0,
+        metavar="SECONDS",
+        help=f"between heartbeats, {MIN_HEARTBEAT_INTERVAL_S:g} to {MAX_HEARTBEAT_INTERVAL_S:g} (default: 60); set "
+        "the group's heartbeat_interval in the worker's settings to the same value",
+    )
+    parser.add_argument(
+        "--dedupe-window",
+        type=seconds_in_range(0, MAX_DEDUPE_WINDOW_S, low_inclusive=False),
+        default=300.0,
+        metavar="SECONDS",
+        help=f"repeats of a finding within this window are folded into one, more than 0 and at most "
+        f"{MAX_DEDUPE_WINDOW_S:g} (default: 300)",
+    )
     parser.add_argument(
         "--spool-dir",
         type=Path,
@@ -248,7 +289,11 @@ def _daemon_specs(args: argparse.Namespace) -> list[DaemonSpec]:
 
 async def build_probe(args: argparse.Namespace) -> Probe:
     overrides = {"address": args.temporal_address, "namespace": args.namespace, "task_queue": args.task_queue}
-    temporal = ProbeSettings().temporal.model_copy(update={k: v for k, v in overrides.items() if v})
+    try:
+        settings = ProbeSettings.load()
+    except ConfigError as exc:
+        raise CliError(f"invalid configuration: {exc}") from exc
+    temporal = settings.temporal.model_copy(update={k: v for k, v in overrides.items() if v})
     try:
         config = ProbeConfig(
             instance_id=await _resolve_instance_id(args.instance_id),

@@ -12,7 +12,14 @@ from typing import Any, NoReturn
 
 from pydantic import ValidationError
 
-from node_probe.cli import add_classify_arguments, add_probe_arguments, run_classify, run_probe_command
+from contract.config import ConfigError
+from node_probe.cli import (
+    ProbeSettings,
+    add_classify_arguments,
+    add_probe_arguments,
+    run_classify,
+    run_probe_command,
+)
 from operator_cli.client import guarded
 from operator_cli.describe import add_describe_arguments, describe_instances
 from operator_cli.group import add_group_arguments, group_usage
@@ -85,12 +92,23 @@ def _finish(args: argparse.Namespace, code: int, argv: list[str] | None) -> int:
     return code
 
 
+# The commands that run on a GPU host read only the probe's part of the shared settings ([temporal], log_format):
+# the worker's sections there are the worker's to check, and an older probe must not refuse a newer worker's key.
+_PROBE_SIDE = frozenset({"probe", "classify"})
+
+
+def _settings_class(command: str) -> type[Settings] | type[ProbeSettings]:
+    return ProbeSettings if command in _PROBE_SIDE else Settings
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        settings_format = Settings().log_format
-    except ValidationError as err:
-        print(f"autorepair: invalid configuration: {_one_line(err)}", file=sys.stderr)
+        # Every command's settings are read here first: a missing file, bad TOML or a bad value is one line naming
+        # the file (or environment variable), the key and the fix, and exit status 2, before the command starts.
+        settings_format = _settings_class(args.command).load().log_format
+    except ConfigError as err:
+        print(f"autorepair {args.command}: invalid configuration: {err}", file=sys.stderr)
         return 2
     configure_logging(settings_format)
     try:
@@ -100,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         return _finish(args, int(outcome or 0), argv)
     except KeyboardInterrupt:
         return 130
+    except ConfigError as err:
+        print(f"autorepair {args.command}: invalid configuration: {err}", file=sys.stderr)
+        return 2
     except ValidationError as err:
         print(f"autorepair: {_one_line(err)}", file=sys.stderr)
         return 2

@@ -42,6 +42,7 @@ DEMO_CLUSTER = "gpu-demo"
 DEMO_LAUNCH_TEMPLATE = "gpu-demo-p5"
 STATE_MARKER = ".autorepair-demo"  # only a directory holding this file is ever wiped
 HEARTBEAT_LOSS_THRESHOLD = timedelta(seconds=8)
+HEARTBEAT_INTERVAL = timedelta(seconds=2)  # the simulated probes', and the group's setting: 3 of them fit the threshold
 WAIT_FOR_OK_S = 60.0
 NOISE_INSTANCES = 2
 
@@ -177,6 +178,7 @@ def build_settings(plan: DemoPlan, temporal: TemporalDevServer, moto: MotoServer
                 launch_template=DEMO_LAUNCH_TEMPLATE,
                 auto_repair=plan.auto_repair,
                 heartbeat_loss_threshold=HEARTBEAT_LOSS_THRESHOLD,
+                heartbeat_interval=HEARTBEAT_INTERVAL,
                 # Demo time scale: a repair in well under a minute instead of the production minutes.
                 task_poll_interval=timedelta(seconds=1),
                 permit_reclaim_interval=timedelta(seconds=5),
@@ -236,7 +238,9 @@ async def _run(plan: DemoPlan, console: Console) -> int:
                 instances=plan.instances,
                 seed=plan.seed,
                 endpoint_url=moto.endpoint_url,
-                timing=SimTiming(heartbeat_loss_threshold=HEARTBEAT_LOSS_THRESHOLD),
+                timing=SimTiming(
+                    heartbeat_interval=HEARTBEAT_INTERVAL, heartbeat_loss_threshold=HEARTBEAT_LOSS_THRESHOLD
+                ),
                 client=client,
                 task_queue=settings.temporal.task_queue,
             )

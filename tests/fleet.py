@@ -123,6 +123,7 @@ async def simulated_fleet(
         launch_template=engine_launch_template or f"{group}-lt",
         auto_repair=auto_repair,
         heartbeat_loss_threshold=TIMING.heartbeat_loss_threshold,
+        heartbeat_interval=TIMING.heartbeat_interval,
     )
     if aws_max_attempts is not None:
         settings.aws = settings.aws.model_copy(update={"max_attempts": aws_max_attempts})

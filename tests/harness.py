@@ -35,6 +35,7 @@ def make_settings(
     launch_template: str | None = None,
     auto_repair: AutoRepair = AutoRepair.ENABLED,
     heartbeat_loss_threshold: timedelta = timedelta(seconds=6),
+    heartbeat_interval: timedelta | None = None,
     task_queue: str | None = None,
 ) -> Settings:
     return Settings(
@@ -52,6 +53,8 @@ def make_settings(
                 launch_template=launch_template,
                 auto_repair=auto_repair,
                 heartbeat_loss_threshold=heartbeat_loss_threshold,
+                # Unless given, the longest interval the threshold allows (the settings require 3 per threshold).
+                heartbeat_interval=heartbeat_interval or heartbeat_loss_threshold / 3,
                 task_poll_interval=timedelta(seconds=1),
                 permit_reclaim_interval=timedelta(seconds=2),
                 replacement_ready_timeout=timedelta(seconds=60),

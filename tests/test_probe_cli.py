@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
+import subprocess
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -12,6 +15,7 @@ import pytest
 
 from node_probe import cli
 from node_probe.imds import ImdsError, imds_instance_id
+from operator_cli.main import main
 
 LOG = "\n".join(
     [
@@ -180,3 +184,68 @@ async def test_probe_without_instance_id_uses_imds_or_fails_clearly(
 def test_imds_lookup_fails_fast_without_a_metadata_service() -> None:
     with pytest.raises(ImdsError, match="IMDSv2"):
         imds_instance_id(endpoint="http://127.0.0.1:9", timeout=0.5)
+
+
+# --- probe flags and settings: one line, exit status 2 ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "problem"),
+    [
+        ("--heartbeat-interval", "0", "must be at least 1 and at most 28800 seconds, not 0"),
+        ("--heartbeat-interval", "-1", "must be at least 1 and at most 28800 seconds, not -1"),
+        ("--heartbeat-interval", "0.001", "must be at least 1 and at most 28800 seconds, not 0.001"),
+        ("--heartbeat-interval", "inf", "must be at least 1 and at most 28800 seconds, not inf"),
+        ("--heartbeat-interval", "28801", "must be at least 1 and at most 28800 seconds, not 28801"),
+        ("--heartbeat-interval", "soon", "'soon' is not a number of seconds"),
+        ("--dedupe-window", "0", "must be more than 0 and at most 86400 seconds, not 0"),
+        ("--dedupe-window", "-1", "must be more than 0 and at most 86400 seconds, not -1"),
+        ("--dedupe-window", "nan", "must be more than 0 and at most 86400 seconds, not nan"),
+    ],
+)
+def test_bad_probe_flag_is_one_line_and_exit_2(
+    flag: str, value: str, problem: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["probe", "--group", "g", "--instance-id", "i-1", flag, value])
+    assert exited.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (f"autorepair probe: error: argument {flag}: {problem} (see autorepair probe --help)\n")
+
+
+def test_probe_flags_at_their_bounds_are_accepted() -> None:
+    args = probe_args("--group", "g", "--heartbeat-interval", "1", "--dedupe-window", "0.5")
+    assert (args.heartbeat_interval, args.dedupe_window) == (1.0, 0.5)
+    args = probe_args("--group", "g", "--heartbeat-interval", "28800", "--dedupe-window", "86400")
+    assert (args.heartbeat_interval, args.dedupe_window) == (28800.0, 86400.0)
+    assert (probe_args("--group", "g").heartbeat_interval, probe_args("--group", "g").dedupe_window) == (60.0, 300.0)
+
+
+def test_the_real_probe_refuses_a_zero_heartbeat_interval_at_once() -> None:
+    """It used to make thousands of attempts a second against a refusing server; now it never starts."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOREPAIR_")}
+    result = subprocess.run(
+        [sys.executable, "-m", "operator_cli.main", "probe", "--group", "g", "--instance-id", "i-1",
+         "--temporal-address", "127.0.0.1:1", "--heartbeat-interval", "0"],
+        cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stdout == "" and "Traceback" not in result.stderr
+    assert result.stderr.count("\n") == 1 and "argument --heartbeat-interval: must be at least 1" in result.stderr
+
+
+async def test_probe_with_a_bad_settings_file_is_one_line_and_exit_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "autorepair.toml"
+    # The worker's tables are not the probe's to judge; a typo inside [temporal] is.
+    config.write_text('[temporal]\nadress = "t:7233"\n\n[[groups]]\nname = "g"\ncluster = "c"\nnewer_key = 1\n')
+    monkeypatch.setenv("AUTOREPAIR_CONFIG", str(config))
+    args = probe_args("--instance-id", "i-1", "--group", "g", "--spool-dir", str(tmp_path / "spool"))
+    assert await cli.run_probe_command(args) == 2
+    assert capsys.readouterr().err == (
+        f"autorepair probe: invalid configuration: {config}: temporal.adress: unknown key: did you mean address?\n"
+    )
+    config.write_text('[temporal]\naddress = "127.0.0.1:1"\n\n[[groups]]\nname = "g"\ncluster = "c"\nnewer_key = 1\n')
+    assert (await cli.build_probe(args)).config.group == "g"

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from contract.config import ConfigError
 from contract.groups import AutoRepair
 from contract.temporal_client import tls_config
 from worker.settings import Settings
@@ -87,7 +88,7 @@ def test_mtls_needs_certificate_and_key_together(tmp_path: Path) -> None:
 
 def test_missing_config_file_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AUTOREPAIR_CONFIG", "/nonexistent/autorepair.toml")
-    with pytest.raises(FileNotFoundError, match=re.escape("AUTOREPAIR_CONFIG=/nonexistent/autorepair.toml")):
+    with pytest.raises(ConfigError, match=re.escape("/nonexistent/autorepair.toml: no such file (AUTOREPAIR_CONFIG")):
         Settings()
 
 

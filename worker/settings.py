@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
-from contract.config import AwsSettings, ConfigSources, EventSettings, TemporalSettings
+from contract.config import AwsSettings, ConfigSources, EventSettings, PositiveDuration, TemporalSettings
 from contract.groups import CapacityGroup
 
 
 class Settings(ConfigSources):
-    """Everything the worker reads: strict, an unknown key is an error."""
+    """Everything the worker reads: strict at every depth, an unknown key is an error (contract/config.py)."""
 
     temporal: TemporalSettings = Field(default_factory=TemporalSettings)
     aws: AwsSettings = Field(default_factory=AwsSettings)
@@ -19,10 +19,23 @@ class Settings(ConfigSources):
     groups: list[CapacityGroup] = Field(default_factory=list)
     log_format: str = Field(default="auto", pattern="^(auto|json|console)$")
     metrics_bind_address: str | None = None
-    health_gauge_interval: timedelta = Field(
-        default=timedelta(seconds=30), gt=timedelta(0), description="How often instances by health status are counted"
+    health_gauge_interval: PositiveDuration = Field(
+        default=timedelta(seconds=30), description="How often instances by health status are counted"
     )
     otlp_endpoint: str | None = None
+
+    @field_validator("groups")
+    @classmethod
+    def _unique_group_names(cls, groups: list[CapacityGroup]) -> list[CapacityGroup]:
+        first: dict[str, int] = {}
+        for index, group in enumerate(groups):
+            if group.name in first:
+                raise ValueError(
+                    f"capacity group {group.name!r} is configured twice (groups[{first[group.name]}] and "
+                    f"groups[{index}]): give each [[groups]] table its own name, or merge the two"
+                )
+            first[group.name] = index
+        return groups
 
     def group(self, name: str) -> CapacityGroup:
         for group in self.groups:

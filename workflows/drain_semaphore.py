@@ -23,7 +23,7 @@ from temporalio.exceptions import ActivityError, ApplicationError, FailureError
 
 from contract import names
 from contract.groups import CapacityGroup, GroupConfigOverrides, GroupConfigState, GroupConfigUpdate
-from contract.ids import semaphore_workflow_id
+from contract.ids import repair_workflow_id, semaphore_workflow_id
 from contract.semaphore import PermitRequest
 from workflows.group_config import read_group_config
 from workflows.models import Permit, PermitGrant, PermitRelease, SemaphoreRun, SemaphoreView
@@ -33,10 +33,21 @@ from workflows.signal_input import Rejected, decode
 with workflow.unsafe.imports_passed_through():
     from activities.events import EventActivities
     from activities.fleet import FleetActivities
-    from activities.models import EventType, FleetEvent, GroupCapacityRequest, GroupRef, WorkflowRun, WorkflowRuns
+    from activities.models import (
+        EventType,
+        FleetEvent,
+        GroupCapacityRequest,
+        GroupRef,
+        RepairsOfGroup,
+        WorkflowRun,
+        WorkflowRuns,
+    )
     from activities.workflow_ops import WorkflowOps
 
 SIGNALS_PER_RUN = 2_000
+# The waiting line is carried across continue-as-new: bounded, and far above any real group's repairs.
+MAX_WAITERS = 500
+DETAILS_WAITERS = 20
 PERMITS_IN_USE = "autorepair_drain_permits_in_use"
 PERMITS_WAITING = "autorepair_drain_permits_waiting"
 
@@ -50,6 +61,8 @@ class DrainSemaphoreWorkflow:
         self._waiters: list[PermitRequest] = list(input.waiters)
         self._max_holders_seen = input.max_holders_seen
         self._rejected = input.rejected_signals
+        self._forged = input.forged_signals
+        self._dropped_requests = input.dropped_requests
         self._config = input.config or GroupConfigState(group=input.group)
         # A fresh start (not continue-as-new) first takes over what an earlier run left, e.g. one an operator
         # terminated: overrides such as auto_repair=DISABLED must not silently revert to the settings.
@@ -87,6 +100,8 @@ class DrainSemaphoreWorkflow:
                         waiters=self._waiters,
                         max_holders_seen=self._max_holders_seen,
                         rejected_signals=self._rejected,
+                        forged_signals=self._forged,
+                        dropped_requests=self._dropped_requests,
                         config=self._config,
                     ),
                     memo=self._config_memo(),
@@ -113,19 +128,51 @@ class DrainSemaphoreWorkflow:
         self._capacity = capacity.max_draining
         self._group_size = capacity.instance_count
         while self._waiters and len(self._holders) < self._capacity:
-            request = self._waiters.pop(0)
-            permit = Permit(
-                holder_workflow_id=request.holder_workflow_id,
-                holder_run_id=request.holder_run_id,
-                instance_id=request.instance_id,
-                since=workflow.now(),
-            )
-            self._holders.append(permit)
-            self._max_holders_seen = max(self._max_holders_seen, len(self._holders))
-            await self._send_grant(permit)
+            batch = self._waiters[: self._capacity - len(self._holders)]
+            genuine = await self._running_repairs_of_group(batch)
+            for request in batch:
+                if request not in self._waiters:
+                    continue  # released while we looked
+                self._waiters.remove(request)
+                if request.holder_workflow_id not in genuine:
+                    self._forged_signal(f"request for {request.holder_workflow_id}, not a running repair of the group")
+                    continue
+                if len(self._holders) >= self._capacity:
+                    self._waiters.insert(0, request)
+                    break
+                permit = Permit(
+                    holder_workflow_id=request.holder_workflow_id,
+                    holder_run_id=request.holder_run_id,
+                    instance_id=request.instance_id,
+                    since=workflow.now(),
+                    token=request.token,
+                )
+                self._holders.append(permit)
+                self._max_holders_seen = max(self._max_holders_seen, len(self._holders))
+                await self._send_grant(permit)
+
+    async def _running_repairs_of_group(self, requests: Sequence[PermitRequest]) -> set[str]:
+        """The requesters that are running repair workflows of this group: a permit goes to nobody else (a
+        workflow that never closes would otherwise hold one for ever)."""
+        found = await workflow.execute_activity_method(
+            WorkflowOps.find_running_repairs,
+            RepairsOfGroup(
+                group=self._group,
+                runs=[WorkflowRun(workflow_id=r.holder_workflow_id, run_id=r.holder_run_id) for r in requests],
+            ),
+            summary=f"check {len(requests)} permit requests come from repairs of {self._group}",
+            start_to_close_timeout=CALL_TIMEOUT,
+            retry_policy=CALL_RETRY,
+        )
+        return {run.workflow_id for run in found.runs}
 
     async def _send_grant(self, permit: Permit) -> None:
-        grant = PermitGrant(group=self._group, holder_workflow_id=permit.holder_workflow_id, granted_at=permit.since)
+        grant = PermitGrant(
+            group=self._group,
+            holder_workflow_id=permit.holder_workflow_id,
+            granted_at=permit.since,
+            token=permit.token,
+        )
         handle = workflow.get_external_workflow_handle(permit.holder_workflow_id, run_id=permit.holder_run_id)
         try:
             await handle.signal(names.SIGNAL_PERMIT_GRANTED, grant)
@@ -157,6 +204,12 @@ class DrainSemaphoreWorkflow:
     @workflow.signal(dynamic=True)
     def on_signal(self, name: str, payloads: Sequence[RawValue]) -> None:
         self._signals_this_run += 1
+        try:
+            self._dispatch(name, payloads)
+        except Exception as err:  # a handler's own failure is bad input too: it must never fail the task
+            self._reject(Rejected(f"signal {name!r} failed in its handler: {type(err).__name__}: {err}"[:500]))
+
+    def _dispatch(self, name: str, payloads: Sequence[RawValue]) -> None:
         if name == names.SIGNAL_REQUEST:
             request = decode(name, payloads, PermitRequest)
             if isinstance(request, Rejected):
@@ -168,26 +221,52 @@ class DrainSemaphoreWorkflow:
             if isinstance(release, Rejected):
                 self._reject(release)
             else:
-                self._remove(release.holder_workflow_id)
+                self._on_release(release)
         else:
             self._reject(Rejected(f"unknown signal {name!r}"))
 
     def _on_request(self, request: PermitRequest) -> None:
+        if not request.token or request.holder_workflow_id != repair_workflow_id(request.instance_id or "?"):
+            # Only a repair asks, for its own instance, with a token of its own.
+            self._forged_signal(f"request for {request.holder_workflow_id} that no repair would send")
+            return
         held = next((p for p in self._holders if p.holder_workflow_id == request.holder_workflow_id), None)
         if held is not None:
+            if held.token != request.token:
+                self._forged_signal(f"request for holder {held.holder_workflow_id} without its token")
+                return
             # A repeated request from a holder means our grant may not have reached it: send it again.
             self._regrants.add(asyncio.create_task(self._send_grant(held)))
             return
         if any(w.holder_workflow_id == request.holder_workflow_id for w in self._waiters):
+            return
+        if len(self._waiters) >= MAX_WAITERS:
+            self._dropped_requests += 1
+            workflow.logger.warning("drain semaphore %s: %d waiting already, request dropped", self._group, MAX_WAITERS)
             return
         if request.requested_at is None:
             request.requested_at = workflow.now()
         self._waiters.append(request)
         self._changed = True
 
+    def _on_release(self, release: PermitRelease) -> None:
+        mine = [p.token for p in self._holders if p.holder_workflow_id == release.holder_workflow_id]
+        mine += [w.token for w in self._waiters if w.holder_workflow_id == release.holder_workflow_id]
+        if not mine:
+            return  # released already, or never held: nothing to do
+        if release.token not in mine:
+            self._forged_signal(f"release for {release.holder_workflow_id} without its token")
+            return
+        self._remove(release.holder_workflow_id)
+
     def _reject(self, why: Rejected) -> None:
         self._rejected += 1
         workflow.logger.warning("dropped signal for drain semaphore %s: %s", self._group, why)
+
+    def _forged_signal(self, why: str) -> None:
+        self._forged += 1
+        workflow.set_current_details(self._details_markdown())
+        workflow.logger.warning("dropped forged signal for drain semaphore %s: %s", self._group, why)
 
     # --- live group configuration --------------------------------------------------------------------------
 
@@ -265,7 +344,7 @@ class DrainSemaphoreWorkflow:
     @update_group.validator
     def _validate_update_group(self, update: GroupConfigUpdate) -> None:
         # A rejected update leaves no trace in history; the caller gets this message.
-        problems = update.problems()
+        problems = update.problems(self._config.effective)
         if problems:
             raise ApplicationError(
                 f"invalid update of capacity group {self._group}: {'; '.join(problems)}",
@@ -311,10 +390,13 @@ class DrainSemaphoreWorkflow:
             group=self._group,
             capacity=self._capacity,
             group_size=self._group_size,
-            holders=self._holders,
-            waiters=self._waiters,
+            # Tokens stay in here: a query is no way to learn one.
+            holders=[p.model_copy(update={"token": ""}) for p in self._holders],
+            waiters=[w.model_copy(update={"token": ""}) for w in self._waiters],
             max_holders_seen=self._max_holders_seen,
             rejected_signals=self._rejected,
+            forged_signals=self._forged,
+            dropped_requests=self._dropped_requests,
         )
 
     def _time_to_continue(self) -> bool:
@@ -335,7 +417,18 @@ class DrainSemaphoreWorkflow:
             "",
         ]
         lines += [f"- draining: `{p.instance_id}` ({p.holder_workflow_id})" for p in self._holders]
-        lines += [f"- waiting: `{w.instance_id}` ({w.holder_workflow_id})" for w in self._waiters]
+        lines += [f"- waiting: `{w.instance_id}` ({w.holder_workflow_id})" for w in self._waiters[:DETAILS_WAITERS]]
+        if len(self._waiters) > DETAILS_WAITERS:
+            lines.append(f"- ... and {len(self._waiters) - DETAILS_WAITERS} more waiting")
+        if self._rejected:
+            lines += ["", f"{self._rejected} malformed signals dropped"]
+        if self._forged:
+            lines += [
+                "",
+                f"**{self._forged} forged signals dropped** (not from a repair of this group, or without its token)",
+            ]
+        if self._dropped_requests:
+            lines += ["", f"{self._dropped_requests} requests dropped: {MAX_WAITERS} were waiting already"]
         overrides = self._config.overrides.model_dump(mode="json", exclude_none=True)
         if overrides:
             pairs = ", ".join(f"{k}={v}" for k, v in overrides.items())

@@ -51,6 +51,9 @@ with workflow.unsafe.imports_passed_through():
 
 RECENT_FINDINGS = 20
 REMEMBERED_FINDING_IDS = 500
+# Bounds of the rest of the carried state: past them, new entries are counted as dropped instead of kept.
+MAX_WARNING_KINDS = 256
+MAX_DAEMONS_DOWN = 32
 # A run accepts at most 10,000 signals and that limit does not raise the continue-as-new suggestion.
 SIGNALS_PER_RUN = 2_000
 
@@ -177,16 +180,22 @@ class InstanceHealthWorkflow:
             return
         reason, finding = self._impairment()
         gpu = f" on GPU {finding.gpu.pci}" if finding is not None and finding.gpu.pci else ""
+        repair = RepairInput(
+            instance_id=self._instance_id,
+            group=self._group,
+            reason=reason,
+            finding=finding,
+            progress_token=str(workflow.uuid4()),
+        )
         started = await workflow.execute_activity_method(
             WorkflowOps.start_repair,
-            StartRepairRequest(
-                repair=RepairInput(instance_id=self._instance_id, group=self._group, reason=reason, finding=finding),
-                summary=f"repair {self._instance_id}: {reason}{gpu}",
-            ),
+            StartRepairRequest(repair=repair, summary=f"repair {self._instance_id}: {reason}{gpu}"),
             summary=f"start repair of {self._instance_id} ({reason})",
             start_to_close_timeout=CALL_TIMEOUT,
             retry_policy=CALL_RETRY,
         )
+        # The token of the repair that runs: ours, or that of one an earlier run of this workflow started.
+        self._state.repair_token = started.progress_token or None
         self._state.repair = RepairView(
             workflow_id=started.workflow_id,
             phase=RepairPhase.WAITING_FOR_PERMIT,
@@ -201,7 +210,10 @@ class InstanceHealthWorkflow:
         """Every signal comes through here, so that no input, however malformed, can fail the workflow task."""
         self._signals_this_run += 1
         before = self._status_key()
-        self._dispatch(name, payloads)
+        try:
+            self._dispatch(name, payloads)
+        except Exception as err:  # a handler's own failure is bad input too: it must never fail the task
+            self._reject(Rejected(f"signal {name!r} failed in its handler: {type(err).__name__}: {err}"[:500]))
         if self._state.repair_withheld is not None and not self._is_impaired():
             # Healthy again while repair was DISABLED: the decision not to repair is void, a new fault decides anew.
             self._state.repair_withheld = None
@@ -234,6 +246,10 @@ class InstanceHealthWorkflow:
         self._state.rejected_signals += 1
         workflow.logger.warning("dropped signal for %s: %s", self._instance_id, why)
 
+    def _forged(self, why: str) -> None:
+        self._state.forged_signals += 1
+        workflow.logger.warning("dropped forged signal for %s: %s", self._instance_id, why)
+
     def _on_finding(self, finding: GpuFinding) -> None:
         if finding.instance_id != self._instance_id:
             self._reject(Rejected(f"finding for {finding.instance_id} sent to {self._instance_id}"))
@@ -250,11 +266,17 @@ class InstanceHealthWorkflow:
         # A critical daemon (fabric manager, ...) down is ECS's DAEMON check; everything else is about the GPUs.
         check = CheckType.DAEMON if finding.kind == "daemon" else CheckType.ACCELERATED_COMPUTE
         if check is CheckType.DAEMON and finding.impairs and finding.reason not in self._state.daemons_down:
-            self._state.daemons_down = [*self._state.daemons_down, finding.reason]
+            if len(self._state.daemons_down) < MAX_DAEMONS_DOWN:
+                self._state.daemons_down = [*self._state.daemons_down, finding.reason]
+            else:
+                self._state.dropped_entries += 1
         current = self._state.checks.get(check)
         if not finding.impairs:
             key = f"{finding.gpu.pci or 'unknown'}/{finding.reason}"
-            self._state.warning_counts[key] = self._state.warning_counts.get(key, 0) + finding.count
+            if key in self._state.warning_counts or len(self._state.warning_counts) < MAX_WARNING_KINDS:
+                self._state.warning_counts[key] = self._state.warning_counts.get(key, 0) + finding.count
+            else:
+                self._state.dropped_entries += 1
         elif current is not None and current.status is HealthState.IMPAIRED:
             # The first critical fault is the root cause (Xid 79, then "fallen off the bus" about the same GPU).
             current.lastUpdated = now
@@ -310,11 +332,13 @@ class InstanceHealthWorkflow:
         )
 
     def _on_repair_progress(self, progress: RepairProgress) -> None:
-        if self._state.repair is None:
-            self._state.repair = RepairView(
-                workflow_id=progress.workflow_id, phase=progress.phase, reason="", started_at=workflow.now()
-            )
         repair = self._state.repair
+        if repair is None or progress.workflow_id != repair.workflow_id:
+            self._forged(f"repair_progress from {progress.workflow_id}, which this workflow did not start")
+            return
+        if not self._state.repair_token or progress.token != self._state.repair_token:
+            self._forged(f"repair_progress claiming to be {progress.workflow_id} without its token")
+            return
         repair.phase = progress.phase
         repair.replacement_instance_id = progress.replacement_instance_id or repair.replacement_instance_id
         repair.error = progress.error
@@ -399,6 +423,8 @@ class InstanceHealthWorkflow:
             last_heartbeat=self._state.last_heartbeat,
             rejected_signals=self._state.rejected_signals,
             retired=self._retired,
+            forged_signals=self._state.forged_signals,
+            dropped_entries=self._state.dropped_entries,
             repair_withheld=self._state.repair_withheld,
             heartbeats_ignored_until=self._state.heartbeats_ignored_until,
             probe_sources=self._state.probe_sources,
@@ -420,4 +446,8 @@ class InstanceHealthWorkflow:
             lines += ["", f"Game day: heartbeats ignored until {iso(ignored_until)}"]
         if self._state.rejected_signals:
             lines += ["", f"{self._state.rejected_signals} malformed or duplicate signals dropped"]
+        if self._state.forged_signals:
+            lines += ["", f"**{self._state.forged_signals} forged signals dropped** (not from who may send them)"]
+        if self._state.dropped_entries:
+            lines += ["", f"{self._state.dropped_entries} warning kinds or daemons not kept (state is bounded)"]
         return "\n".join(lines)

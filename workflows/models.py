@@ -12,6 +12,7 @@ from pydantic import BaseModel, Field
 
 from contract.groups import GroupConfigState
 from contract.health import CheckType, HealthInput, HealthState
+from contract.limits import Id, OptionalId, Text, Token
 from contract.probe import GpuFinding, ProbeSourceHealth
 from contract.repair import PhaseStep, RepairPhase
 from contract.semaphore import PermitRequest, SemaphoreInput
@@ -20,11 +21,12 @@ from contract.semaphore import PermitRequest, SemaphoreInput
 class RepairProgress(BaseModel):
     """The repair workflow keeps the instance's health workflow told of where it is."""
 
-    workflow_id: str
+    workflow_id: Id
     phase: RepairPhase
-    replacement_instance_id: str | None = None
-    error: str | None = None
+    replacement_instance_id: OptionalId | None = None
+    error: Text | None = None
     finished: bool = False
+    token: Token = ""  # the repair's RepairInput.progress_token: only the health workflow that started it knows it
 
 
 # --- Health workflow -------------------------------------------------------------------------------------------
@@ -64,6 +66,12 @@ class HealthCarry(BaseModel):
     repair: RepairView | None = None
     repair_requested: bool = False
     rejected_signals: int = 0
+    # Signals that were well formed but not from who may send them (a repair_progress without our repair's token).
+    forged_signals: int = 0
+    # Entries the bounded state had to let go of (warning kinds, daemons down) since the workflow started.
+    dropped_entries: int = 0
+    # The token the repair we started puts in its progress (RepairInput.progress_token); never in a query.
+    repair_token: str | None = None
     # Why an IMPAIRED instance is not being repaired (auto repair DISABLED); cleared when the group is re-ENABLED.
     repair_withheld: str | None = None
     heartbeats_ignored_until: datetime | None = None
@@ -88,6 +96,8 @@ class InstanceHealthView(BaseModel):
     last_heartbeat: datetime | None
     rejected_signals: int
     retired: bool
+    forged_signals: int = 0
+    dropped_entries: int = 0
     repair_withheld: str | None = None
     heartbeats_ignored_until: datetime | None = None
     probe_sources: list[ProbeSourceHealth] = Field(default_factory=list)
@@ -97,13 +107,15 @@ class InstanceHealthView(BaseModel):
 
 
 class PermitRelease(BaseModel):
-    holder_workflow_id: str = Field(min_length=1)
+    holder_workflow_id: Id
+    token: Token = ""  # the token of the holder's request: only the holder can give its permit back
 
 
 class PermitGrant(BaseModel):
-    group: str
-    holder_workflow_id: str
+    group: Id
+    holder_workflow_id: Id
     granted_at: datetime
+    token: Token = ""  # the token of the request it answers: a repair takes no grant without its own
 
 
 class Permit(BaseModel):
@@ -111,6 +123,7 @@ class Permit(BaseModel):
     holder_run_id: str | None = None
     instance_id: str = ""
     since: datetime
+    token: str = ""
 
 
 class SemaphoreRun(SemaphoreInput):
@@ -120,6 +133,8 @@ class SemaphoreRun(SemaphoreInput):
     waiters: list[PermitRequest] = Field(default_factory=list)
     max_holders_seen: int = 0
     rejected_signals: int = 0
+    forged_signals: int = 0
+    dropped_requests: int = 0
     config: GroupConfigState | None = None
 
 
@@ -131,6 +146,8 @@ class SemaphoreView(BaseModel):
     waiters: list[PermitRequest]
     max_holders_seen: int
     rejected_signals: int
+    forged_signals: int = 0
+    dropped_requests: int = 0
 
 
 # --- Repair workflow -------------------------------------------------------------------------------------------
@@ -147,6 +164,8 @@ class RepairStatus(BaseModel):
     replacement_instance_id: str | None = None
     error: str | None = None
     timeline: list[PhaseStep] = Field(default_factory=list)
+    rejected_signals: int = 0
+    forged_signals: int = 0
 
 
 class RepairResult(BaseModel):

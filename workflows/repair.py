@@ -75,6 +75,9 @@ class InstanceRepairWorkflow:
         self._replacement: str | None = None
         self._error: str | None = None
         self._rejected = 0
+        self._forged = 0
+        # Put in our permit request; the semaphore's grant must carry it back, and our release shows it.
+        self._permit_token = str(workflow.uuid4())
         self._timeline = [PhaseStep(phase=RepairPhase.WAITING_FOR_PERMIT, started_at=workflow.now())]
 
     @workflow.run
@@ -167,6 +170,7 @@ class InstanceRepairWorkflow:
             holder_workflow_id=info.workflow_id,
             holder_run_id=info.run_id,
             instance_id=self._input.instance_id,
+            token=self._permit_token,
         )
         while not self._granted:
             await workflow.execute_activity_method(
@@ -275,7 +279,8 @@ class InstanceRepairWorkflow:
             return
         handle = workflow.get_external_workflow_handle(semaphore_workflow_id(self._input.group))
         try:
-            await handle.signal(names.SIGNAL_RELEASE, PermitRelease(holder_workflow_id=workflow.info().workflow_id))
+            release = PermitRelease(holder_workflow_id=workflow.info().workflow_id, token=self._permit_token)
+            await handle.signal(names.SIGNAL_RELEASE, release)
         except FailureError as err:
             # The semaphore is gone (reset by an operator): it holds no permit of ours to release.
             workflow.logger.warning("could not release drain permit: %s", err)
@@ -299,8 +304,9 @@ class InstanceRepairWorkflow:
             workflow_id=workflow.info().workflow_id,
             phase=self._phase,
             replacement_instance_id=self._replacement,
-            error=self._error,
+            error=self._error[:4000] if self._error else None,
             finished=finished,
+            token=self._input.progress_token,
         )
         handle = workflow.get_external_workflow_handle(health_workflow_id(self._input.instance_id))
         try:
@@ -332,12 +338,23 @@ class InstanceRepairWorkflow:
 
     @workflow.signal(dynamic=True)
     def on_signal(self, name: str, payloads: Sequence[RawValue]) -> None:
+        try:
+            self._on_signal(name, payloads)
+        except Exception as err:  # a handler's own failure is bad input too: it must never fail the task
+            self._reject(Rejected(f"signal {name!r} failed in its handler: {type(err).__name__}: {err}"[:500]))
+
+    def _on_signal(self, name: str, payloads: Sequence[RawValue]) -> None:
         if name != names.SIGNAL_PERMIT_GRANTED:
             self._reject(Rejected(f"unknown signal {name!r}"))
             return
         grant = decode(name, payloads, PermitGrant)
         if isinstance(grant, Rejected):
             self._reject(grant)
+            return
+        if grant.token != self._permit_token:
+            self._forged += 1
+            workflow.logger.warning("dropped a permit grant without this repair's request token")
+            workflow.set_current_details(self._runbook_markdown())
             return
         if not self._granted:
             self._granted = True
@@ -346,6 +363,7 @@ class InstanceRepairWorkflow:
     def _reject(self, why: Rejected) -> None:
         self._rejected += 1
         workflow.logger.warning("dropped signal: %s", why)
+        workflow.set_current_details(self._runbook_markdown())
 
     @workflow.query(name=names.QUERY_STATUS)
     def status(self) -> RepairStatus:
@@ -358,6 +376,8 @@ class InstanceRepairWorkflow:
             replacement_instance_id=self._replacement,
             error=self._error,
             timeline=self._timeline,
+            rejected_signals=self._rejected,
+            forged_signals=self._forged,
         )
 
     def _runbook_markdown(self) -> str:
@@ -373,6 +393,10 @@ class InstanceRepairWorkflow:
             lines.append(f"{index + 1}. [{mark}] {text}" + (f" — {note}" if note else ""))
         if self._phase in (RepairPhase.COMPLETED, RepairPhase.FAILED, RepairPhase.CANCELLED):
             lines += ["", f"Outcome: **{self._phase.value}**" + (f" — {self._error}" if self._error else "")]
+        if self._rejected:
+            lines += ["", f"{self._rejected} malformed signals dropped"]
+        if self._forged:
+            lines += ["", f"**{self._forged} forged permit grants dropped** (without this repair's request token)"]
         return "\n".join(lines)
 
 

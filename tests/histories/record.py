@@ -15,10 +15,10 @@ from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 
 from contract.ids import health_workflow_id, repair_workflow_id, semaphore_workflow_id
-from simulator.servers import MotoServer, TemporalDevServer
-from tests.conftest import free_port
+from simulator.events import read_events
+from simulator.servers import MotoServer, TemporalDevServer, free_port
 from tests.fleet import simulated_fleet
-from tests.harness import eventually, read_events
+from tests.harness import eventually
 
 HERE = Path(__file__).parent
 
