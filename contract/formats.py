@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from datetime import UTC, datetime
 from typing import Literal
 from urllib.parse import quote
@@ -11,7 +12,9 @@ def iso(moment: datetime, timespec: Literal["auto", "seconds"] = "auto") -> str:
     """ISO 8601 with a `Z` for UTC; `seconds` where a person reads it. An aware time is written in UTC; a naive one
     as it is (in workflow code converting it would consult the host's time zone)."""
     if moment.tzinfo is not None:
-        moment = moment.astimezone(UTC)
+        # A time at the edge of the calendar (year 1 or 9999) cannot move to UTC: it is written as it came.
+        with contextlib.suppress(OverflowError):
+            moment = moment.astimezone(UTC)
     return moment.isoformat(timespec=timespec).replace("+00:00", "Z")
 
 

@@ -28,7 +28,7 @@ from contract.semaphore import PermitRequest
 from workflows.group_config import read_group_config
 from workflows.models import Permit, PermitGrant, PermitRelease, SemaphoreRun, SemaphoreView
 from workflows.options import CALL_RETRY, CALL_TIMEOUT
-from workflows.signal_input import Rejected, decode
+from workflows.signal_input import Rejected, decode, worth_logging
 
 with workflow.unsafe.imports_passed_through():
     from activities.events import EventActivities
@@ -242,7 +242,10 @@ class DrainSemaphoreWorkflow:
             return
         if len(self._waiters) >= MAX_WAITERS:
             self._dropped_requests += 1
-            workflow.logger.warning("drain semaphore %s: %d waiting already, request dropped", self._group, MAX_WAITERS)
+            if worth_logging(self._dropped_requests):
+                workflow.logger.warning(
+                    "drain semaphore %s: %d waiting already, request dropped", self._group, MAX_WAITERS
+                )
             return
         if request.requested_at is None:
             request.requested_at = workflow.now()
@@ -261,12 +264,14 @@ class DrainSemaphoreWorkflow:
 
     def _reject(self, why: Rejected) -> None:
         self._rejected += 1
-        workflow.logger.warning("dropped signal for drain semaphore %s: %s", self._group, why)
+        if worth_logging(self._rejected):
+            workflow.logger.warning("dropped signal for drain semaphore %s: %s", self._group, why)
 
     def _forged_signal(self, why: str) -> None:
         self._forged += 1
         workflow.set_current_details(self._details_markdown())
-        workflow.logger.warning("dropped forged signal for drain semaphore %s: %s", self._group, why)
+        if worth_logging(self._forged):
+            workflow.logger.warning("dropped forged signal for drain semaphore %s: %s", self._group, why)
 
     # --- live group configuration --------------------------------------------------------------------------
 

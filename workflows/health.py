@@ -42,7 +42,7 @@ from workflows.models import (
     RepairView,
 )
 from workflows.options import CALL_RETRY, CALL_TIMEOUT
-from workflows.signal_input import Rejected, decode
+from workflows.signal_input import Rejected, decode, worth_logging
 
 with workflow.unsafe.imports_passed_through():
     from activities.events import EventActivities
@@ -244,11 +244,13 @@ class InstanceHealthWorkflow:
 
     def _reject(self, why: Rejected) -> None:
         self._state.rejected_signals += 1
-        workflow.logger.warning("dropped signal for %s: %s", self._instance_id, why)
+        if worth_logging(self._state.rejected_signals):
+            workflow.logger.warning("dropped signal for %s: %s", self._instance_id, why)
 
     def _forged(self, why: str) -> None:
         self._state.forged_signals += 1
-        workflow.logger.warning("dropped forged signal for %s: %s", self._instance_id, why)
+        if worth_logging(self._state.forged_signals):
+            workflow.logger.warning("dropped forged signal for %s: %s", self._instance_id, why)
 
     def _on_finding(self, finding: GpuFinding) -> None:
         if finding.instance_id != self._instance_id:

@@ -30,7 +30,7 @@ from contract.repair import PhaseStep, RepairInput, RepairPhase
 from workflows.group_config import read_group_config
 from workflows.models import PermitGrant, PermitRelease, RepairProgress, RepairResult, RepairStatus
 from workflows.options import CALL_RETRY, CALL_TIMEOUT
-from workflows.signal_input import Rejected, decode
+from workflows.signal_input import Rejected, decode, worth_logging
 
 with workflow.unsafe.imports_passed_through():
     from activities.events import EventActivities
@@ -353,7 +353,8 @@ class InstanceRepairWorkflow:
             return
         if grant.token != self._permit_token:
             self._forged += 1
-            workflow.logger.warning("dropped a permit grant without this repair's request token")
+            if worth_logging(self._forged):
+                workflow.logger.warning("dropped a permit grant without this repair's request token")
             workflow.set_current_details(self._runbook_markdown())
             return
         if not self._granted:
@@ -362,7 +363,8 @@ class InstanceRepairWorkflow:
 
     def _reject(self, why: Rejected) -> None:
         self._rejected += 1
-        workflow.logger.warning("dropped signal: %s", why)
+        if worth_logging(self._rejected):
+            workflow.logger.warning("dropped signal: %s", why)
         workflow.set_current_details(self._runbook_markdown())
 
     @workflow.query(name=names.QUERY_STATUS)

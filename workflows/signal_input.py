@@ -32,3 +32,9 @@ def decode(signal: str, payloads: Sequence[RawValue], model: type[M]) -> M | Rej
     if not isinstance(value, model):
         return Rejected(f"signal {signal!r} decoded to {type(value).__name__}, expected {model.__name__}")
     return value
+
+
+def worth_logging(dropped: int) -> bool:
+    """Log the first drops and then one in a hundred: a flood of bad signals must not flood the worker's log (nor
+    keep the logging lock busy across workflow threads), and the count in the query says the rest."""
+    return dropped <= 10 or dropped % 100 == 0
