@@ -9,6 +9,7 @@ from typing import Annotated
 from pydantic import BaseModel, Field
 
 from contract.config import SettingsSection, format_seconds
+from contract.limits import Name
 
 # The drain cap's percentage: validated by the settings (the field's bounds) and by a live update (problems()).
 MIN_DRAINING_PERCENT, MAX_DRAINING_PERCENT = 1, 100
@@ -99,7 +100,7 @@ class GroupConfigUpdate(BaseModel):
     heartbeat_loss_threshold: timedelta | None = None
     # Drop every live override first (back to the worker's settings), then apply the fields above, if any.
     reset: bool = False
-    requested_by: str = ""
+    requested_by: Name = ""
 
     def changes(self) -> GroupConfigOverrides:
         return GroupConfigOverrides.model_validate(self.model_dump(exclude={"requested_by", "reset"}))
@@ -134,5 +135,5 @@ class GroupConfigState(BaseModel):
     overrides: GroupConfigOverrides = Field(default_factory=GroupConfigOverrides)
     effective: CapacityGroup | None = None
     updated_at: datetime | None = None
-    updated_by: str = ""
+    updated_by: Name = ""
     revision: int = 0

@@ -18,6 +18,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from contract import formats
 from contract.config import TemporalSettings
+from contract.limits import MAX_NAME
 from contract.temporal_client import connect
 from worker.settings import Settings
 
@@ -130,4 +131,4 @@ def requested_by() -> str:
         user = getpass.getuser()
     except (KeyError, OSError):
         user = "unknown"
-    return f"{user}@{socket.gethostname()}"
+    return f"{user}@{socket.gethostname()}"[:MAX_NAME]
