@@ -23,6 +23,7 @@ from contract.semaphore import PermitRequest, SemaphoreInput
 from tests.harness import eventually, make_settings, running_worker, unique
 from tests.test_health_signals import finding, health_of, monitor_only, start_health
 from worker.settings import Settings
+from workflows.drain_semaphore import MAX_WAITERS
 from workflows.health import MAX_WARNING_KINDS
 from workflows.models import PermitGrant, PermitRelease, RepairProgress, RepairStatus, SemaphoreView
 
@@ -223,3 +224,28 @@ async def test_carried_state_is_bounded_and_what_is_dropped_is_counted(
         assert len(next(f for f in view.recent_findings if f.finding_id == "long").raw) <= 4096
         assert all(f.finding_id != "x" * 300 for f in view.recent_findings)
         await handle.terminate("test over")
+
+
+async def test_the_waiting_line_is_bounded_and_what_is_dropped_is_counted(
+    client: Client, aws_env: str, tmp_path: Path
+) -> None:
+    async with group_worker(client, aws_env, tmp_path) as settings:
+        group = settings.groups[0].name
+        blocker = await idle_repair(client, group, unique("i"))
+        await request_permit(
+            client,
+            settings,
+            PermitRequest(holder_workflow_id=blocker.id, instance_id=blocker.id.split("/")[1], token="b"),
+        )
+        await eventually(lambda: semaphore_state(client, group), lambda v: len(v.holders) == 1)
+        semaphore = client.get_workflow_handle(semaphore_workflow_id(group))
+        extra = 5
+        for n in range(MAX_WAITERS + extra):
+            instance = f"i-wait-{n}"
+            request = PermitRequest(holder_workflow_id=repair_workflow_id(instance), instance_id=instance, token="w")
+            await semaphore.signal(names.SIGNAL_REQUEST, request)
+        view = await eventually(lambda: semaphore_state(client, group), lambda v: v.dropped_requests == extra)
+        assert len(view.waiters) == MAX_WAITERS
+        assert [p.holder_workflow_id for p in view.holders] == [blocker.id]
+        await blocker.terminate("test over")
+        await semaphore.terminate("test over")
