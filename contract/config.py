@@ -166,6 +166,36 @@ class EventSettings(SettingsSection):
     webhook_outbox_max_events: int = Field(default=10_000, ge=1, description="When full, the oldest event is dropped")
 
 
+class IngestSettings(SettingsSection):
+    """`autorepair ingest`: the HTTP service GPU hosts report to (contract/ingest.py has its protocol)."""
+
+    # Signed into every proof: a proof made for another ingest (another id) is refused here.
+    id: str = Field(default="gpu-autorepair-ingest", min_length=1, max_length=128)
+    bind: str = "127.0.0.1:8480"
+    # HTTPS with this certificate and key; plain HTTP is allowed only on a loopback bind (the demo, the tests).
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    # Where the ingest sends the hosts' signed GetCallerIdentity: the regional STS endpoint (moto in the demo).
+    # The signed Host header must name this endpoint's host.
+    sts_endpoint: str = "https://sts.us-east-1.amazonaws.com"
+    # Only callers in these accounts and, when set, under these role ARNs (arn:aws:iam::ACCOUNT:role/NAME) pass.
+    allowed_accounts: list[str] = Field(default_factory=list, max_length=100)
+    allowed_role_arns: list[str] = Field(default_factory=list, max_length=100)
+    # Reports per instance and in total, per second (token buckets); over it: 429 with Retry-After.
+    instance_rate: float = Field(default=5.0, gt=0)
+    instance_burst: int = Field(default=20, ge=1)
+    total_rate: float = Field(default=2000.0, gt=0)
+    total_burst: int = Field(default=4000, ge=1)
+    # How long an instance's group membership (tag or ECS cluster) is believed before it is looked up again.
+    membership_ttl: timedelta = timedelta(minutes=5)
+
+    @model_validator(mode="after")
+    def _cert_and_key_together(self) -> IngestSettings:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("ingest.tls_cert and ingest.tls_key must be set together")
+        return self
+
+
 class ConfigError(Exception):
     """Settings that cannot be read, as one line: where (the file or an environment variable), the key, the problem
     and, where known, the fix. Callers print it and exit with status 2."""

@@ -15,16 +15,18 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 MAX_LINES = 600
 
-# What each product folder may import of ours. Everything sits on the contract; the worker, the operator CLI and
-# the simulator sit on top; workflows may call activities by their typed methods, never the reverse.
+# What each product folder may import of ours. Everything sits on the contract; the worker, the ingest, the operator
+# CLI and the simulator sit on top; workflows may call activities by their typed methods, never the reverse. The
+# ingest relays the probe's own signals (node_probe.delivery.reporter) and reads the worker's settings.
 ALLOWED: dict[str, set[str]] = {
     "contract": set(),
     "activities": {"contract"},
     "workflows": {"contract", "activities"},
     "node_probe": {"contract"},
     "worker": {"contract", "activities", "workflows"},
-    "simulator": {"contract", "activities", "workflows", "worker", "node_probe"},
-    "operator_cli": {"contract", "activities", "workflows", "worker", "node_probe", "simulator"},
+    "ingest": {"contract", "worker", "node_probe"},
+    "simulator": {"contract", "activities", "workflows", "worker", "node_probe", "ingest"},
+    "operator_cli": {"contract", "activities", "workflows", "worker", "node_probe", "simulator", "ingest"},
 }
 OURS = {*ALLOWED, "tests", "benchmarks"}
 

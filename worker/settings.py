@@ -6,7 +6,14 @@ from datetime import timedelta
 
 from pydantic import Field, field_validator
 
-from contract.config import AwsSettings, ConfigSources, EventSettings, PositiveDuration, TemporalSettings
+from contract.config import (
+    AwsSettings,
+    ConfigSources,
+    EventSettings,
+    IngestSettings,
+    PositiveDuration,
+    TemporalSettings,
+)
 from contract.groups import CapacityGroup
 
 
@@ -16,6 +23,7 @@ class Settings(ConfigSources):
     temporal: TemporalSettings = Field(default_factory=TemporalSettings)
     aws: AwsSettings = Field(default_factory=AwsSettings)
     events: EventSettings = Field(default_factory=EventSettings)
+    ingest: IngestSettings = Field(default_factory=IngestSettings)
     groups: list[CapacityGroup] = Field(default_factory=list)
     log_format: str = Field(default="auto", pattern="^(auto|json|console)$")
     metrics_bind_address: str | None = None
