@@ -26,6 +26,9 @@ PROOF_HEADER: Final = "X-Autorepair-Proof"
 # Signed into the GetCallerIdentity request (so STS checked them as part of the signature).
 INGEST_ID_HEADER: Final = "X-Autorepair-Ingest-Id"
 BODY_SHA256_HEADER: Final = "X-Autorepair-Body-Sha256"
+# A fresh random value per proof: SigV4 is deterministic, so without it a retry of the same body within the same
+# second would be the same proof and be refused as a replay.
+NONCE_HEADER: Final = "X-Autorepair-Nonce"
 
 # A report body larger than this is refused (413) before it is read further.
 MAX_REPORT_BYTES: Final = 64 * 1024
