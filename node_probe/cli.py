@@ -1,4 +1,5 @@
-"""`autorepair classify` and `autorepair probe`; operator_cli/main.py wires them into the `autorepair` command."""
+"""`autorepair classify`, `autorepair probe` and `autorepair probe-report`; operator_cli/main.py wires them into the
+`autorepair` command."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, TextIO
+from urllib.parse import urlsplit
 
+import aiohttp
 from pydantic import Field, ValidationError
 from pydantic_settings import SettingsConfigDict
 from rich.console import Console
@@ -24,11 +27,15 @@ from rich.table import Table
 
 from contract.config import ConfigError, ConfigSources, TemporalSettings
 from contract.groups import HEARTBEATS_PER_THRESHOLD, MAX_HEARTBEAT_LOSS_THRESHOLD
+from contract.ingest import FINDINGS_PATH
 from contract.temporal_client import connect
 from node_probe.classify.kernel_log import parse_lines
+from node_probe.classify.manual import DEFAULT_PCI, manual_findings, pci_address, records_from_text, xid_line
 from node_probe.classify.policy import POLICY_ECS, POLICY_NAMES, Policy, PolicyConfig, Verdict
 from node_probe.classify.record import FaultRecord
-from node_probe.delivery.reporter import Reporter
+from node_probe.delivery.ingest_reporter import DEFAULT_INGEST_ID, IngestReporter, default_sts_endpoint
+from node_probe.delivery.proof import MissingCredentials
+from node_probe.delivery.reporter import Reporter, ReporterProtocol
 from node_probe.imds import ImdsError, imds_instance_id
 from node_probe.probe import Probe, ProbeConfig
 from node_probe.sources.daemons import DaemonSpec, default_daemons
@@ -190,9 +197,43 @@ def seconds_in_range(low: float, high: float, *, low_inclusive: bool = True) -> 
     return seconds
 
 
+def add_ingest_client_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the host proves who it is to the ingest (contract/ingest.py): for `probe --ingest` and `probe-report`."""
+    parser.add_argument(
+        "--ingest-id", default=DEFAULT_INGEST_ID, help=f"the ingest's ingest.id (default: {DEFAULT_INGEST_ID})"
+    )
+    parser.add_argument(
+        "--sts-endpoint",
+        default=None,
+        metavar="URL",
+        help="the STS endpoint the proof is signed for, the ingest's ingest.sts_endpoint (default: "
+        "https://sts.REGION.amazonaws.com)",
+    )
+    parser.add_argument(
+        "--region",
+        default=None,
+        help="AWS region of the proof (default: AWS_REGION or AWS_DEFAULT_REGION, else us-east-1)",
+    )
+
+
 def add_probe_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--instance-id", default=None, help="default: this EC2 instance's id, from IMDSv2")
     parser.add_argument("--group", required=True, help="capacity group of this instance")
+    delivery = parser.add_mutually_exclusive_group()
+    delivery.add_argument(
+        "--ingest",
+        default=None,
+        metavar="URL",
+        help="report through the ingest at this https:// URL (`autorepair ingest`), proving this host's identity "
+        "with its own AWS credentials",
+    )
+    delivery.add_argument(
+        "--direct-temporal",
+        action="store_true",
+        help="signal Temporal directly with the [temporal] settings: trusted lab only (any host could then speak "
+        "for any instance)",
+    )
+    add_ingest_client_arguments(parser)
     sources = parser.add_mutually_exclusive_group()
     sources.add_argument("--kernel-log", type=Path, default=None, metavar="FILE", help="follow this file (tail -F)")
     sources.add_argument("--kmsg", action="store_true", help="follow /dev/kmsg (the default)")
@@ -287,7 +328,30 @@ def _daemon_specs(args: argparse.Namespace) -> list[DaemonSpec]:
         raise CliError(f"--daemon {exc}") from exc
 
 
+def _ingest_url(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise CliError(f"--ingest {url!r} is not an https:// URL")
+    loopback = parts.hostname in ("localhost", "127.0.0.1", "::1")
+    if parts.scheme == "http" and not loopback:
+        raise CliError(f"--ingest {url}: plain http only to a loopback address; use https://")
+    return url
+
+
+def ingest_reporter(args: argparse.Namespace) -> IngestReporter:
+    region = args.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+    return IngestReporter(
+        _ingest_url(args.ingest),
+        ingest_id=args.ingest_id,
+        sts_endpoint=args.sts_endpoint or default_sts_endpoint(region),
+        region=region,
+    )
+
+
 async def build_probe(args: argparse.Namespace) -> Probe:
+    ingest = getattr(args, "ingest", None)
+    if not ingest and not getattr(args, "direct_temporal", False):
+        raise CliError("say where findings go: --ingest URL, or --direct-temporal (trusted lab only)")
     overrides = {"address": args.temporal_address, "namespace": args.namespace, "task_queue": args.task_queue}
     try:
         settings = ProbeSettings.load()
@@ -315,9 +379,9 @@ async def build_probe(args: argparse.Namespace) -> Probe:
         )
     except ValidationError as exc:
         raise CliError(f"invalid arguments: {exc.errors()[0]['msg']}") from exc
-    # Lazy: the probe must start (and spool) even while Temporal is down; calls connect when they can.
-    client = await connect(temporal, lazy=True)
-    return Probe(config, Reporter(client))
+    # Direct: lazy, so the probe starts (and spools) even while Temporal is down; calls connect when they can.
+    reporter: ReporterProtocol = ingest_reporter(args) if ingest else Reporter(await connect(temporal, lazy=True))
+    return Probe(config, reporter)
 
 
 async def run_probe_command(args: argparse.Namespace) -> int:
@@ -333,7 +397,8 @@ async def run_probe_command(args: argparse.Namespace) -> int:
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(sig, task.cancel)
             handled.append(sig)
-    log.info("probe for %s (%s) running", probe.config.instance_id, probe.config.group)
+    via = f"through the ingest at {args.ingest}" if args.ingest else "directly to Temporal (trusted lab only)"
+    log.info("probe for %s (%s) running, reporting %s", probe.config.instance_id, probe.config.group, via)
     try:
         await task
     except asyncio.CancelledError:
@@ -343,4 +408,66 @@ async def run_probe_command(args: argparse.Namespace) -> int:
     finally:
         for sig in handled:
             loop.remove_signal_handler(sig)
+        if isinstance(probe._reporter, IngestReporter):
+            await probe._reporter.close()
+    return 0
+
+
+# --- probe-report ---------------------------------------------------------------------------------------------
+
+PROBE_REPORT_SOURCE = "autorepair-probe-report"
+
+
+def add_probe_report_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ingest", required=True, metavar="URL", help="the ingest's https:// URL")
+    parser.add_argument("--group", required=True, help="capacity group of this instance")
+    parser.add_argument("--instance-id", default=None, help="default: this EC2 instance's id, from IMDSv2")
+    fault = parser.add_mutually_exclusive_group(required=True)
+    fault.add_argument("--xid", type=int, help="an NVIDIA Xid code, written as the driver logs it")
+    fault.add_argument("--kernel-line", metavar="TEXT", help="a kernel log line (NVRM: ...), as the probe reads it")
+    parser.add_argument(
+        "--pci", type=pci_address, default=DEFAULT_PCI, help=f"GPU PCI address for --xid ({DEFAULT_PCI})"
+    )
+    add_policy_arguments(parser)
+    add_ingest_client_arguments(parser)
+
+
+async def run_probe_report(args: argparse.Namespace) -> int:
+    """Send one finding, built as the probe would, through the ingest once: 0 when accepted (202); 1 with the
+    ingest's reason when refused, 2 for a usage problem, 3 when the ingest cannot be reached."""
+    try:
+        if args.xid is not None and args.xid < 0:
+            raise CliError(f"--xid must be a non-negative Xid code, not {args.xid}")
+        text = xid_line(args.xid, args.pci, by="autorepair probe-report") if args.xid is not None else args.kernel_line
+        try:
+            records = records_from_text(text)
+        except ValueError as err:
+            raise CliError(str(err)) from None
+        policy = Policy(args.policy, load_policy_config(args.policy_config))
+        instance_id = await _resolve_instance_id(args.instance_id)
+        reporter = ingest_reporter(args)
+    except CliError as exc:
+        return _fail("probe-report", exc)
+    findings = manual_findings(
+        records, policy, instance_id=instance_id, group=args.group, source=PROBE_REPORT_SOURCE, now=datetime.now(UTC)
+    )
+    async with reporter:
+        for finding in findings:
+            try:
+                status, reason = await reporter.send_once(FINDINGS_PATH, finding)
+            except (MissingCredentials, ValueError) as err:
+                return _fail("probe-report", CliError(str(err)))
+            except (aiohttp.ClientError, TimeoutError) as err:
+                print(
+                    f"autorepair probe-report: ingest {args.ingest} unreachable: {err or type(err).__name__}",
+                    file=sys.stderr,
+                )
+                return 3
+            if status != 202:
+                print(f"autorepair probe-report: refused ({status}): {reason}", file=sys.stderr)
+                return 1
+            effect = "impairs ACCELERATED_COMPUTE" if finding.impairs else "a warning"
+            print(
+                f"accepted: {finding.reason} ({effect}) for {instance_id} in {args.group}, finding {finding.finding_id}"
+            )
     return 0

@@ -6,8 +6,6 @@ loss is the health workflow's own signal.
 from __future__ import annotations
 
 import argparse
-import re
-import uuid
 from datetime import UTC, datetime, timedelta
 
 from rich.table import Table
@@ -19,9 +17,7 @@ from contract import search_attributes as sa
 from contract.config import TemporalSettings
 from contract.health import HeartbeatLossInjection
 from contract.ids import health_workflow_id
-from contract.probe import GpuFinding
-from node_probe.classify.findings import make_finding
-from node_probe.classify.kernel_log import parse_lines
+from node_probe.classify.manual import DEFAULT_PCI, manual_findings, pci_address, records_from_text, xid_line
 from node_probe.classify.policy import Policy
 from node_probe.classify.record import FaultRecord
 
@@ -33,21 +29,14 @@ from operator_cli.client import (
     QUERY_TIMEOUT,
     OpsError,
     connect_client,
-    one_line,
     requested_by,
     temporal_settings,
 )
 from operator_cli.output import iso, print_json, seconds_text, short_time, stdout_console
 
 INJECT_SOURCE = "autorepair-inject"
-DEFAULT_INJECT_PCI = "0000:00:00"
-PCI = re.compile(r"^[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}$")
-
-
-def _pci(text: str) -> str:
-    if not PCI.match(text):
-        raise argparse.ArgumentTypeError(f"not a PCI address like {DEFAULT_INJECT_PCI}: {text!r}")
-    return text.lower()
+DEFAULT_INJECT_PCI = DEFAULT_PCI
+__all__ = ["add_inject_arguments", "inject_fault", "xid_line"]
 
 
 def add_inject_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,16 +49,11 @@ def add_inject_arguments(parser: argparse.ArgumentParser) -> None:
         "--heartbeat-loss", type=parse_duration, metavar="DURATION", help="ignore the probe's heartbeats this long"
     )
     parser.add_argument(
-        "--pci", type=_pci, default=DEFAULT_INJECT_PCI, help=f"GPU PCI address for --xid ({DEFAULT_INJECT_PCI})"
+        "--pci", type=pci_address, default=DEFAULT_INJECT_PCI, help=f"GPU PCI address for --xid ({DEFAULT_INJECT_PCI})"
     )
     # The probe's own policy options: the finding is classified exactly as the probe on that host would.
     add_policy_arguments(parser)
     add_common_arguments(parser)
-
-
-def xid_line(xid: int, pci: str = DEFAULT_INJECT_PCI) -> str:
-    """An Xid exactly in the driver's format, so the probe's own parser reads it."""
-    return f"NVRM: Xid (PCI:{pci}): {xid}, pid=<unknown>, name=<unknown>, injected by autorepair inject"
 
 
 async def inject_fault(args: argparse.Namespace) -> int:
@@ -89,10 +73,10 @@ async def inject_fault(args: argparse.Namespace) -> int:
 
 def _records(args: argparse.Namespace) -> list[FaultRecord]:
     text = xid_line(args.xid, args.pci) if args.xid is not None else args.kernel_line
-    records = list(parse_lines(text.splitlines()))
-    if not records:
-        raise OpsError(f"not a GPU fault line the probe recognises: {one_line(text)!r}")
-    return records
+    try:
+        return records_from_text(text)
+    except ValueError as err:
+        raise OpsError(str(err)) from None
 
 
 async def _check_instance(client: Client, instance_id: str, group: str) -> None:
@@ -122,21 +106,11 @@ async def _inject_findings(
     except CliError as err:
         raise OpsError(str(err)) from None
     reporter = Reporter(client)
-    now = datetime.now(UTC)
-    findings: list[GpuFinding] = []
-    for record in records:
-        finding = make_finding(
-            record,
-            policy.classify(record, now),
-            instance_id=args.instance,
-            group=args.group,
-            source=INJECT_SOURCE,
-            observed_at=now,
-            # A fresh position per injection: the same line injected twice is two faults, not a redelivery.
-            position=f"inject:{uuid.uuid4().hex}",
-        )
+    findings = manual_findings(
+        records, policy, instance_id=args.instance, group=args.group, source=INJECT_SOURCE, now=datetime.now(UTC)
+    )
+    for finding in findings:
         await reporter.send_finding(finding, temporal.task_queue)
-        findings.append(finding)
     workflow_id = health_workflow_id(args.instance)
     if args.json:
         print_json({"workflowId": workflow_id, "findings": [f.model_dump(mode="json") for f in findings]})

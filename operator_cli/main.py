@@ -13,12 +13,15 @@ from typing import Any, NoReturn
 from pydantic import ValidationError
 
 from contract.config import ConfigError
+from ingest.cli import add_ingest_arguments, run_ingest
 from node_probe.cli import (
     ProbeSettings,
     add_classify_arguments,
     add_probe_arguments,
+    add_probe_report_arguments,
     run_classify,
     run_probe_command,
+    run_probe_report,
 )
 from operator_cli.client import guarded
 from operator_cli.describe import add_describe_arguments, describe_instances
@@ -61,6 +64,16 @@ def build_parser() -> argparse.ArgumentParser:
 
         add_demo_arguments(command("demo", "run a simulated GPU fleet that heals itself, locally", run_demo))
     add_probe_arguments(command("probe", "run the node probe on a GPU host", run_probe_command))
+    add_probe_report_arguments(
+        command(
+            "probe-report",
+            "send one GPU finding through the ingest, as this host's probe would, and say whether it was accepted",
+            run_probe_report,
+        )
+    )
+    add_ingest_arguments(
+        command("ingest", "serve the ingest: GPU hosts report here over HTTPS, proven by AWS identity", run_ingest)
+    )
     add_classify_arguments(command("classify", "classify kernel log text under a repair policy", run_classify))
     # The operator's commands read and change the fleet through Temporal; guarded() turns what the operator can
     # fix (a bad argument, an unreachable server, an unknown instance) into one line and an exit status.
@@ -94,7 +107,7 @@ def _finish(args: argparse.Namespace, code: int, argv: list[str] | None) -> int:
 
 # The commands that run on a GPU host read only the probe's part of the shared settings ([temporal], log_format):
 # the worker's sections there are the worker's to check, and an older probe must not refuse a newer worker's key.
-_PROBE_SIDE = frozenset({"probe", "classify"})
+_PROBE_SIDE = frozenset({"probe", "probe-report", "classify"})
 
 
 def _settings_class(command: str) -> type[Settings] | type[ProbeSettings]:

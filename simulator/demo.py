@@ -1,9 +1,9 @@
 """`autorepair demo`: a simulated GPU fleet that heals itself, on real local servers.
 
 Everything runs for real except the hardware: a Temporal dev server (with the Web UI), a moto server
-standing in for EC2/ECS/EventBridge over HTTP, the repair worker (all workflows and activities) in this
-process, and the real node probe on each simulated node reading a kernel-log file. Faults are NVRM lines
-written into those files.
+standing in for EC2/ECS/EventBridge/IAM/STS over HTTP, the repair worker (all workflows and activities) and the
+ingest in this process, and the real node probe on each simulated node reading a kernel-log file and reporting
+through the ingest, signed with credentials of its own instance. Faults are NVRM lines written into those files.
 
 This module is the command itself: its flags, the validated plan they make, and the run (servers, worker,
 fleet, fault injection, watching until done). What it shows is simulator.demo_summary's, when it is done is
@@ -28,12 +28,15 @@ from pathlib import Path
 from rich.console import Console
 from rich.live import Live
 
-from contract.config import AwsSettings, EventSettings, TemporalSettings
+from contract.config import AwsSettings, EventSettings, IngestSettings, TemporalSettings
 from contract.groups import AutoRepair, CapacityGroup
+from ingest.cli import running_ingest
 from simulator.demo_env import logs_to_file, moto_credentials, quiet_runtime
 from simulator.demo_judge import Judge, Outcome
 from simulator.demo_summary import EventLog, LiveSummary, describe_event, summary_line
 from simulator.fleet import FleetSnapshot, SimTiming, SimulatedFleet
+from simulator.host_identity import HOST_ROLE, HostIdentities
+from simulator.probes import via_ingest
 from simulator.servers import MotoServer, ServerError, TemporalDevServer
 from worker.settings import Settings
 
@@ -98,6 +101,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temporal-port", type=int, default=7233)
     parser.add_argument("--ui-port", type=int, default=8233)
     parser.add_argument("--moto-port", type=int, default=5000)
+    parser.add_argument("--ingest-port", type=int, default=8480, help="where the hosts report (default 8480)")
 
 
 @dataclass
@@ -117,6 +121,7 @@ class DemoPlan:
     temporal_port: int
     ui_port: int
     moto_port: int
+    ingest_port: int
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DemoPlan:
@@ -130,9 +135,9 @@ class DemoPlan:
             raise DemoError(f"--faults + --heartbeat-loss + --blips ({chosen}) exceeds --instances ({args.instances})")
         if args.time_limit <= 0:
             raise DemoError("--time-limit must be positive")
-        ports = [args.temporal_port, args.ui_port, args.moto_port]
+        ports = [args.temporal_port, args.ui_port, args.moto_port, args.ingest_port]
         if len(set(ports)) != len(ports) or not all(0 < p < 65536 for p in ports):
-            raise DemoError("--temporal-port, --ui-port and --moto-port must be distinct valid ports")
+            raise DemoError("--temporal-port, --ui-port, --moto-port and --ingest-port must be distinct valid ports")
         state_dir = Path(args.state_dir)
         return cls(
             instances=args.instances,
@@ -148,6 +153,7 @@ class DemoPlan:
             temporal_port=args.temporal_port,
             ui_port=args.ui_port,
             moto_port=args.moto_port,
+            ingest_port=args.ingest_port,
         )
 
 
@@ -165,12 +171,19 @@ def _prepare_state_dir(path: Path) -> Path:
     return path
 
 
-def build_settings(plan: DemoPlan, temporal: TemporalDevServer, moto: MotoServer) -> Settings:
-    """The worker's settings for the demo: the local servers, the events file, and the one demo group."""
+def build_settings(plan: DemoPlan, temporal: TemporalDevServer, moto: MotoServer, account: str) -> Settings:
+    """The settings of the worker and the ingest for the demo: the local servers, the events file, moto's STS and
+    account for the hosts' proofs, and the one demo group."""
     return Settings(
         temporal=TemporalSettings(address=temporal.address, ui_url=temporal.ui_url),
         aws=AwsSettings(endpoint_url=moto.endpoint_url, region="us-east-1"),
         events=EventSettings(eventbridge=True, jsonl_path=plan.events_path),
+        ingest=IngestSettings(
+            bind=f"127.0.0.1:{plan.ingest_port}",
+            sts_endpoint=moto.endpoint_url,
+            allowed_accounts=[account],
+            allowed_role_arns=[f"arn:aws:iam::{account}:role/{HOST_ROLE}"],
+        ),
         groups=[
             CapacityGroup(
                 name=DEMO_GROUP,
@@ -225,11 +238,15 @@ async def _run(plan: DemoPlan, console: Console) -> int:
         async with (
             MotoServer(plan.state_dir, plan.moto_port) as moto,
             TemporalDevServer(plan.state_dir, plan.temporal_port, plan.ui_port) as temporal,
+            contextlib.AsyncExitStack() as stack,
         ):
             console.print(f"moto {moto.endpoint_url}, Temporal {temporal.address}, Web UI {temporal.ui_url}")
-            settings = build_settings(plan, temporal, moto)
+            identities = HostIdentities(moto.endpoint_url)
+            settings = build_settings(plan, temporal, moto, await asyncio.to_thread(lambda: identities.account))
             client = await connect(settings.temporal, runtime=quiet_runtime())
             worker = asyncio.create_task(run_worker(settings, client), name="repair worker")
+            ingest = await stack.enter_async_context(running_ingest(settings, client))
+            console.print(f"ingest {ingest} (hosts report here, each proven by moto's STS as its own instance)")
             fleet = SimulatedFleet(
                 group=DEMO_GROUP,
                 cluster=DEMO_CLUSTER,
@@ -243,6 +260,7 @@ async def _run(plan: DemoPlan, console: Console) -> int:
                 ),
                 client=client,
                 task_queue=settings.temporal.task_queue,
+                probe_runner=via_ingest(ingest, settings.ingest.id, moto.endpoint_url, identities),
             )
             try:
                 return await _drive(plan, console, fleet, worker, stop, started, temporal.workflows_url())

@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING, Any
 from simulator.nodes import SimNode
 
 if TYPE_CHECKING:
+    from node_probe.probe import ProbeConfig
     from simulator.fleet import SimulatedFleet
+    from simulator.host_identity import HostIdentities
 
 log = logging.getLogger(__name__)
 
@@ -26,14 +28,41 @@ ProbeRunner = Callable[["SimulatedFleet", SimNode], Awaitable[None]]
 
 
 async def run_real_probe(fleet: SimulatedFleet, node: SimNode) -> None:
-    """The real node probe, following the node's kernel log and signalling its health workflow."""
+    """The real node probe, following the node's kernel log and signalling its health workflow directly (the
+    probe's trusted-lab mode: the end-to-end tests' default)."""
     # Imported here so the AWS side of the simulator (and its tests) works without Temporal or the probe.
     from node_probe.delivery.reporter import Reporter
-    from node_probe.probe import Probe, ProbeConfig
+    from node_probe.probe import Probe
 
     if fleet.client is None:
         raise RuntimeError("a probe needs a Temporal client")
-    config = ProbeConfig(
+    await Probe(_probe_config(fleet, node), Reporter(fleet.client)).run()
+
+
+def via_ingest(url: str, ingest_id: str, sts_endpoint: str, identities: HostIdentities) -> ProbeRunner:
+    """The real node probe reporting through the ingest, as a host in production does: each node signs its
+    reports with credentials of its own instance (HostIdentities)."""
+
+    async def run(fleet: SimulatedFleet, node: SimNode) -> None:
+        from node_probe.delivery.ingest_reporter import IngestReporter
+        from node_probe.probe import Probe
+
+        reporter = IngestReporter(
+            url,
+            ingest_id=ingest_id,
+            sts_endpoint=sts_endpoint,
+            credentials=lambda: identities.credentials(node.instance_id),
+        )
+        async with reporter:
+            await Probe(_probe_config(fleet, node), reporter).run()
+
+    return run
+
+
+def _probe_config(fleet: SimulatedFleet, node: SimNode) -> ProbeConfig:
+    from node_probe.probe import ProbeConfig
+
+    return ProbeConfig(
         instance_id=node.instance_id,
         group=fleet.group,
         kernel_log=node.kernel_log,
@@ -45,8 +74,6 @@ async def run_real_probe(fleet: SimulatedFleet, node: SimNode) -> None:
         # Retries at the demo's time scale, not production's.
         retry_max_backoff=fleet.timing.heartbeat_interval,
     )
-    reporter = Reporter(fleet.client)
-    await Probe(config, reporter).run()
 
 
 class NodeProbes:

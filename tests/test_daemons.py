@@ -266,9 +266,11 @@ async def test_cli_builds_a_probe_with_the_new_sources(tmp_path: Path) -> None:
 
     parser = argparse.ArgumentParser()
     cli.add_probe_arguments(parser)
+    # The probe's own sources are under test, not how it reports: the trusted-lab direct mode.
     args: Any = parser.parse_args(
-        ["--instance-id", "i-1", "--group", "g", "--spool-dir", str(tmp_path), "--dcgm", "--daemon", "u:critical"]
-    )
+        ["--instance-id", "i-1", "--group", "g", "--spool-dir", str(tmp_path), "--dcgm", "--daemon", "u:critical",
+         "--direct-temporal"]
+    )  # fmt: skip
     probe = await cli.build_probe(args)
     # NVML defaults off here (no driver on this machine); the flags turn DCGM and the daemon on.
     assert probe.config.nvml is False and probe.config.dcgm is True

@@ -389,6 +389,8 @@ def test_build_sources_and_the_cli_flag(tmp_path: Path) -> None:
 
 
 async def test_the_probe_command_follows_the_journal_instead_of_kmsg(tmp_path: Path) -> None:
-    args = probe_args("--instance-id", "i-1", "--group", "g", "--spool-dir", str(tmp_path), "--journald")
+    args = probe_args(
+        "--instance-id", "i-1", "--group", "g", "--spool-dir", str(tmp_path), "--journald", "--direct-temporal"
+    )  # fmt: skip
     probe = await cli.build_probe(args)
     assert probe.config.journald and not probe.config.kmsg and probe.config.kernel_log is None

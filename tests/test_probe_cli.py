@@ -141,7 +141,7 @@ async def test_build_probe_from_arguments(tmp_path: Path) -> None:
     args = probe_args(
         "--instance-id", "i-0abc", "--group", "gpu-a", "--kernel-log", str(tmp_path / "kern.log"),
         "--temporal-address", "127.0.0.1:1", "--task-queue", "q2", "--heartbeat-interval", "5",
-        "--spool-dir", str(tmp_path / "spool"), "--policy", "nvidia-catalog",
+        "--spool-dir", str(tmp_path / "spool"), "--policy", "nvidia-catalog", "--direct-temporal",
     )  # fmt: skip
     probe = await cli.build_probe(args)
     config = probe.config
@@ -157,7 +157,7 @@ async def test_build_probe_from_arguments(tmp_path: Path) -> None:
 
 
 async def test_probe_defaults_to_kmsg(tmp_path: Path) -> None:
-    args = probe_args("--instance-id", "i-1", "--group", "g", "--spool-dir", str(tmp_path))
+    args = probe_args("--instance-id", "i-1", "--group", "g", "--spool-dir", str(tmp_path), "--direct-temporal")
     probe = await cli.build_probe(args)
     assert probe.config.kmsg and probe.config.kernel_log is None
     # DCGM is on by default: without dcgmi it is "not configured" and counts once DCGM is installed, no restart.
@@ -171,13 +171,13 @@ async def test_probe_without_instance_id_uses_imds_or_fails_clearly(
         raise ImdsError("EC2 instance metadata (IMDSv2) at http://169.254.169.254 unavailable: timed out")
 
     monkeypatch.setattr(cli, "imds_instance_id", no_imds)
-    assert await cli.run_probe_command(probe_args("--group", "g")) == 2
+    assert await cli.run_probe_command(probe_args("--group", "g", "--direct-temporal")) == 2
     err = capsys.readouterr().err
     assert err.startswith("autorepair probe: no --instance-id given") and "IMDSv2" in err
     assert err.count("\n") == 1
 
     monkeypatch.setattr(cli, "imds_instance_id", lambda: "i-from-imds")
-    probe = await cli.build_probe(probe_args("--group", "g", "--spool-dir", str(tmp_path)))
+    probe = await cli.build_probe(probe_args("--group", "g", "--spool-dir", str(tmp_path), "--direct-temporal"))
     assert probe.config.instance_id == "i-from-imds"
 
 
@@ -242,10 +242,54 @@ async def test_probe_with_a_bad_settings_file_is_one_line_and_exit_2(
     # The worker's tables are not the probe's to judge; a typo inside [temporal] is.
     config.write_text('[temporal]\nadress = "t:7233"\n\n[[groups]]\nname = "g"\ncluster = "c"\nnewer_key = 1\n')
     monkeypatch.setenv("AUTOREPAIR_CONFIG", str(config))
-    args = probe_args("--instance-id", "i-1", "--group", "g", "--spool-dir", str(tmp_path / "spool"))
+    args = probe_args(
+        "--instance-id", "i-1", "--group", "g", "--spool-dir", str(tmp_path / "spool"), "--direct-temporal"
+    )  # fmt: skip
     assert await cli.run_probe_command(args) == 2
     assert capsys.readouterr().err == (
         f"autorepair probe: invalid configuration: {config}: temporal.adress: unknown key: did you mean address?\n"
     )
     config.write_text('[temporal]\naddress = "127.0.0.1:1"\n\n[[groups]]\nname = "g"\ncluster = "c"\nnewer_key = 1\n')
     assert (await cli.build_probe(args)).config.group == "g"
+
+
+# --- where the probe reports: the ingest, or Temporal directly in a trusted lab -------------------------------------
+
+
+async def test_the_probe_refuses_to_start_without_saying_where_it_reports(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = probe_args("--instance-id", "i-1", "--group", "g", "--spool-dir", str(tmp_path))
+    assert await cli.run_probe_command(args) == 2
+    assert capsys.readouterr().err == (
+        "autorepair probe: say where findings go: --ingest URL, or --direct-temporal (trusted lab only)\n"
+    )
+    with pytest.raises(SystemExit):
+        probe_args("--group", "g", "--ingest", "https://ingest.example", "--direct-temporal")
+
+
+async def test_the_probe_reports_through_the_ingest_when_told(tmp_path: Path) -> None:
+    from node_probe.delivery.ingest_reporter import IngestReporter
+
+    args = probe_args(
+        "--instance-id", "i-1", "--group", "g", "--spool-dir", str(tmp_path), "--ingest", "https://ingest.example:8480",
+        "--region", "eu-west-1",
+    )  # fmt: skip
+    probe = await cli.build_probe(args)
+    reporter = probe._reporter
+    assert isinstance(reporter, IngestReporter)
+    assert (reporter.url, reporter.region, reporter.sts_endpoint) == (
+        "https://ingest.example:8480",
+        "eu-west-1",
+        "https://sts.eu-west-1.amazonaws.com",
+    )
+    # Plain HTTP would carry the proofs readable across the network: only to a loopback address.
+    args = probe_args("--instance-id", "i-1", "--group", "g", "--ingest", "http://ingest.example")
+    with pytest.raises(cli.CliError, match="plain http only to a loopback address"):
+        await cli.build_probe(args)
+
+
+def test_direct_temporal_is_labelled_trusted_lab_only() -> None:
+    parser = argparse.ArgumentParser()
+    cli.add_probe_arguments(parser)
+    assert "trusted lab only" in " ".join(parser.format_help().split())

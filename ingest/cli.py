@@ -1,0 +1,140 @@
+"""`autorepair ingest`: serve the ingest (ingest/server.py) until SIGTERM/SIGINT. operator_cli/main.py wires it in."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import signal
+import ssl
+import sys
+from collections.abc import AsyncIterator
+
+import aiohttp
+from aiohttp import web
+from temporalio.client import Client
+
+from contract.temporal_client import connect
+from ingest.identity import ProofVerifier
+from ingest.membership import AwsMembershipLookup, GroupMembership
+from ingest.metrics import IngestMetrics
+from ingest.rate_limit import RateLimiter
+from ingest.server import Ingest, build_app
+from node_probe.delivery.reporter import Reporter
+from worker.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class IngestConfigError(Exception):
+    """A setting the ingest cannot start with: one line, exit status 2."""
+
+
+def add_ingest_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--bind", default=None, metavar="HOST:PORT", help="listen here (default: ingest.bind)")
+
+
+def parse_bind(bind: str) -> tuple[str, int]:
+    """`host:port` or `[v6]:port`."""
+    host, sep, port = bind.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise IngestConfigError(f"ingest.bind {bind!r} is not HOST:PORT")
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def tls_context(settings: Settings, host: str) -> ssl.SSLContext | None:
+    """HTTPS with ingest.tls_cert/tls_key; plain HTTP only on a loopback bind (the demo, the tests), since the
+    proofs and reports would otherwise cross the network readable and replayable."""
+    ingest = settings.ingest
+    if ingest.tls_cert is None or ingest.tls_key is None:
+        if not is_loopback(host):
+            raise IngestConfigError(
+                f"refusing plain HTTP on {host}, which is not a loopback address: set ingest.tls_cert and "
+                "ingest.tls_key (or bind 127.0.0.1 behind a TLS-terminating proxy)"
+            )
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(ingest.tls_cert, ingest.tls_key)
+    except (OSError, ssl.SSLError) as err:
+        raise IngestConfigError(f"ingest.tls_cert/tls_key: {err}") from None
+    return context
+
+
+def build_ingest(settings: Settings, relay: Reporter, session: aiohttp.ClientSession) -> Ingest:
+    ingest = settings.ingest
+    return Ingest(
+        verifier=ProofVerifier(ingest, session),
+        membership=GroupMembership(
+            settings.groups, AwsMembershipLookup(settings.aws), ingest.membership_ttl.total_seconds()
+        ),
+        limiter=RateLimiter(ingest.instance_rate, ingest.instance_burst, ingest.total_rate, ingest.total_burst),
+        relay=relay,
+        task_queue=settings.temporal.task_queue,
+        metrics=IngestMetrics(),
+    )
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    app: web.Application, host: str, port: int, ssl_context: ssl.SSLContext | None
+) -> AsyncIterator[None]:
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port, ssl_context=ssl_context).start()
+        yield
+    finally:
+        await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def running_ingest(settings: Settings, client: Client, bind: str | None = None) -> AsyncIterator[str]:
+    """The ingest serving in this process on `bind` (default settings.ingest.bind); yields its URL. Raises
+    IngestConfigError for a bind or TLS setting it cannot start with."""
+    host, port = parse_bind(bind or settings.ingest.bind)
+    ssl_context = tls_context(settings, host)
+    async with aiohttp.ClientSession() as session:
+        app = build_app(build_ingest(settings, Reporter(client), session))
+        async with serving(app, host, port, ssl_context):
+            yield f"{'https' if ssl_context else 'http'}://{host}:{port}"
+
+
+async def run_ingest(args: argparse.Namespace) -> int:
+    settings = Settings.load()
+    # Lazy: the ingest starts and answers while Temporal is down (503, so the hosts keep their reports spooled).
+    client = await connect(settings.temporal, lazy=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    handled: list[signal.Signals] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, stop.set)
+            handled.append(sig)
+    try:
+        async with running_ingest(settings, client, args.bind) as url:
+            log.info("ingest %s listening on %s", settings.ingest.id, url)
+            if not settings.ingest.allowed_accounts:
+                log.warning("ingest.allowed_accounts is empty: every report will be refused (403)")
+            if not settings.groups:
+                log.warning("no capacity groups configured: every report will be refused (403)")
+            await stop.wait()
+    except IngestConfigError as err:
+        print(f"autorepair ingest: {err}", file=sys.stderr)
+        return 2
+    finally:
+        for sig in handled:
+            loop.remove_signal_handler(sig)
+    return 0

@@ -1,0 +1,152 @@
+"""Whether an instance belongs to the capacity group it names: its EC2 tag (contract.names.GROUP_TAG) says so, or it
+is registered in that group's ECS cluster. Answers, yes and no, are believed for `ingest.membership_ttl`; an AWS
+error is no answer (MembershipUnknown, the ingest says 503) and is not remembered."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError
+
+from contract import names
+from contract.config import AwsSettings
+from contract.groups import CapacityGroup
+
+if TYPE_CHECKING:
+    from mypy_boto3_ec2 import EC2Client
+    from mypy_boto3_ecs import ECSClient
+
+log = logging.getLogger(__name__)
+
+MAX_CACHED_ANSWERS = 100_000
+# ECS: describe_container_instances takes at most 100 at a time.
+_ECS_DESCRIBE_BATCH = 100
+_REGISTERED = ("ACTIVE", "DRAINING")
+_NOT_FOUND_CODES = frozenset({"InvalidInstanceID.NotFound", "InvalidInstanceID.Malformed"})
+
+
+class MembershipUnknown(Exception):
+    """AWS could not be asked just now (throttled, unreachable): neither yes nor no."""
+
+
+@dataclass(frozen=True, slots=True)
+class Membership:
+    member: bool
+    how: str  # "tag", "ecs", or why not
+
+
+class AwsMembershipLookup:
+    """The two blocking boto3 questions; run in a thread by GroupMembership."""
+
+    def __init__(self, settings: AwsSettings) -> None:
+        session = boto3.session.Session(region_name=settings.region)
+        config = Config(
+            region_name=settings.region,
+            retries={"mode": "standard", "max_attempts": settings.max_attempts},
+            max_pool_connections=50,
+        )
+        self.ec2: EC2Client = session.client("ec2", endpoint_url=settings.endpoint_url, config=config)
+        self.ecs: ECSClient = session.client("ecs", endpoint_url=settings.endpoint_url, config=config)
+
+    def group_tag(self, instance_id: str) -> str | None:
+        """The instance's GROUP_TAG value; None when it has none or EC2 does not know it."""
+        try:
+            pages = self.ec2.describe_instances(InstanceIds=[instance_id])
+        except ClientError as err:
+            if err.response.get("Error", {}).get("Code") in _NOT_FOUND_CODES:
+                return None
+            raise
+        for reservation in pages.get("Reservations", []):
+            for instance in reservation.get("Instances", []):
+                if instance.get("InstanceId") != instance_id:
+                    continue
+                for tag in instance.get("Tags", []):
+                    if tag.get("Key") == names.GROUP_TAG:
+                        return tag.get("Value")
+        return None
+
+    def in_cluster(self, cluster: str, instance_id: str) -> bool:
+        """Registered (ACTIVE or DRAINING) in the ECS cluster. Real ECS narrows the list with the cluster query;
+        moto ignores `filter` and lists the whole cluster, so ec2InstanceId is matched here as well."""
+        arns: list[str] = []
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"cluster": cluster, "filter": f"ec2InstanceId == {instance_id}"}
+            if token:
+                kwargs["nextToken"] = token
+            try:
+                page = self.ecs.list_container_instances(**kwargs)
+            except ClientError as err:
+                if err.response.get("Error", {}).get("Code") == "ClusterNotFoundException":
+                    return False
+                raise
+            arns += page.get("containerInstanceArns", [])
+            token = page.get("nextToken")
+            if not token:
+                break
+        for start in range(0, len(arns), _ECS_DESCRIBE_BATCH):
+            chunk: Sequence[str] = arns[start : start + _ECS_DESCRIBE_BATCH]
+            described = self.ecs.describe_container_instances(cluster=cluster, containerInstances=list(chunk))
+            for ci in described.get("containerInstances", []):
+                if ci.get("ec2InstanceId") == instance_id and ci.get("status") in _REGISTERED:
+                    return True
+        return False
+
+
+class GroupMembership:
+    def __init__(
+        self,
+        groups: Sequence[CapacityGroup],
+        lookup: AwsMembershipLookup,
+        ttl_s: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        max_entries: int = MAX_CACHED_ANSWERS,
+    ) -> None:
+        self._groups = {group.name: group for group in groups}
+        self._lookup = lookup
+        self._ttl = ttl_s
+        self._clock = clock
+        self._max = max_entries
+        self._cache: OrderedDict[tuple[str, str], tuple[float, Membership]] = OrderedDict()
+        self.lookups = 0  # AWS lookups made (cache misses), for the tests and the log
+
+    async def check(self, instance_id: str, group: str) -> Membership:
+        if group not in self._groups:
+            return Membership(False, f"unknown group {group!r}")
+        key = (instance_id, group)
+        now = self._clock()
+        cached = self._cache.get(key)
+        if cached is not None and cached[0] > now:
+            self._cache.move_to_end(key)
+            return cached[1]
+        answer = await self._ask(instance_id, self._groups[group])
+        self._cache[key] = (self._clock() + self._ttl, answer)
+        self._cache.move_to_end(key)
+        while len(self._cache) > self._max:
+            self._cache.popitem(last=False)
+        return answer
+
+    async def _ask(self, instance_id: str, group: CapacityGroup) -> Membership:
+        self.lookups += 1
+        try:
+            tag = await asyncio.to_thread(self._lookup.group_tag, instance_id)
+            if tag == group.name:
+                return Membership(True, "tag")
+            if await asyncio.to_thread(self._lookup.in_cluster, group.cluster, instance_id):
+                return Membership(True, "ecs")
+        except (ClientError, BotoCoreError) as err:
+            log.warning("membership of %s in %s not checkable: %s", instance_id, group.name, err)
+            raise MembershipUnknown(f"membership not checkable just now: {type(err).__name__}") from err
+        found = f"tagged {names.GROUP_TAG}={tag}" if tag else f"no {names.GROUP_TAG} tag"
+        return Membership(
+            False, f"{instance_id} is not in group {group.name} ({found}, not in ECS cluster {group.cluster})"
+        )

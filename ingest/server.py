@@ -1,0 +1,205 @@
+"""The ingest's web app: a GPU host POSTs its own findings and heartbeats; each is checked, then relayed to the
+instance's health workflow with the probe's own signal-with-start (node_probe.delivery.reporter.Reporter).
+
+Checks, cheapest first, and what a failure answers (JSON contract.ingest.Refusal; none reaches Temporal):
+    body over MAX_REPORT_BYTES -> 413, not read further     not a GpuFinding / Heartbeat -> 400
+    the whole ingest over its rate (before STS is asked) -> 429 with Retry-After
+    no proof -> 401; a bad proof -> the verifier's status (401/403; 503 when STS cannot be reached)
+    a report about another instance -> 403                  over the instance's own rate -> 429 with Retry-After
+    not a member of the group it names -> 403 (503 when AWS cannot say)
+    Temporal failed -> 503;  relayed -> 202
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from contract.ingest import (
+    FINDINGS_PATH,
+    HEALTH_PATH,
+    HEARTBEATS_PATH,
+    MAX_REPORT_BYTES,
+    METRICS_PATH,
+    PROOF_HEADER,
+    Refusal,
+)
+from contract.limits import MAX_TEXT
+from contract.probe import GpuFinding, Heartbeat
+from ingest.identity import Caller, Refused
+from ingest.membership import GroupMembership, MembershipUnknown
+from ingest.metrics import IngestMetrics
+from ingest.rate_limit import RateLimiter, retry_after
+from node_probe.delivery.reporter import ReporterProtocol
+
+log = logging.getLogger(__name__)
+
+_READ_CHUNK = 16 * 1024
+
+
+class Verifier(Protocol):
+    async def verify(self, proof: str, body: bytes) -> Caller: ...
+
+
+@dataclass
+class Ingest:
+    """Everything a request needs; built once by `autorepair ingest` (ingest/cli.py) or a test."""
+
+    verifier: Verifier
+    membership: GroupMembership
+    limiter: RateLimiter
+    relay: ReporterProtocol
+    task_queue: str
+    metrics: IngestMetrics
+
+
+class _Refuse(Exception):
+    def __init__(self, status: int, kind: str, reason: str, *, retry_after_s: int | None = None) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.kind = kind
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+
+
+async def _read_body(request: web.Request) -> bytes:
+    """The body, refused (413) as soon as it is known to be too large: by Content-Length before any of it is
+    read, or while reading one that did not say."""
+    if request.content_length is not None and request.content_length > MAX_REPORT_BYTES:
+        raise _Refuse(413, "too_large", f"report of {request.content_length} bytes; at most {MAX_REPORT_BYTES}")
+    body = bytearray()
+    while True:
+        chunk = await request.content.read(min(_READ_CHUNK, MAX_REPORT_BYTES + 1 - len(body)))
+        if not chunk:
+            return bytes(body)
+        body += chunk
+        if len(body) > MAX_REPORT_BYTES:
+            raise _Refuse(413, "too_large", f"report over {MAX_REPORT_BYTES} bytes")
+
+
+def _parse(model: type[GpuFinding] | type[Heartbeat], body: bytes) -> GpuFinding | Heartbeat:
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        problem = f"{where}: {first['msg']}" if where else first["msg"]
+        raise _Refuse(400, "invalid", f"not a {model.__name__}: {problem}") from None
+
+
+def _refusal_response(refusal: _Refuse) -> web.Response:
+    headers = {"Retry-After": str(refusal.retry_after_s)} if refusal.retry_after_s is not None else None
+    body = Refusal(status=refusal.status, reason=refusal.reason[:MAX_TEXT]).model_dump_json()
+    return web.Response(status=refusal.status, text=body, content_type="application/json", headers=headers)
+
+
+class _Reports:
+    def __init__(self, ingest: Ingest) -> None:
+        self.ingest = ingest
+
+    async def finding(self, request: web.Request) -> web.Response:
+        return await self._report(request, "finding", GpuFinding, self._send_finding)
+
+    async def heartbeat(self, request: web.Request) -> web.Response:
+        return await self._report(request, "heartbeat", Heartbeat, self._send_heartbeat)
+
+    async def _send_finding(self, report: BaseModel) -> None:
+        assert isinstance(report, GpuFinding)
+        await self.ingest.relay.send_finding(report, self.ingest.task_queue)
+
+    async def _send_heartbeat(self, report: BaseModel) -> None:
+        assert isinstance(report, Heartbeat)
+        await self.ingest.relay.send_heartbeat(report, self.ingest.task_queue)
+
+    async def _report(
+        self,
+        request: web.Request,
+        kind: str,
+        model: type[GpuFinding] | type[Heartbeat],
+        send: Callable[[BaseModel], Awaitable[None]],
+    ) -> web.Response:
+        claimed: str | None = None
+        caller: Caller | None = None
+        try:
+            body = await _read_body(request)
+            report = _parse(model, body)
+            claimed = report.instance_id
+            caller = await self._check(request, body, report)
+            self.ingest.metrics.accepted(kind)
+            try:
+                await send(report)
+            except Exception as err:  # unreachable, timed out, refused: the host keeps it and tries again
+                log.warning("%s of %s not relayed to Temporal: %s", kind, claimed, err)
+                raise _Refuse(503, "temporal", "Temporal is unavailable; try again later", retry_after_s=5) from err
+        except _Refuse as refusal:
+            self.ingest.metrics.refused(refusal.status, refusal.kind)
+            log.warning(
+                "refused %s %d (%s): %s; claimed instance %s, proven %s (%s)",
+                kind,
+                refusal.status,
+                refusal.kind,
+                refusal.reason,
+                claimed or "-",
+                caller.instance_id if caller else "-",
+                caller.arn if caller else "no identity",
+            )
+            return _refusal_response(refusal)
+        self.ingest.metrics.relayed(kind)
+        log.info("relayed %s of %s in %s", kind, claimed, report.group)
+        return web.Response(status=202, text='{"status":202}', content_type="application/json")
+
+    async def _check(self, request: web.Request, body: bytes, report: GpuFinding | Heartbeat) -> Caller:
+        ingest = self.ingest
+        wait = ingest.limiter.take_total()
+        if wait:
+            raise _Refuse(429, "rate_total", "the ingest is over its total rate", retry_after_s=retry_after(wait))
+        proof = request.headers.get(PROOF_HEADER)
+        if not proof:
+            raise _Refuse(401, "unsigned", f"no {PROOF_HEADER}: the report must carry the host's signed proof")
+        try:
+            caller = await ingest.verifier.verify(proof, body)
+        except Refused as refused:
+            kind = "sts_unavailable" if refused.status == 503 else "proof"
+            raise _Refuse(refused.status, kind, refused.reason) from None
+        if caller.instance_id != report.instance_id:
+            raise _Refuse(
+                403,
+                "not_self",
+                f"a host reports only about itself: proven {caller.instance_id}, report names {report.instance_id}",
+            )
+        wait = ingest.limiter.take_instance(caller.instance_id)
+        if wait:
+            raise _Refuse(
+                429, "rate_instance", f"{caller.instance_id} is over its rate", retry_after_s=retry_after(wait)
+            )
+        try:
+            membership = await ingest.membership.check(caller.instance_id, report.group)
+        except MembershipUnknown as err:
+            raise _Refuse(503, "membership_unknown", str(err), retry_after_s=5) from None
+        if not membership.member:
+            raise _Refuse(403, "not_member", membership.how)
+        return caller
+
+
+def build_app(ingest: Ingest) -> web.Application:
+    # client_max_size bounds what aiohttp itself would buffer; the report handlers read and bound the body
+    # themselves (413 before reading a body whose Content-Length is already too large).
+    app = web.Application(client_max_size=MAX_REPORT_BYTES)
+    reports = _Reports(ingest)
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(text=ingest.metrics.render(), content_type="text/plain", charset="utf-8")
+
+    app.router.add_post(FINDINGS_PATH, reports.finding)
+    app.router.add_post(HEARTBEATS_PATH, reports.heartbeat)
+    app.router.add_get(HEALTH_PATH, health)
+    app.router.add_get(METRICS_PATH, metrics)
+    return app
