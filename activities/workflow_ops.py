@@ -9,7 +9,13 @@ from typing import Any
 
 from opentelemetry import context as otel_context
 from temporalio import activity
-from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle, WorkflowQueryRejectedError
+from temporalio.client import (
+    Client,
+    WorkflowExecutionDescription,
+    WorkflowExecutionStatus,
+    WorkflowHandle,
+    WorkflowQueryRejectedError,
+)
 from temporalio.common import (
     QueryRejectCondition,
     SearchAttributePair,
@@ -27,6 +33,7 @@ from activities.models import (
     RepairsOfGroup,
     StartRepairRequest,
     StartRepairResult,
+    WorkflowRun,
     WorkflowRuns,
 )
 from contract import names
@@ -151,39 +158,38 @@ class WorkflowOps:
     async def find_running_repairs(self, request: RepairsOfGroup) -> WorkflowRuns:
         """The runs that are running repair workflows of the group, told by their type and their CapacityGroup
         search attribute (set at start by start_repair): the drain semaphore grants permits to nobody else."""
-        running = []
-        for run in request.runs:
-            handle = self._client.get_workflow_handle(run.workflow_id, run_id=run.run_id)
-            try:
-                description = await handle.describe()
-            except RPCError as err:
-                if err.status in (RPCStatusCode.NOT_FOUND, RPCStatusCode.INVALID_ARGUMENT):
-                    continue
-                raise
-            if (
-                description.status == WorkflowExecutionStatus.RUNNING
-                and description.workflow_type == names.REPAIR_WORKFLOW
-                and description.typed_search_attributes.get(sa.CAPACITY_GROUP) == request.group
-            ):
-                running.append(run)
+        running = [
+            run
+            for run, description in await self._describe(request.runs)
+            if description is not None
+            and description.status == WorkflowExecutionStatus.RUNNING
+            and description.workflow_type == names.REPAIR_WORKFLOW
+            and description.typed_search_attributes.get(sa.CAPACITY_GROUP) == request.group
+        ]
         return WorkflowRuns(runs=running)
 
     @activity.defn
     async def find_closed_workflows(self, runs: WorkflowRuns) -> WorkflowRuns:
         """Which of these runs have closed (completed, failed, terminated by an operator, timed out)."""
-        closed = []
-        for run in runs.runs:
+        closed = [
+            run
+            for run, description in await self._describe(runs.runs)
+            if description is None or description.status != WorkflowExecutionStatus.RUNNING
+        ]
+        return WorkflowRuns(runs=closed)
+
+    async def _describe(self, runs: list[WorkflowRun]) -> list[tuple[WorkflowRun, WorkflowExecutionDescription | None]]:
+        """Each run with its description; None for a run that does not exist (or a run id that cannot)."""
+        described: list[tuple[WorkflowRun, WorkflowExecutionDescription | None]] = []
+        for run in runs:
             handle = self._client.get_workflow_handle(run.workflow_id, run_id=run.run_id)
             try:
-                description = await handle.describe()
+                described.append((run, await handle.describe()))
             except RPCError as err:
-                if err.status == RPCStatusCode.NOT_FOUND:
-                    closed.append(run)
-                    continue
-                raise
-            if description.status != WorkflowExecutionStatus.RUNNING:
-                closed.append(run)
-        return WorkflowRuns(runs=closed)
+                if err.status not in (RPCStatusCode.NOT_FOUND, RPCStatusCode.INVALID_ARGUMENT):
+                    raise
+                described.append((run, None))
+        return described
 
     @activity.defn
     async def previous_group_config(self, ref: GroupRef) -> PreviousGroupConfig:

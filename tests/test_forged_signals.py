@@ -68,6 +68,18 @@ async def request_permit(client: Client, settings: Settings, request: PermitRequ
     )
 
 
+async def hold_the_one_permit(client: Client, settings: Settings) -> WorkflowHandle[Any, Any]:
+    """A repair of the group that never moves, holding the group's one permit (its cluster is empty)."""
+    group = settings.groups[0].name
+    blocker = await idle_repair(client, group, unique("i"))
+    instance = blocker.id.split("/")[1]
+    await request_permit(
+        client, settings, PermitRequest(holder_workflow_id=blocker.id, instance_id=instance, token="b")
+    )
+    await eventually(lambda: semaphore_state(client, group), lambda v: len(v.holders) == 1)
+    return blocker
+
+
 async def test_the_semaphore_grants_only_to_running_repairs_of_its_group_and_takes_release_only_from_holders(
     client: Client, aws_env: str, tmp_path: Path
 ) -> None:
@@ -135,13 +147,7 @@ async def test_a_repair_takes_a_permit_only_with_its_own_token(client: Client, a
     async with group_worker(client, aws_env, tmp_path) as settings:
         group = settings.groups[0].name
         # The group's one permit is held by a repair that never moves, so ours waits.
-        blocker = await idle_repair(client, group, unique("i"))
-        await request_permit(
-            client,
-            settings,
-            PermitRequest(holder_workflow_id=blocker.id, instance_id=blocker.id.split("/")[1], token="b"),
-        )
-        await eventually(lambda: semaphore_state(client, group), lambda v: len(v.holders) == 1)
+        blocker = await hold_the_one_permit(client, settings)
 
         instance = unique("i")
         repair = await client.start_workflow(
@@ -231,13 +237,7 @@ async def test_the_waiting_line_is_bounded_and_what_is_dropped_is_counted(
 ) -> None:
     async with group_worker(client, aws_env, tmp_path) as settings:
         group = settings.groups[0].name
-        blocker = await idle_repair(client, group, unique("i"))
-        await request_permit(
-            client,
-            settings,
-            PermitRequest(holder_workflow_id=blocker.id, instance_id=blocker.id.split("/")[1], token="b"),
-        )
-        await eventually(lambda: semaphore_state(client, group), lambda v: len(v.holders) == 1)
+        blocker = await hold_the_one_permit(client, settings)
         semaphore = client.get_workflow_handle(semaphore_workflow_id(group))
         extra = 5
         for n in range(MAX_WAITERS + extra):
