@@ -35,13 +35,13 @@ demo: $(STAMP)
 
 test: $(STAMP) $(CHROMIUM) $(JOURNAL_REMOTE)
 	$(BIN)/ruff check .
-	$(BIN)/mypy contract workflows activities worker node_probe operator_cli simulator
+	$(BIN)/mypy contract workflows activities worker node_probe ingest operator_cli simulator
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy contract workflows activities worker node_probe operator_cli simulator
+	$(BIN)/mypy contract workflows activities worker node_probe ingest operator_cli simulator
 
 clean:
 	rm -rf $(VENV) build *.egg-info .state
