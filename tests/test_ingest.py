@@ -26,6 +26,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from contract.config import IngestSettings
 from contract.groups import AutoRepair
+from contract.health import HealthState
 from contract.ids import health_workflow_id
 from contract.ingest import FINDINGS_PATH, HEALTH_PATH, HEARTBEATS_PATH, MAX_REPORT_BYTES, METRICS_PATH, PROOF_HEADER
 from contract.names import GROUP_TAG, QUERY_HEALTH
@@ -137,8 +138,10 @@ async def stack(
 
 
 @contextlib.asynccontextmanager
-async def running_ingest(stack: Stack, settings: Settings | None = None) -> AsyncIterator[tuple[str, Ingest]]:
-    port = free_port()
+async def running_ingest(
+    stack: Stack, settings: Settings | None = None, port: int | None = None
+) -> AsyncIterator[tuple[str, Ingest]]:
+    port = port or free_port()
     async with aiohttp.ClientSession() as session:
         ingest = build_ingest(settings or stack.settings, Reporter(stack.client), session)
         async with serving(build_app(ingest), "127.0.0.1", port, None):
@@ -388,3 +391,53 @@ def test_retry_after_is_whole_seconds_and_at_least_one() -> None:
     limiter.take_instance("i-b")
     limiter.take_instance("i-c")
     assert len(limiter) == 2  # bounded: the least recently seen instance is forgotten
+
+
+async def test_an_ingest_restart_loses_nothing_and_declares_nothing_lost(stack: Stack, tmp_path: Path) -> None:
+    """The ingest is stateless: while it is down the probe keeps its findings spooled (the connection is refused),
+    and once it is back on the same address they arrive, in order. A down time inside the threshold impairs
+    nothing."""
+    host = stack.launch(group=stack.group)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "kern.log"
+    log.write_text("")
+    config = ProbeConfig(
+        instance_id=host.instance_id,
+        group=stack.group,
+        kernel_log=log,
+        spool_dir=tmp_path / "spool",
+        poll_interval=timedelta(seconds=0.05),
+        heartbeat_interval=timedelta(seconds=1),
+        retry_max_backoff=timedelta(seconds=1),
+    )
+
+    def xid_13(pci: int) -> str:  # a warning under the ECS policy: it shows, it does not impair
+        return f"[ {100 + pci}.000000] NVRM: Xid (PCI:0000:{pci:02x}:00): 13, pid=1, name=train, Graphics Exception\n"
+
+    reporter = stack.reporter(url, host)
+    probe = Probe(config, reporter)
+    task = asyncio.create_task(probe.run())
+    try:
+        async with running_ingest(stack, port=port):
+            with log.open("a") as handle:
+                handle.write(xid_13(1))
+            await eventually(lambda: asyncio.sleep(0, probe.stats.delivered), lambda n: n == 1, within=30, every=0.1)
+        # Down: three findings and some heartbeats find nobody; the probe keeps the findings.
+        with log.open("a") as handle:
+            handle.write(xid_13(2) + xid_13(3) + xid_13(4))
+        await eventually(lambda: asyncio.sleep(0, probe.stats.delivery_failures), lambda n: n >= 2, within=30)
+        assert probe.pending == 3
+        async with running_ingest(stack, port=port):
+            await eventually(lambda: asyncio.sleep(0, probe.stats.delivered), lambda n: n == 4, within=30, every=0.1)
+            view = await eventually(
+                lambda: stack.health(host.instance_id), lambda v: len(v.recent_findings) == 4, within=30
+            )
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await reporter.close()
+    assert [f.gpu.pci for f in view.recent_findings] == [f"0000:{n:02x}:00" for n in (1, 2, 3, 4)]
+    assert view.healthStatus.overallStatus is HealthState.OK
+    assert probe.pending == 0 and reporter.dropped == 0
