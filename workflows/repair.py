@@ -304,7 +304,7 @@ class InstanceRepairWorkflow:
             workflow_id=workflow.info().workflow_id,
             phase=self._phase,
             replacement_instance_id=self._replacement,
-            error=self._error[:4000] if self._error else None,
+            error=self._error,
             finished=finished,
             token=self._input.progress_token,
         )
