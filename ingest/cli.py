@@ -17,6 +17,7 @@ from aiohttp import web
 from temporalio.client import Client
 
 from contract.temporal_client import connect
+from ingest.ecs_tasks import AwsTaskLookup, TaskHosts
 from ingest.identity import ProofVerifier
 from ingest.membership import AwsMembershipLookup, GroupMembership
 from ingest.metrics import IngestMetrics
@@ -75,11 +76,12 @@ def tls_context(settings: Settings, host: str) -> ssl.SSLContext | None:
 
 def build_ingest(settings: Settings, relay: Reporter, session: aiohttp.ClientSession) -> Ingest:
     ingest = settings.ingest
+    lookup = AwsMembershipLookup(settings.aws)
+    ttl_s = ingest.membership_ttl.total_seconds()
     return Ingest(
         verifier=ProofVerifier(ingest, session),
-        membership=GroupMembership(
-            settings.groups, AwsMembershipLookup(settings.aws), ingest.membership_ttl.total_seconds()
-        ),
+        membership=GroupMembership(settings.groups, lookup, ttl_s),
+        tasks=TaskHosts([group.cluster for group in settings.groups], AwsTaskLookup(lookup.ecs), ttl_s),
         limiter=RateLimiter(ingest.instance_rate, ingest.instance_burst, ingest.total_rate, ingest.total_burst),
         relay=relay,
         task_queue=settings.temporal.task_queue,

@@ -7,9 +7,11 @@ exactly as signed, to `settings.sts_endpoint` and never anywhere the proof names
 answers with the caller's ARN; an EC2 instance profile's credentials are an assumed role whose session name is the
 instance id, and that id is who the caller may speak for.
 
-Only instance-profile credentials are accepted today: the session name must itself be an EC2 instance id. An ECS
-task role's session name is the task's id, which would have to be resolved to its container instance's EC2 id
-before it could stand for a host, and nothing here does that, so such callers are refused (403).
+Two kinds of session name are accepted, and nothing else (403): an EC2 instance id (instance-profile credentials),
+which is the instance the caller speaks for; and an ECS task id (a task role's credentials: ECS names the session
+after the task, 32 hex characters, or a UUID for a task with an old-format ARN), which proves only the task. The
+verifier says which (Caller.ecs_task_id); the ingest resolves a task to its container instance's EC2 instance with
+the ECS API (ingest/ecs_tasks.py) before it may stand for a host.
 
 Refused carries the HTTP status: 401 when the proof proves nothing (missing, undecodable, unsigned parts, expired,
 replayed, rejected by STS), 403 when it is for something else or proves a caller who is not allowed, 503 when STS
@@ -27,7 +29,7 @@ import re
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from urllib.parse import urlsplit
 
@@ -54,6 +56,9 @@ _HEADER_VALUE = re.compile(r"[\x20-\x7e]*")  # printable ASCII only: no CR, LF o
 _SIGNATURE = re.compile(r"[0-9a-f]{64}")
 _AMZ_DATE = "%Y%m%dT%H%M%SZ"
 _INSTANCE_ID = re.compile(r"i-[0-9a-f]{8,17}")
+# An ECS task id as ECS names a task role's session: 32 hex characters (the current ARN format), or a UUID (tasks of
+# the old ARN format, and moto's).
+_ECS_TASK_ID = re.compile(r"[0-9a-f]{32}|[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 _ASSUMED_ROLE_ARN = re.compile(r"arn:(aws[a-z-]*):sts::(\d{12}):assumed-role/([\w+=,.@-]+)/([\w+=,.@-]+)")
 _ROLE_ARN = re.compile(r"arn:(aws[a-z-]*):iam::(\d{12}):role/(?:[\w+=,.@/-]*/)?([\w+=,.@-]+)")
 _STS_ERROR_CODE = re.compile(r"[A-Za-z0-9.]{1,64}")
@@ -81,16 +86,24 @@ class Refused(Exception):
 
 @dataclass(frozen=True)
 class Caller:
-    """A caller STS vouched for: the EC2 instance whose instance profile signed the proof.
+    """A caller STS vouched for: the EC2 instance whose instance profile signed the proof, or the ECS task whose
+    task role did.
 
+    `instance_id` is the instance the caller speaks for: the session name of an instance profile; None for an ECS
+    task (`ecs_task_id`, the session name) until the ingest resolves the task to its instance (`on_instance`).
     `arn` is the assumed-role ARN STS answered; `role_arn` is the role's IAM ARN rebuilt from it, without a path
     (an assumed-role ARN does not carry the role's path).
     """
 
-    instance_id: str
+    instance_id: str | None
     account: str
     arn: str
     role_arn: str
+    ecs_task_id: str | None = None
+
+    def on_instance(self, instance_id: str) -> Caller:
+        """This caller, speaking for `instance_id` (an ECS task's container instance, as the ECS API resolved it)."""
+        return replace(self, instance_id=instance_id)
 
 
 def _host_header(url: str) -> str:
@@ -340,15 +353,13 @@ class ProofVerifier:
             raise Refused(403, f"account {account} is not in ingest.allowed_accounts")
         if self._roles and (partition, account, role) not in self._roles:
             raise Refused(403, f"role {role} of account {account} is not in ingest.allowed_role_arns")
-        if not _INSTANCE_ID.fullmatch(session):
-            raise Refused(
-                403,
-                f"the session name {session!r} is not an EC2 instance id: only instance-profile credentials are "
-                "accepted",
-            )
-        return Caller(
-            instance_id=session,
-            account=account,
-            arn=arn,
-            role_arn=f"arn:{partition}:iam::{account}:role/{role}",
+        role_arn = f"arn:{partition}:iam::{account}:role/{role}"
+        if _INSTANCE_ID.fullmatch(session):
+            return Caller(instance_id=session, account=account, arn=arn, role_arn=role_arn)
+        if _ECS_TASK_ID.fullmatch(session):
+            return Caller(instance_id=None, account=account, arn=arn, role_arn=role_arn, ecs_task_id=session)
+        raise Refused(
+            403,
+            f"the session name {session!r} is not an EC2 instance id nor an ECS task id: only instance-profile and "
+            "ECS task-role credentials are accepted",
         )

@@ -5,6 +5,8 @@ Checks, cheapest first, and what a failure answers (JSON contract.ingest.Refusal
     body over MAX_REPORT_BYTES -> 413, not read further     not a GpuFinding / Heartbeat -> 400
     the whole ingest over its rate (before STS is asked) -> 429 with Retry-After
     no proof -> 401; a bad proof -> the verifier's status (401/403; 503 when STS cannot be reached)
+    an ECS task's proof: the task resolved to its EC2 instance -> 403 when no configured cluster runs it (503 when
+        ECS cannot say)
     a report about another instance -> 403                  over the instance's own rate -> 429 with Retry-After
     not a member of the group it names -> 403 (503 when AWS cannot say)
     Temporal failed -> 503;  relayed -> 202
@@ -31,6 +33,7 @@ from contract.ingest import (
 )
 from contract.limits import MAX_TEXT
 from contract.probe import GpuFinding, Heartbeat
+from ingest.ecs_tasks import TaskHosts, TaskLookupUnavailable
 from ingest.identity import Caller, Refused
 from ingest.membership import GroupMembership, MembershipUnknown
 from ingest.metrics import IngestMetrics
@@ -52,6 +55,7 @@ class Ingest:
 
     verifier: Verifier
     membership: GroupMembership
+    tasks: TaskHosts
     limiter: RateLimiter
     relay: ReporterProtocol
     task_queue: str
@@ -145,7 +149,7 @@ class _Reports:
                 refusal.kind,
                 refusal.reason,
                 claimed or "-",
-                caller.instance_id if caller else "-",
+                (caller.instance_id or caller.ecs_task_id) if caller else "-",
                 caller.arn if caller else "no identity",
             )
             return _refusal_response(refusal)
@@ -166,24 +170,40 @@ class _Reports:
         except Refused as refused:
             kind = "sts_unavailable" if refused.status == 503 else "proof"
             raise _Refuse(refused.status, kind, refused.reason) from None
-        if caller.instance_id != report.instance_id:
+        if caller.ecs_task_id is not None:
+            caller = caller.on_instance(await self._task_instance(caller.ecs_task_id))
+        instance_id = caller.instance_id
+        if instance_id is None or instance_id != report.instance_id:
             raise _Refuse(
                 403,
                 "not_self",
-                f"a host reports only about itself: proven {caller.instance_id}, report names {report.instance_id}",
+                f"a host reports only about itself: proven {instance_id}, report names {report.instance_id}",
             )
-        wait = ingest.limiter.take_instance(caller.instance_id)
+        wait = ingest.limiter.take_instance(instance_id)
         if wait:
-            raise _Refuse(
-                429, "rate_instance", f"{caller.instance_id} is over its rate", retry_after_s=retry_after(wait)
-            )
+            raise _Refuse(429, "rate_instance", f"{instance_id} is over its rate", retry_after_s=retry_after(wait))
         try:
-            membership = await ingest.membership.check(caller.instance_id, report.group)
+            membership = await ingest.membership.check(instance_id, report.group)
         except MembershipUnknown as err:
             raise _Refuse(503, "membership_unknown", str(err), retry_after_s=5) from None
         if not membership.member:
             raise _Refuse(403, "not_member", membership.how)
         return caller
+
+    async def _task_instance(self, task_id: str) -> str:
+        """The EC2 instance the proven ECS task runs on, or a refusal."""
+        try:
+            instance_id = await self.ingest.tasks.instance_of(task_id)
+        except TaskLookupUnavailable as err:
+            raise _Refuse(503, "task_unknown", str(err), retry_after_s=5) from None
+        if instance_id is None:
+            clusters = ", ".join(self.ingest.tasks.clusters) or "none configured"
+            raise _Refuse(
+                403,
+                "task_not_running",
+                f"the ECS task {task_id} is not running on a container instance in any group's cluster ({clusters})",
+            )
+        return instance_id
 
 
 def build_app(ingest: Ingest) -> web.Application:

@@ -10,7 +10,9 @@ import contextlib
 import json
 import os
 import sys
-from collections.abc import AsyncIterator
+import urllib.request
+import uuid
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -272,6 +274,95 @@ async def test_unsigned_foreign_group_oversized_and_invalid_reports_are_refused(
         assert not await stack.health_exists(refused.instance_id)
 
 
+@contextlib.contextmanager
+def moto_tasks_stay_put(moto: str) -> Iterator[None]:
+    """Tasks keep their lastStatus while described (moto moves one a step towards STOPPED on every DescribeTasks by
+    default); the server-wide setting is put back afterwards."""
+    base = f"{moto}/moto-api/state-manager"
+
+    def set_transition(transition: dict[str, Any]) -> None:
+        body = json.dumps({"model_name": "ecs::task", "transition": transition}).encode()
+        with urllib.request.urlopen(urllib.request.Request(f"{base}/set-transition", data=body, method="POST")):
+            pass
+
+    with urllib.request.urlopen(f"{base}/get-transition?model_name=ecs::task") as resp:
+        saved = json.loads(resp.read())
+    set_transition({"progression": "manual", "times": 1_000_000_000})
+    try:
+        yield
+    finally:
+        set_transition(saved)
+
+
+async def test_a_probe_in_an_ecs_task_speaks_for_its_container_instance_only(stack: Stack) -> None:
+    """A task role's session name is the task id: the ingest resolves the task through ECS to its container
+    instance's EC2 instance, which is then the one instance the task may report about."""
+    cluster = stack.settings.groups[0].cluster
+    host, other = stack.launch(), stack.launch(group=stack.group)  # `host` is a member by its ECS cluster only
+    ecs = stack.aws("ecs")
+    ecs.create_cluster(clusterName=cluster)
+    document = {"instanceId": host.instance_id, "availabilityZone": "us-east-1a", "region": "us-east-1"}
+    registered = ecs.register_container_instance(cluster=cluster, instanceIdentityDocument=json.dumps(document))
+    family = unique("probe")
+    ecs.register_task_definition(
+        family=family,
+        requiresCompatibilities=["EC2"],
+        containerDefinitions=[{"name": "probe", "image": "gpu-autorepair", "cpu": 64, "memory": 128}],
+    )
+
+    def task_role(task_id: str) -> Host:
+        """The task role's credentials, as ECS hands them to the task: an assumed role named after the task."""
+        creds = stack.aws("sts").assume_role(RoleArn=stack.role_arn, RoleSessionName=task_id)["Credentials"]
+        return Host(task_id, ReadOnlyCredentials(creds["AccessKeyId"], creds["SecretAccessKey"], creds["SessionToken"]))
+
+    def start_task() -> str:
+        started = ecs.start_task(
+            cluster=cluster,
+            taskDefinition=family,
+            containerInstances=[registered["containerInstance"]["containerInstanceArn"]],
+        )
+        return str(started["tasks"][0]["taskArn"]).rpartition("/")[2]
+
+    with moto_tasks_stay_put(stack.moto):
+        task = task_role(start_task())
+        stopped_id = start_task()
+        ecs.stop_task(cluster=cluster, task=stopped_id, reason="done")
+        stopped = task_role(stopped_id)
+        nowhere = task_role(uuid.uuid4().hex)  # ECS's own shape of task id, run by no cluster
+        mine = finding_about(host.instance_id, stack.group)
+        async with running_ingest(stack) as (url, ingest):
+            status, _, refusal = await post(
+                url, FINDINGS_PATH, mine.model_dump_json().encode(), signer=task, stack=stack
+            )
+            assert status == 202, refusal
+
+            forged = finding_about(other.instance_id, stack.group).model_dump_json().encode()
+            status, _, refusal = await post(url, FINDINGS_PATH, forged, signer=task, stack=stack)
+            assert status == 403 and "a host reports only about itself" in refusal["reason"]
+            assert f"proven {host.instance_id}" in refusal["reason"]
+            assert ingest.tasks.lookups == 1  # the task's instance is remembered, as membership answers are
+
+            for refused in (stopped, nowhere):
+                about_host = finding_about(host.instance_id, stack.group).model_dump_json().encode()
+                status, _, refusal = await post(url, FINDINGS_PATH, about_host, signer=refused, stack=stack)
+                assert status == 403, refusal
+                assert f"the ECS task {refused.instance_id} is not running" in refusal["reason"]
+                assert cluster in refusal["reason"]
+            assert ingest.metrics.value("autorepair_ingest_reports_refused_total", status="403", reason="not_self") == 1
+            assert (
+                ingest.metrics.value("autorepair_ingest_reports_refused_total", status="403", reason="task_not_running")
+                == 2
+            )
+            assert ingest.metrics.value("autorepair_ingest_reports_relayed_total", kind="finding") == 1
+    view = await eventually(
+        lambda: stack.health(host.instance_id),
+        lambda v: mine.finding_id in {f.finding_id for f in v.recent_findings},
+        within=60,
+    )
+    assert [f.reason for f in view.recent_findings] == ["XID_79"]
+    assert not await stack.health_exists(other.instance_id)
+
+
 async def test_the_rate_limit_answers_429_and_the_probe_delivers_everything_once_it_lifts(
     stack: Stack, tmp_path: Path
 ) -> None:
@@ -391,6 +482,44 @@ def test_retry_after_is_whole_seconds_and_at_least_one() -> None:
     limiter.take_instance("i-b")
     limiter.take_instance("i-c")
     assert len(limiter) == 2  # bounded: the least recently seen instance is forgotten
+
+
+async def test_ecs_task_answers_are_cached_bounded_and_an_aws_error_is_no_answer() -> None:
+    from botocore.exceptions import ClientError
+
+    from ingest.ecs_tasks import MAX_TASK_CLUSTERS, TaskHosts, TaskLookupUnavailable
+
+    asked: list[tuple[str, str]] = []
+    failing = [False]
+
+    class Lookup:
+        def instance_of(self, cluster: str, task_id: str) -> str | None:
+            asked.append((cluster, task_id))
+            if failing[0]:
+                raise ClientError({"Error": {"Code": "ThrottlingException", "Message": "slow down"}}, "DescribeTasks")
+            return "i-0123456789abcdef0" if (cluster, task_id) == ("c2", "a" * 32) else None
+
+    now = [0.0]
+    clusters = ["c1", "c2", "c1", *(f"x{n}" for n in range(MAX_TASK_CLUSTERS))]
+    hosts = TaskHosts(clusters, Lookup(), 60.0, clock=lambda: now[0], max_entries=2)  # type: ignore[arg-type]
+    assert hosts.clusters[:2] == ("c1", "c2") and len(hosts.clusters) == MAX_TASK_CLUSTERS
+    assert await hosts.instance_of("a" * 32) == "i-0123456789abcdef0"
+    assert asked == [("c1", "a" * 32), ("c2", "a" * 32)]  # stops at the first cluster that runs it
+    assert await hosts.instance_of("b" * 32) is None and len(asked) == 2 + MAX_TASK_CLUSTERS
+    asked.clear()
+    assert await hosts.instance_of("a" * 32) == "i-0123456789abcdef0" and not asked  # remembered, yes and no
+    assert await hosts.instance_of("b" * 32) is None and not asked
+    failing[0] = True
+    now[0] = 61.0
+    with pytest.raises(TaskLookupUnavailable):
+        await hosts.instance_of("a" * 32)
+    with pytest.raises(TaskLookupUnavailable):  # an error is not remembered: asked again
+        await hosts.instance_of("a" * 32)
+    assert len(asked) == 2 and hosts.lookups == 4
+    failing[0] = False
+    for task in ("c" * 32, "d" * 32, "e" * 32):
+        await hosts.instance_of(task)
+    assert len(hosts._cache) == 2  # bounded
 
 
 async def test_an_ingest_restart_loses_nothing_and_declares_nothing_lost(stack: Stack, tmp_path: Path) -> None:

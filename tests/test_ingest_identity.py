@@ -33,6 +33,7 @@ from simulator.servers import MotoServer, free_port
 
 ACCOUNT = "123456789012"  # moto's default
 INSTANCE = "i-0123456789abcdef0"
+TASK_ID = "0123456789abcdef0123456789abcdef"  # an ECS task id, as ECS names a task role's session
 INGEST_ID = "ingest-under-test"
 REGION = "us-east-1"
 ROLE_NAME = "autorepair-identity-node"
@@ -49,11 +50,14 @@ TRUST = json.dumps(
 
 @dataclass(frozen=True)
 class Identities:
-    """Credentials made in one moto server: the instance profile's, a non-instance session's, an IAM user's."""
+    """Credentials made in one moto server: the instance profile's, an ECS task role's, a session that is neither's,
+    one named almost like a task, an IAM user's."""
 
     endpoint: str
     instance: ReadOnlyCredentials
+    ecs_task: ReadOnlyCredentials
     not_an_instance: ReadOnlyCredentials
+    almost_a_task: ReadOnlyCredentials
     iam_user: ReadOnlyCredentials
 
 
@@ -73,7 +77,9 @@ def _make_identities(endpoint: str) -> Identities:
     return Identities(
         endpoint=endpoint,
         instance=assume(INSTANCE),
+        ecs_task=assume(TASK_ID),
         not_an_instance=assume("build-runner"),
+        almost_a_task=assume(TASK_ID.upper()),
         iam_user=ReadOnlyCredentials(key["AccessKeyId"], key["SecretAccessKey"], None),
     )
 
@@ -333,6 +339,24 @@ async def test_a_session_that_is_not_an_instance_is_refused(ids: Identities, htt
     refused = await refusal(ProofVerifier(settings(ids.endpoint), http), proof_for(ids.not_an_instance, ids.endpoint))
     assert refused.status == 403
     assert "'build-runner' is not an EC2 instance id" in refused.reason
+
+
+async def test_an_ecs_task_role_proves_its_task_which_the_ingest_resolves_to_an_instance(
+    ids: Identities, http: aiohttp.ClientSession
+) -> None:
+    caller = await ProofVerifier(settings(ids.endpoint), http).verify(proof_for(ids.ecs_task, ids.endpoint), BODY)
+    assert caller == Caller(
+        instance_id=None,
+        account=ACCOUNT,
+        arn=f"arn:aws:sts::{ACCOUNT}:assumed-role/{ROLE_NAME}/{TASK_ID}",
+        role_arn=f"arn:aws:iam::{ACCOUNT}:role/{ROLE_NAME}",
+        ecs_task_id=TASK_ID,
+    )
+    assert caller.on_instance(INSTANCE).instance_id == INSTANCE
+
+    # Exactly ECS's shape: lower-case hex.
+    refused = await refusal(ProofVerifier(settings(ids.endpoint), http), proof_for(ids.almost_a_task, ids.endpoint))
+    assert refused.status == 403 and "nor an ECS task id" in refused.reason
 
 
 async def test_an_iam_user_is_refused(ids: Identities, http: aiohttp.ClientSession) -> None:
