@@ -13,11 +13,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from botocore.exceptions import BotoCoreError, ClientError
+from cachetools import TTLCache
 
 if TYPE_CHECKING:
     from mypy_boto3_ecs import ECSClient
@@ -93,24 +93,14 @@ class TaskHosts:
             )
         self.clusters = tuple(distinct[:MAX_TASK_CLUSTERS])
         self._lookup = lookup
-        self._ttl = ttl_s
-        self._clock = clock
-        self._max = max_entries
-        self._cache: OrderedDict[str, tuple[float, str | None]] = OrderedDict()
+        self._cache: TTLCache[str, str | None] = TTLCache(max_entries, ttl_s, timer=clock)
         self.lookups = 0  # AWS resolutions made (cache misses), for the tests and the log
 
     async def instance_of(self, task_id: str) -> str | None:
         """The EC2 instance the live task runs on, or None when no configured cluster runs it."""
-        now = self._clock()
-        cached = self._cache.get(task_id)
-        if cached is not None and cached[0] > now:
-            self._cache.move_to_end(task_id)
-            return cached[1]
-        answer = await self._ask(task_id)
-        self._cache[task_id] = (self._clock() + self._ttl, answer)
-        self._cache.move_to_end(task_id)
-        while len(self._cache) > self._max:
-            self._cache.popitem(last=False)
+        if task_id in self._cache:  # "runs nowhere" (None) is an answer too
+            return self._cache[task_id]
+        answer = self._cache[task_id] = await self._ask(task_id)
         return answer
 
     async def _ask(self, task_id: str) -> str | None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -15,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
+from cachetools import TTLCache
 
 from contract import names
 from contract.config import AwsSettings
@@ -113,26 +113,18 @@ class GroupMembership:
     ) -> None:
         self._groups = {group.name: group for group in groups}
         self._lookup = lookup
-        self._ttl = ttl_s
-        self._clock = clock
-        self._max = max_entries
-        self._cache: OrderedDict[tuple[str, str], tuple[float, Membership]] = OrderedDict()
+        # Answers, yes or no, believed for ttl_s; the least recently used forgotten first when full.
+        self._cache: TTLCache[tuple[str, str], Membership] = TTLCache(max_entries, ttl_s, timer=clock)
         self.lookups = 0  # AWS lookups made (cache misses), for the tests and the log
 
     async def check(self, instance_id: str, group: str) -> Membership:
         if group not in self._groups:
             return Membership(False, f"unknown group {group!r}")
         key = (instance_id, group)
-        now = self._clock()
         cached = self._cache.get(key)
-        if cached is not None and cached[0] > now:
-            self._cache.move_to_end(key)
-            return cached[1]
-        answer = await self._ask(instance_id, self._groups[group])
-        self._cache[key] = (self._clock() + self._ttl, answer)
-        self._cache.move_to_end(key)
-        while len(self._cache) > self._max:
-            self._cache.popitem(last=False)
+        if cached is not None:
+            return cached
+        answer = self._cache[key] = await self._ask(instance_id, self._groups[group])
         return answer
 
     async def _ask(self, instance_id: str, group: CapacityGroup) -> Membership:

@@ -150,6 +150,19 @@ async def running_ingest(
             yield f"http://127.0.0.1:{port}", ingest
 
 
+def fast_probe(host: Host, stack: Stack, log: Path, tmp_path: Path, *, heartbeat_interval: timedelta) -> ProbeConfig:
+    """A probe for `host` following `log`, polling and retrying at test speed, with a file spool."""
+    return ProbeConfig(
+        instance_id=host.instance_id,
+        group=stack.group,
+        kernel_log=log,
+        spool_dir=tmp_path / "spool",
+        poll_interval=timedelta(seconds=0.05),
+        heartbeat_interval=heartbeat_interval,
+        retry_max_backoff=timedelta(seconds=1),
+    )
+
+
 def finding_about(instance_id: str, group: str, xid: int = 79, pci: str = "0000:3b:00") -> GpuFinding:
     records = records_from_text(xid_line(xid, pci, by="test_ingest"))
     (finding,) = manual_findings(
@@ -386,15 +399,7 @@ async def test_the_rate_limit_answers_429_and_the_probe_delivers_everything_once
                 for n in range(8)
             )
         )
-        config = ProbeConfig(
-            instance_id=host.instance_id,
-            group=stack.group,
-            kernel_log=log,
-            spool_dir=tmp_path / "spool",
-            poll_interval=timedelta(seconds=0.05),
-            heartbeat_interval=timedelta(minutes=5),
-            retry_max_backoff=timedelta(seconds=1),
-        )
+        config = fast_probe(host, stack, log, tmp_path, heartbeat_interval=timedelta(minutes=5))
         reporter = stack.reporter(url, host)
         probe = Probe(config, reporter)
         task = asyncio.create_task(probe.run())
@@ -531,15 +536,7 @@ async def test_an_ingest_restart_loses_nothing_and_declares_nothing_lost(stack: 
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "kern.log"
     log.write_text("")
-    config = ProbeConfig(
-        instance_id=host.instance_id,
-        group=stack.group,
-        kernel_log=log,
-        spool_dir=tmp_path / "spool",
-        poll_interval=timedelta(seconds=0.05),
-        heartbeat_interval=timedelta(seconds=1),
-        retry_max_backoff=timedelta(seconds=1),
-    )
+    config = fast_probe(host, stack, log, tmp_path, heartbeat_interval=timedelta(seconds=1))
 
     def xid_13(pci: int) -> str:  # a warning under the ECS policy: it shows, it does not impair
         return f"[ {100 + pci}.000000] NVRM: Xid (PCI:0000:{pci:02x}:00): 13, pid=1, name=train, Graphics Exception\n"
