@@ -673,7 +673,8 @@ async def test_check_with_a_hung_init_does_not_block_for_long() -> None:
     source = make_source(fake, check_timeout=0.1)
     started = time.monotonic()
     status = source.check()
-    assert time.monotonic() - started < 1 and "did not return" in (status.reason or "")
+    # Far under the 10 s hang, whatever the load on this machine: the check gave up, it did not wait.
+    assert time.monotonic() - started < 5 and "did not return" in (status.reason or "")
     release.set()
     async with collecting(source) as collector:
         await eventually(lambda: source.status.is_ok)

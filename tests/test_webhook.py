@@ -53,10 +53,11 @@ from tests.harness import eventually
 
 SECRET = "webhook-test-secret"
 TIMEOUT = timedelta(seconds=0.5)
-# A publish may take the webhook timeout plus a little for the thread hop and the outbox write; never the receiver's
-# slowness (SLOW) or the delivery backoff.
-PROMPT = TIMEOUT.total_seconds() + 0.5
-SLOW = 2.0
+# A publish may take the webhook timeout plus the thread hop and the outbox's fsync, never the receiver's slowness.
+# The bound tells those two apart, not how fast this machine is: the margin is wide because a loaded 2-core CI
+# runner once took 0.57 s over the timeout, and SLOW sits far above it.
+PROMPT = TIMEOUT.total_seconds() + 3.0
+SLOW = 10.0
 TOLERANCE = 300  # seconds, as the docs recommend
 
 
@@ -307,9 +308,10 @@ async def test_a_hanging_receiver_costs_one_timeout_then_events_queue_behind_it(
     batch = events(4)
     with receiving(port, ["slow-fail"] * 10) as receiver:
         took = await publish_all(EventActivities(aws, settings), batch)
-        # Only the first event waited for the receiver; the rest went straight behind it into the outbox.
+        # Only the first event waited for the receiver, one timeout and not its slowness; the rest went straight
+        # behind it into the outbox without a request of their own.
         assert TIMEOUT.total_seconds() <= took[0] < PROMPT, took
-        assert max(took[1:]) < TIMEOUT.total_seconds(), took
+        assert max(took[1:]) < PROMPT, took
         assert receiver.requests == 1
     assert len(Outbox(settings.webhook_outbox_dir, 10).entries()) == 4
 
