@@ -10,6 +10,7 @@ from pydantic import BaseModel, Field
 
 from contract.config import SettingsSection, format_seconds
 from contract.limits import Name
+from contract.liveness import LivenessShards
 
 # The drain cap's percentage: validated by the settings (the field's bounds) and by a live update (problems()).
 MIN_DRAINING_PERCENT, MAX_DRAINING_PERCENT = 1, 100
@@ -69,6 +70,8 @@ class CapacityGroup(SettingsSection):
     task_poll_interval: timedelta = timedelta(seconds=15)
     # How often the drain semaphore checks that its permit holders are still running.
     permit_reclaim_interval: timedelta = timedelta(minutes=1)
+    # Liveness trackers for the group: one holds up to 20,000 instances; a larger group needs more (ceil(n/20,000)).
+    liveness_shards: LivenessShards = 1
 
     def max_draining(self, instance_count: int) -> int:
         """The drain cap, computed here only. ECS's rule: max(1, floor(n * pct / 100)); below 9 instances at 20%

@@ -1,4 +1,5 @@
-"""Workflow ids: one health workflow per instance, one repair per impaired instance, one semaphore per group."""
+"""Workflow ids: one health workflow per instance, one repair per impaired instance, one semaphore per group, one
+liveness tracker per group shard."""
 
 
 def health_workflow_id(instance_id: str) -> str:
@@ -11,3 +12,9 @@ def repair_workflow_id(instance_id: str) -> str:
 
 def semaphore_workflow_id(group: str) -> str:
     return f"drain-semaphore/{group}"
+
+
+def liveness_workflow_id(group: str, shard: int = 0, shards: int = 1) -> str:
+    # The shard count is in the id: changing it starts a fresh set of trackers, and the old ones, no longer
+    # reported to, hold their fire (a silent pipeline declares nothing) and end.
+    return f"liveness/{group}" if shards <= 1 else f"liveness/{group}/{shard}of{shards}"

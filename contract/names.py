@@ -12,12 +12,19 @@ DEFAULT_TASK_QUEUE: Final = "gpu-autorepair"
 HEALTH_WORKFLOW: Final = "InstanceHealthWorkflow"
 REPAIR_WORKFLOW: Final = "InstanceRepairWorkflow"
 SEMAPHORE_WORKFLOW: Final = "DrainSemaphoreWorkflow"
+LIVENESS_WORKFLOW: Final = "LivenessTrackerWorkflow"
 
 # Signals to a health workflow: the probe's two, the repair's progress, and the game-day injection.
 SIGNAL_GPU_FINDING: Final = "gpu_finding"
 SIGNAL_HEARTBEAT: Final = "heartbeat"
 SIGNAL_REPAIR_PROGRESS: Final = "repair_progress"
 SIGNAL_INJECT_HEARTBEAT_LOSS: Final = "inject_heartbeat_loss"
+SIGNAL_LIVENESS: Final = "liveness"  # from the group's liveness tracker: lost or heard again
+
+# Signals to a liveness tracker: reporters' batches, a game day's silence, and the group's changed configuration.
+SIGNAL_LIVENESS_REPORT: Final = "liveness_report"
+SIGNAL_IGNORE_HEARTBEATS: Final = "ignore_heartbeats"
+SIGNAL_GROUP_CHANGED: Final = "group_changed"
 
 # Signals between a repair and its group's drain semaphore.
 SIGNAL_REQUEST: Final = "request"
@@ -28,6 +35,7 @@ SIGNAL_PERMIT_GRANTED: Final = "permit_granted"
 QUERY_HEALTH: Final = "health"  # health workflow: InstanceHealthView
 QUERY_STATUS: Final = "status"  # repair workflow: RepairStatus
 QUERY_STATE: Final = "state"  # drain semaphore: SemaphoreView
+QUERY_LIVENESS: Final = "liveness"  # liveness tracker: LivenessView
 QUERY_GROUP_CONFIG: Final = "group_config"  # drain semaphore: GroupConfigState
 UPDATE_GROUP: Final = "update_group"  # drain semaphore: GroupConfigUpdate -> GroupConfigState
 

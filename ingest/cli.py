@@ -23,6 +23,7 @@ from ingest.membership import AwsMembershipLookup, GroupMembership
 from ingest.metrics import IngestMetrics
 from ingest.rate_limit import RateLimiter
 from ingest.server import Ingest, build_app
+from node_probe.delivery.liveness_relay import LivenessRelay, routes_of
 from node_probe.delivery.reporter import Reporter
 from worker.settings import Settings
 
@@ -74,7 +75,7 @@ def tls_context(settings: Settings, host: str) -> ssl.SSLContext | None:
     return context
 
 
-def build_ingest(settings: Settings, relay: Reporter, session: aiohttp.ClientSession) -> Ingest:
+def build_ingest(settings: Settings, reporter: Reporter, session: aiohttp.ClientSession) -> Ingest:
     ingest = settings.ingest
     lookup = AwsMembershipLookup(settings.aws)
     ttl_s = ingest.membership_ttl.total_seconds()
@@ -83,7 +84,7 @@ def build_ingest(settings: Settings, relay: Reporter, session: aiohttp.ClientSes
         membership=GroupMembership(settings.groups, lookup, ttl_s),
         tasks=TaskHosts([group.cluster for group in settings.groups], AwsTaskLookup(lookup.ecs), ttl_s),
         limiter=RateLimiter(ingest.instance_rate, ingest.instance_burst, ingest.total_rate, ingest.total_burst),
-        relay=relay,
+        relay=LivenessRelay(reporter, routes_of(settings.groups), settings.temporal.task_queue, relay=True),
         task_queue=settings.temporal.task_queue,
         metrics=IngestMetrics(),
     )

@@ -1,6 +1,9 @@
 """The ingest's web app: a GPU host POSTs its own findings and heartbeats; each is checked, then relayed to the
 instance's health workflow with the probe's own signal-with-start (node_probe.delivery.reporter.Reporter).
 
+Heartbeats are coalesced (node_probe.delivery.liveness_relay): the health workflow hears only what changed, and
+the group's liveness tracker hears in batches who was heard when.
+
 Checks, cheapest first, and what a failure answers (JSON contract.ingest.Refusal; none reaches Temporal):
     body over MAX_REPORT_BYTES -> 413, not read further     not a GpuFinding / Heartbeat -> 400
     the whole ingest over its rate (before STS is asked) -> 429 with Retry-After
@@ -15,7 +18,7 @@ Checks, cheapest first, and what a failure answers (JSON contract.ingest.Refusal
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -38,7 +41,7 @@ from ingest.identity import Caller, Refused
 from ingest.membership import GroupMembership, MembershipUnknown
 from ingest.metrics import IngestMetrics
 from ingest.rate_limit import RateLimiter, retry_after
-from node_probe.delivery.reporter import ReporterProtocol
+from node_probe.delivery.liveness_relay import LivenessRelay
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +60,7 @@ class Ingest:
     membership: GroupMembership
     tasks: TaskHosts
     limiter: RateLimiter
-    relay: ReporterProtocol
+    relay: LivenessRelay
     task_queue: str
     metrics: IngestMetrics
 
@@ -211,6 +214,12 @@ def build_app(ingest: Ingest) -> web.Application:
     # themselves (413 before reading a body whose Content-Length is already too large).
     app = web.Application(client_max_size=MAX_REPORT_BYTES)
     reports = _Reports(ingest)
+
+    async def liveness_batches(app: web.Application) -> AsyncIterator[None]:
+        async with ingest.relay.running():
+            yield
+
+    app.cleanup_ctx.append(liveness_batches)
 
     async def health(request: web.Request) -> web.Response:
         return web.Response(text="ok")

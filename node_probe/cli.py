@@ -34,6 +34,7 @@ from node_probe.classify.manual import DEFAULT_PCI, manual_findings, pci_address
 from node_probe.classify.policy import POLICY_ECS, POLICY_NAMES, Policy, PolicyConfig, Verdict
 from node_probe.classify.record import FaultRecord
 from node_probe.delivery.ingest_reporter import DEFAULT_INGEST_ID, IngestReporter, default_sts_endpoint
+from node_probe.delivery.liveness_relay import LivenessRelay, LivenessRoute
 from node_probe.delivery.proof import MissingCredentials
 from node_probe.delivery.reporter import Reporter, ReporterProtocol
 from node_probe.imds import ImdsError, imds_instance_id
@@ -380,7 +381,13 @@ async def build_probe(args: argparse.Namespace) -> Probe:
     except ValidationError as exc:
         raise CliError(f"invalid arguments: {exc.errors()[0]['msg']}") from exc
     # Direct: lazy, so the probe starts (and spools) even while Temporal is down; calls connect when they can.
-    reporter: ReporterProtocol = ingest_reporter(args) if ingest else Reporter(await connect(temporal, lazy=True))
+    reporter: ReporterProtocol
+    if ingest:
+        reporter = ingest_reporter(args)
+    else:
+        route = LivenessRoute.for_probe(config.heartbeat_interval)
+        direct = Reporter(await connect(temporal, lazy=True))
+        reporter = LivenessRelay(direct, lambda group: route, temporal.task_queue, relay=False)
     return Probe(config, reporter)
 
 

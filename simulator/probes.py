@@ -31,12 +31,16 @@ async def run_real_probe(fleet: SimulatedFleet, node: SimNode) -> None:
     """The real node probe, following the node's kernel log and signalling its health workflow directly (the
     probe's trusted-lab mode: the end-to-end tests' default)."""
     # Imported here so the AWS side of the simulator (and its tests) works without Temporal or the probe.
+    from node_probe.delivery.liveness_relay import LivenessRelay, LivenessRoute
     from node_probe.delivery.reporter import Reporter
     from node_probe.probe import Probe
 
     if fleet.client is None:
         raise RuntimeError("a probe needs a Temporal client")
-    await Probe(_probe_config(fleet, node), Reporter(fleet.client)).run()
+    config = _probe_config(fleet, node)
+    route = LivenessRoute.for_probe(config.heartbeat_interval)
+    relay = LivenessRelay(Reporter(fleet.client), lambda group: route, config.task_queue, relay=False)
+    await Probe(config, relay).run()
 
 
 def via_ingest(url: str, ingest_id: str, sts_endpoint: str, identities: HostIdentities) -> ProbeRunner:

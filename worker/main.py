@@ -18,9 +18,10 @@ from worker.health_gauges import health_gauges
 from worker.settings import Settings
 from workflows.drain_semaphore import DrainSemaphoreWorkflow
 from workflows.health import InstanceHealthWorkflow
+from workflows.liveness import LivenessTrackerWorkflow
 from workflows.repair import InstanceRepairWorkflow
 
-WORKFLOWS = [InstanceHealthWorkflow, InstanceRepairWorkflow, DrainSemaphoreWorkflow]
+WORKFLOWS = [InstanceHealthWorkflow, InstanceRepairWorkflow, DrainSemaphoreWorkflow, LivenessTrackerWorkflow]
 
 # The contract and the models are shared with activities and clients: passing them through keeps one class per
 # model (and per enum, so `is` comparisons hold), so a model built in a workflow is an instance of the class an

@@ -23,7 +23,7 @@ from temporalio.exceptions import ActivityError, ApplicationError, FailureError
 
 from contract import names
 from contract.groups import CapacityGroup, GroupConfigOverrides, GroupConfigState, GroupConfigUpdate
-from contract.ids import repair_workflow_id, semaphore_workflow_id
+from contract.ids import liveness_workflow_id, repair_workflow_id, semaphore_workflow_id
 from contract.semaphore import PermitRequest
 from workflows.group_config import read_group_config
 from workflows.models import Permit, PermitGrant, PermitRelease, SemaphoreRun, SemaphoreView
@@ -312,6 +312,8 @@ class DrainSemaphoreWorkflow:
                 # A raised cap may let waiters through now, a lowered one simply grants nothing new.
                 self._changed = True
             self._show_state()
+            if "heartbeat_loss_threshold" in changed:
+                await self._tell_liveness_trackers(new)
             if changed:
                 await self._publish_config_change(
                     update.requested_by,
@@ -319,6 +321,15 @@ class DrainSemaphoreWorkflow:
                     new.model_dump(mode="json", include=changed),
                 )
             return self._config
+
+    async def _tell_liveness_trackers(self, group: CapacityGroup) -> None:
+        """The threshold moves every deadline: the group's trackers hear of it now, not at their next run."""
+        for shard in range(group.liveness_shards):
+            tracker = liveness_workflow_id(self._group, shard, group.liveness_shards)
+            try:
+                await workflow.get_external_workflow_handle(tracker).signal(names.SIGNAL_GROUP_CHANGED, group)
+            except Exception as err:  # not started yet: it reads the configuration when it starts
+                workflow.logger.info("tracker %s not told of the new threshold: %s", tracker, err)
 
     async def _take_over_previous_config(self) -> None:
         if self._config_taken_over:

@@ -4,31 +4,33 @@ Runbook it automates:
   1. Until the probe's first heartbeat the instance is INITIALIZING.
   2. A critical GPU finding makes ACCELERATED_COMPUTE IMPAIRED (the probe's policy decides what is critical); it
      stays so until the instance is replaced. A critical daemon down makes DAEMON IMPAIRED until it is back up.
-  3. No heartbeat for the group's threshold makes AGENT_CONNECTIVITY IMPAIRED; a shorter gap changes nothing.
+  3. AGENT_CONNECTIVITY is the group's liveness tracker's call (workflows/liveness.py): it says when the instance
+     has not been heard for the group's threshold, and when it is heard again. Heartbeats reach this workflow only
+     when something in them changed, so a healthy instance costs nothing here.
   4. The probe saying its GPU sources are down makes ACCELERATED_COMPUTE INSUFFICIENT_DATA, never IMPAIRED.
   5. Every change of status is published as a HealthChanged event and kept in the HealthStatus search attribute.
-  6. On IMPAIRED, if the group's auto repair is ENABLED, start the instance's repair once; if DISABLED, watch only.
-  7. The group's configuration is re-read whenever the heartbeat deadline fires: a changed threshold applies from
-     the next deadline, and an instance left impaired while repair was DISABLED is repaired once it is ENABLED.
-  8. Game days: `inject_heartbeat_loss` makes the workflow ignore heartbeats for a while, as if the probe were silent.
+  6. On IMPAIRED, if the group's auto repair is ENABLED, start the instance's repair once; if DISABLED, watch only,
+     and look at the group again once per threshold: an instance left impaired is repaired once it is ENABLED.
+  7. Game days: `inject_heartbeat_loss` makes the tracker (and this workflow) ignore heartbeats for a while, as if
+     the probe were silent.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
-from datetime import datetime, timedelta
+from datetime import datetime
 
 from temporalio import workflow
 from temporalio.common import RawValue
-from temporalio.exceptions import ActivityError, is_cancelled_exception
+from temporalio.exceptions import ActivityError
 
 from contract import names
 from contract import search_attributes as sa
 from contract.formats import iso
 from contract.groups import AutoRepair, CapacityGroup
 from contract.health import SEVERITY, CheckType, HealthState, HeartbeatLossInjection
-from contract.ids import health_workflow_id
+from contract.ids import health_workflow_id, liveness_workflow_id
+from contract.liveness import IgnoreHeartbeats, LivenessChange, shard_of
 from contract.probe import GpuFinding, Heartbeat
 from contract.repair import RepairInput, RepairPhase
 from workflows.group_config import read_group_config
@@ -68,6 +70,7 @@ class InstanceHealthWorkflow:
         self._outbox: list[FleetEvent] = []
         self._signals_this_run = 0
         self._retired = False
+        self._to_tracker: list[IgnoreHeartbeats] = []
         # Here, not in run(): with signal-with-start the first signal is handled before run() starts.
         if self._state.started_at is None:
             now = workflow.now()
@@ -88,12 +91,22 @@ class InstanceHealthWorkflow:
         self._sync_status_attribute()
         group = await self._group_config()
         workflow.set_current_details(self._details_markdown())
-        watchdog = asyncio.create_task(self._watch_heartbeats(group.heartbeat_loss_threshold))
 
         while True:
-            await workflow.wait_condition(
-                lambda: bool(self._outbox) or self._repair_due() or self._retired or self._time_to_continue()
-            )
+            try:
+                await workflow.wait_condition(
+                    lambda: (
+                        bool(self._outbox or self._to_tracker)
+                        or self._repair_due()
+                        or self._retired
+                        or self._time_to_continue()
+                    ),
+                    # Only an instance whose repair is withheld watches its group; a healthy one sets no timer.
+                    timeout=group.heartbeat_loss_threshold if self._state.repair_withheld else None,
+                    timeout_summary="repair withheld: look at the group's configuration again",
+                )
+            except TimeoutError:
+                group = await self._reread_group_config(group)
             while self._outbox:
                 await workflow.execute_activity_method(
                     EventActivities.publish_event,
@@ -102,70 +115,38 @@ class InstanceHealthWorkflow:
                     start_to_close_timeout=CALL_TIMEOUT,
                     retry_policy=CALL_RETRY,
                 )
+            while self._to_tracker:
+                await self._tell_tracker(group, self._to_tracker.pop(0))
             if self._repair_due():
                 await self._start_repair()
             workflow.set_current_details(self._details_markdown())
             if self._retired:
-                watchdog.cancel()
                 return self._view()
             if self._time_to_continue():
-                watchdog.cancel()
                 await workflow.wait_condition(workflow.all_handlers_finished)
                 workflow.continue_as_new(HealthRun(instance_id=self._instance_id, group=self._group, carry=self._state))
 
-    async def _watch_heartbeats(self, threshold: timedelta) -> None:
-        """One timer at a time, set for when the agent would count as lost; a heartbeat just moves the deadline."""
-        while True:
-            since = self._state.last_heartbeat or self._state.started_at
-            assert since is not None
-            deadline = since + threshold
-            now = workflow.now()
-            if now < deadline:
-                await workflow.sleep(deadline - now, summary="heartbeat deadline")
-                # Once per timer, never per heartbeat: a healthy instance pays one activity per threshold.
-                threshold = await self._reread_group_config(threshold)
-                continue
-            before = self._status_key()
-            self._set_check(
-                CheckType.AGENT_CONNECTIVITY,
-                HealthState.IMPAIRED,
-                f"Agent disconnected since {iso(since)}",
-                now,
-            )
-            self._publish_if_changed(before)
-            await self._next_heartbeat_watching_config(threshold)
-
-    async def _next_heartbeat_watching_config(self, threshold: timedelta) -> None:
-        """While the agent is lost, still look at the group once per threshold: a re-ENABLEd group repairs it."""
-        seen = self._state.last_heartbeat
-        while True:
-            try:
-                await workflow.wait_condition(
-                    lambda: self._state.last_heartbeat != seen,
-                    timeout=threshold,
-                    timeout_summary="agent lost: look at the group's configuration again",
-                )
-                return
-            except TimeoutError:
-                threshold = await self._reread_group_config(threshold)
-
-    async def _reread_group_config(self, threshold: timedelta) -> timedelta:
-        """The heartbeat threshold to use from now on; re-arms a repair withheld while the group was DISABLED."""
+    async def _tell_tracker(self, group: CapacityGroup, ignore: IgnoreHeartbeats) -> None:
+        shard = shard_of(self._instance_id, group.liveness_shards)
+        tracker = liveness_workflow_id(self._group, shard, group.liveness_shards)
         try:
-            group = await self._group_config(summary="re-read group config at the heartbeat deadline")
+            await workflow.get_external_workflow_handle(tracker).signal(names.SIGNAL_IGNORE_HEARTBEATS, ignore)
+        except Exception as err:  # no tracker yet means no heartbeat yet: nothing to ignore
+            workflow.logger.warning("game day for %s not passed to %s: %s", self._instance_id, tracker, err)
+
+    async def _reread_group_config(self, group: CapacityGroup) -> CapacityGroup:
+        """The group as it is now; re-arms a repair withheld while the group was DISABLED."""
+        try:
+            group = await self._group_config(summary="re-read group config: is auto repair back on?")
         except ActivityError as err:
-            if is_cancelled_exception(err):
-                # The watchdog is being stopped (continue-as-new): swallowing that would keep it running after
-                # the run has ended, and the worker would never finish the workflow task.
-                raise asyncio.CancelledError() from err
-            # E.g. the group was removed from the settings: keep watching with what we had.
-            workflow.logger.warning("group %s not re-read (%s); threshold stays %s", self._group, err.cause, threshold)
-            return threshold
+            # E.g. the group was removed from the settings: keep what we had.
+            workflow.logger.warning("group %s not re-read (%s)", self._group, err.cause)
+            return group
         if self._state.repair_withheld is not None and group.auto_repair is AutoRepair.ENABLED:
             workflow.logger.info("auto repair ENABLED again for group %s", self._group)
             self._state.repair_withheld = None
             self._state.repair_requested = False
-        return group.heartbeat_loss_threshold
+        return group
 
     async def _group_config(self, summary: str | None = None) -> CapacityGroup:
         return await read_group_config(self._group, summary)
@@ -227,6 +208,8 @@ class InstanceHealthWorkflow:
             self._accept(decode(name, payloads, Heartbeat), self._on_heartbeat)
         elif name == names.SIGNAL_REPAIR_PROGRESS:
             self._accept(decode(name, payloads, RepairProgress), self._on_repair_progress)
+        elif name == names.SIGNAL_LIVENESS:
+            self._accept(decode(name, payloads, LivenessChange), self._on_liveness)
         elif name == names.SIGNAL_INJECT_HEARTBEAT_LOSS:
             self._accept(decode(name, payloads, HeartbeatLossInjection), self._on_heartbeat_loss_injection)
         else:
@@ -308,7 +291,9 @@ class InstanceHealthWorkflow:
             return
         self._state.last_heartbeat = now
         self._state.probe_sources = beat.sources
-        self._set_check(CheckType.AGENT_CONNECTIVITY, HealthState.OK, None, now)
+        if self._state.checks[CheckType.AGENT_CONNECTIVITY].status is HealthState.INITIALIZING:
+            # The first heartbeat: connected. After that, connectivity is the liveness tracker's call.
+            self._set_check(CheckType.AGENT_CONNECTIVITY, HealthState.OK, None, now)
         accelerated = self._state.checks[CheckType.ACCELERATED_COMPUTE]
         if accelerated.status is HealthState.IMPAIRED:
             # A critical GPU fault stays until the instance is replaced; the heartbeat only refreshes it.
@@ -323,9 +308,26 @@ class InstanceHealthWorkflow:
         else:
             self._set_check(CheckType.ACCELERATED_COMPUTE, HealthState.OK, None, now)
 
+    def _on_liveness(self, change: LivenessChange) -> None:
+        if change.instance_id != self._instance_id:
+            self._reject(Rejected(f"liveness of {change.instance_id} sent to {self._instance_id}"))
+            return
+        now = workflow.now()
+        if change.lost:
+            since = iso(change.last_heard) if change.last_heard else "its start"
+            reason = f"Agent disconnected since {since}"
+            self._set_check(CheckType.AGENT_CONNECTIVITY, HealthState.IMPAIRED, reason, now)
+            return
+        ignored_until = self._state.heartbeats_ignored_until
+        if ignored_until is not None and now < ignored_until:
+            return  # a game day's silence is not over: the tracker heard a receipt from before it began
+        self._state.last_heartbeat = max(self._state.last_heartbeat or now, change.last_heard or now)
+        self._set_check(CheckType.AGENT_CONNECTIVITY, HealthState.OK, None, now)
+
     def _on_heartbeat_loss_injection(self, injection: HeartbeatLossInjection) -> None:
         until = workflow.now() + injection.duration
         self._state.heartbeats_ignored_until = until
+        self._to_tracker.append(IgnoreHeartbeats(instance_id=self._instance_id, until=until))
         workflow.logger.warning(
             "game day: heartbeats of %s ignored until %s (requested by %s)",
             self._instance_id,

@@ -10,9 +10,10 @@ from datetime import datetime
 
 from pydantic import BaseModel, Field
 
-from contract.groups import GroupConfigState
+from contract.groups import CapacityGroup, GroupConfigState
 from contract.health import CheckType, HealthInput, HealthState
 from contract.limits import Id, OptionalId, Text, Token
+from contract.liveness import LivenessInput
 from contract.probe import GpuFinding, ProbeSourceHealth
 from contract.repair import PhaseStep, RepairPhase
 from contract.semaphore import PermitRequest, SemaphoreInput
@@ -148,6 +149,61 @@ class SemaphoreView(BaseModel):
     rejected_signals: int
     forged_signals: int = 0
     dropped_requests: int = 0
+
+
+# --- Liveness tracker ------------------------------------------------------------------------------------------
+
+
+class ReporterSeen(BaseModel):
+    """A reporter (one ingest or probe process) as the tracker last heard from it, by the tracker's clock."""
+
+    last_at: datetime
+    report_every: float  # seconds
+    relay: bool = True
+
+
+class LivenessCarry(BaseModel):
+    """All state a liveness tracker carries across continue-as-new. Times are whole epoch seconds: compact, since
+    a shard may hold 20,000 instances."""
+
+    heard: dict[str, int] = Field(default_factory=dict, description="instance -> last receipt, reporters' clocks")
+    lost: list[str] = Field(default_factory=list)
+    ignored_until: dict[str, int] = Field(default_factory=dict)
+    reporters: dict[str, ReporterSeen] = Field(default_factory=dict)
+    last_report_at: datetime | None = None
+    # The pipeline went silent (no batch for longer than reporters promised): nothing is declared meanwhile, and
+    # after it speaks again nothing before `floor`, a full window later.
+    silent_since: datetime | None = None
+    floor: datetime | None = None
+    group: CapacityGroup | None = None
+    declared_lost: int = 0
+    recovered: int = 0
+    dropped_instances: int = 0
+    forgotten: int = 0
+    rejected_signals: int = 0
+
+
+class LivenessRun(LivenessInput):
+    carry: LivenessCarry | None = None
+
+
+class LivenessView(BaseModel):
+    group: str
+    shard: int
+    shards: int
+    instances: int
+    lost: list[str]
+    window_s: float | None
+    grace_s: float | None
+    reporters: dict[str, ReporterSeen]
+    last_report_at: datetime | None
+    silent_since: datetime | None
+    floor: datetime | None
+    declared_lost: int
+    recovered: int
+    dropped_instances: int
+    forgotten: int
+    rejected_signals: int
 
 
 # --- Repair workflow -------------------------------------------------------------------------------------------

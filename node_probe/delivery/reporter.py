@@ -17,7 +17,8 @@ from temporalio.exceptions import WorkflowAlreadyStartedError
 
 from contract import names
 from contract.health import HealthInput
-from contract.ids import health_workflow_id
+from contract.ids import health_workflow_id, liveness_workflow_id
+from contract.liveness import LivenessInput, LivenessReport
 from contract.probe import GpuFinding, Heartbeat
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,23 @@ class Reporter:
         await self._signal_with_start(
             heartbeat.instance_id, heartbeat.group, task_queue, names.SIGNAL_HEARTBEAT, heartbeat
         )
+
+    async def send_liveness(self, report: LivenessReport, task_queue: str) -> None:
+        """A batch to the group's liveness tracker (shard), starting it if it is not running."""
+        call = self._client.start_workflow(
+            names.LIVENESS_WORKFLOW,
+            LivenessInput(group=report.group, shard=report.shard, shards=report.shards),
+            id=liveness_workflow_id(report.group, report.shard, report.shards),
+            task_queue=task_queue,
+            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+            start_signal=names.SIGNAL_LIVENESS_REPORT,
+            start_signal_args=[report],
+            static_summary=f"liveness of group {report.group}"
+            + (f", shard {report.shard} of {report.shards}" if report.shards > 1 else ""),
+            rpc_timeout=self._rpc_timeout,
+        )
+        async with asyncio.timeout(2 * self._rpc_timeout.total_seconds()):
+            await call
 
     async def _signal_with_start(
         self, instance_id: str, group: str, task_queue: str, signal: str, payload: GpuFinding | Heartbeat

@@ -1,0 +1,320 @@
+"""One liveness tracker per capacity group (or per shard of a large one): who was heard last when, and who is lost.
+
+Runbook it automates:
+  1. Reporters (the ingest's replicas, or a trusted-lab probe) send batches: each instance they heard and when, by
+     their receipt time. A heartbeat costs Temporal nothing per instance; a batch costs one signal per reporter.
+  2. One timer, set for the earliest deadline: an instance not heard for the group's threshold (or the reporters'
+     interval, if that is longer) plus a grace is lost. Its health workflow is told, once; it is told again when
+     the instance is heard again.
+  3. A silent pipeline is not silent hosts. If no reporter has sent a batch for longer than it promised (the ingest
+     or Temporal was down), nothing is declared lost, and once batches come again, not for another full window:
+     probes get a whole threshold to be heard again.
+  4. Game days: an instance's health workflow can ask the tracker to ignore its receipts for a while.
+  5. State stays bounded: at most 20,000 instances per shard; an instance lost for a day, or whose health workflow
+     is gone (it was replaced), is forgotten.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+
+from temporalio import workflow
+from temporalio.common import RawValue
+
+from contract import names
+from contract.formats import iso
+from contract.groups import CapacityGroup
+from contract.ids import health_workflow_id, liveness_workflow_id
+from contract.liveness import (
+    MAX_INSTANCES_PER_SHARD,
+    IgnoreHeartbeats,
+    LivenessChange,
+    LivenessReport,
+    loss_grace,
+)
+from workflows.group_config import read_group_config
+from workflows.models import LivenessCarry, LivenessRun, LivenessView, ReporterSeen
+from workflows.signal_input import Rejected, decode, worth_logging
+
+SIGNALS_PER_RUN = 2_000
+# Health workflows told at once: bounded so a mass loss does not put thousands of commands in one task.
+SIGNALS_IN_FLIGHT = 100
+FORGET_LOST_AFTER = timedelta(days=1)
+MAX_REPORTERS = 64
+DEFAULT_THRESHOLD: timedelta = CapacityGroup.model_fields["heartbeat_loss_threshold"].default
+DETAILS_LOST = 20
+
+
+def _epoch(at: datetime) -> int:
+    return int(at.timestamp())
+
+
+@workflow.defn(name=names.LIVENESS_WORKFLOW)
+class LivenessTrackerWorkflow:
+    @workflow.init
+    def __init__(self, input: LivenessRun) -> None:
+        self._group = input.group
+        self._shard = input.shard
+        self._shards = input.shards
+        self._state = input.carry or LivenessCarry()
+        self._lost = set(self._state.lost)
+        self._outbox: list[LivenessChange] = []
+        self._armed_for: datetime | None = None
+        self._wake = False
+        self._signals_this_run = 0
+
+    @workflow.run
+    async def run(self, input: LivenessRun) -> None:
+        if self._state.group is None:
+            self._state.group = await read_group_config(self._group, "read the group's heartbeat-loss threshold")
+        sender = asyncio.create_task(self._tell_health_workflows())
+        while not self._time_to_continue():
+            self._armed_for = self._next_check()
+            self._wake = False
+            workflow.set_current_details(self._details_markdown())
+            timeout = None if self._armed_for is None else max(self._armed_for - workflow.now(), timedelta(0))
+            try:
+                await workflow.wait_condition(
+                    lambda: self._wake or self._time_to_continue(),
+                    timeout=timeout,
+                    timeout_summary="earliest heartbeat deadline",
+                )
+            except TimeoutError:
+                now = workflow.now()
+                if self._armed_for is not None and now - self._armed_for > self._grace():
+                    # The timer fired late: Temporal or every worker was down. What probes said meanwhile may be
+                    # on its way; give them a full window from now.
+                    self._state.floor = max(self._state.floor or now, now + self._window() + self._grace())
+                    workflow.logger.warning(
+                        "liveness of %s: woke %s late; no loss declared before %s",
+                        self._group,
+                        now - self._armed_for,
+                        iso(self._state.floor),
+                    )
+                self._declare_losses(now)
+        await workflow.wait_condition(lambda: not self._outbox and workflow.all_handlers_finished())
+        sender.cancel()
+        self._state.lost = sorted(self._lost)
+        workflow.continue_as_new(
+            LivenessRun(group=self._group, shard=self._shard, shards=self._shards, carry=self._state)
+        )
+
+    # --- the timing -------------------------------------------------------------------------------------------
+
+    def _threshold(self) -> timedelta:
+        # Before run() has read the group (signal-with-start delivers the first batch first), the default's.
+        group = self._state.group
+        return group.heartbeat_loss_threshold if group else DEFAULT_THRESHOLD
+
+    def _window(self) -> timedelta:
+        """Silence this long is a loss: the threshold, unless a reporter promised to report less often."""
+        every = max((r.report_every for r in self._state.reporters.values()), default=0.0)
+        return max(self._threshold(), timedelta(seconds=every))
+
+    def _grace(self) -> timedelta:
+        return loss_grace(self._threshold())
+
+    def _pipeline_silent(self, now: datetime) -> bool:
+        """Relays were reporting, and none has sent a batch for longer than it promised: the ingest or Temporal
+        was down. (Probes that signal directly are not a pipeline: their silence is their own loss.)"""
+        relays = [seen for seen in self._state.reporters.values() if seen.relay]
+        return bool(relays) and not any(
+            now - seen.last_at <= timedelta(seconds=seen.report_every) + self._grace() for seen in relays
+        )
+
+    def _next_check(self) -> datetime | None:
+        live = [t for i, t in self._state.heard.items() if i not in self._lost]
+        if not live or self._state.silent_since is not None:
+            return None  # nothing to watch, or waiting for the pipeline: the next batch wakes the loop
+        at = datetime.fromtimestamp(min(live), tz=UTC) + self._window() + self._grace()
+        if self._state.floor is not None:
+            at = max(at, self._state.floor)
+        return at
+
+    def _declare_losses(self, now: datetime) -> None:
+        if self._pipeline_silent(now):
+            if self._state.silent_since is None:
+                self._state.silent_since = self._state.last_report_at or now
+                workflow.logger.warning(
+                    "liveness of %s: no batch from any reporter since %s; declaring nothing until they are back",
+                    self._group,
+                    iso(self._state.silent_since),
+                )
+            return
+        if self._state.floor is not None and now < self._state.floor:
+            return
+        cutoff = _epoch(now - self._window() - self._grace())
+        for instance_id, heard in self._state.heard.items():
+            if heard <= cutoff and instance_id not in self._lost:
+                self._lost.add(instance_id)
+                self._state.declared_lost += 1
+                last = datetime.fromtimestamp(heard, tz=UTC)
+                self._outbox.append(
+                    LivenessChange(instance_id=instance_id, lost=True, last_heard=last, threshold=self._threshold())
+                )
+        forget_before = _epoch(now - FORGET_LOST_AFTER)
+        for instance_id in [i for i in self._lost if self._state.heard.get(i, 0) < forget_before]:
+            self._forget(instance_id)
+
+    def _forget(self, instance_id: str) -> None:
+        self._lost.discard(instance_id)
+        self._state.heard.pop(instance_id, None)
+        self._state.ignored_until.pop(instance_id, None)
+        self._state.forgotten += 1
+
+    async def _tell_health_workflows(self) -> None:
+        while True:
+            await workflow.wait_condition(lambda: bool(self._outbox))
+            batch, self._outbox = self._outbox[:SIGNALS_IN_FLIGHT], self._outbox[SIGNALS_IN_FLIGHT:]
+            results = await asyncio.gather(*(self._tell(change) for change in batch), return_exceptions=True)
+            for change, result in zip(batch, results, strict=True):
+                if isinstance(result, BaseException):
+                    # Its health workflow is closed: the instance was replaced or retired. Nothing left to tell.
+                    workflow.logger.info("liveness of %s not told (%s); forgetting it", change.instance_id, result)
+                    self._forget(change.instance_id)
+
+    async def _tell(self, change: LivenessChange) -> None:
+        handle = workflow.get_external_workflow_handle(health_workflow_id(change.instance_id))
+        await handle.signal(names.SIGNAL_LIVENESS, change)
+
+    # --- signals and query ------------------------------------------------------------------------------------
+
+    @workflow.signal(dynamic=True)
+    def on_signal(self, name: str, payloads: Sequence[RawValue]) -> None:
+        self._signals_this_run += 1
+        try:
+            if name == names.SIGNAL_LIVENESS_REPORT:
+                self._accept(decode(name, payloads, LivenessReport), self._on_report)
+            elif name == names.SIGNAL_IGNORE_HEARTBEATS:
+                self._accept(decode(name, payloads, IgnoreHeartbeats), self._on_ignore)
+            elif name == names.SIGNAL_GROUP_CHANGED:
+                self._accept(decode(name, payloads, CapacityGroup), self._on_group_changed)
+            else:
+                self._reject(Rejected(f"unknown signal {name!r}"))
+        except Exception as err:  # a handler's own failure is bad input too: it must never fail the task
+            self._reject(Rejected(f"signal {name!r} failed in its handler: {type(err).__name__}: {err}"[:500]))
+
+    def _accept(self, value: object, handler: object) -> None:
+        if isinstance(value, Rejected):
+            self._reject(value)
+        else:
+            handler(value)  # type: ignore[operator]
+
+    def _reject(self, why: Rejected) -> None:
+        self._state.rejected_signals += 1
+        if worth_logging(self._state.rejected_signals):
+            workflow.logger.warning("liveness of %s: dropped signal: %s", self._group, why)
+
+    def _on_report(self, report: LivenessReport) -> None:
+        if report.group != self._group:
+            self._reject(Rejected(f"batch for group {report.group} sent to {self._group}'s tracker"))
+            return
+        now = workflow.now()
+        was_silent = self._state.silent_since is not None or self._pipeline_silent(now)
+        self._note_reporter(report.reporter, now, report.report_every, report.relay)
+        if was_silent:
+            # Whatever probes said while the pipeline was down never arrived: give them a full window from now.
+            self._state.floor = now + self._window() + self._grace()
+            self._state.silent_since = None
+            self._wake = True
+            workflow.logger.warning(
+                "liveness of %s: reporters back; no loss declared before %s", self._group, iso(self._state.floor)
+            )
+        at = _epoch(report.at)
+        for instance_id, ago in report.heard.items():
+            self._on_heard(instance_id, at - ago)
+
+    def _on_heard(self, instance_id: str, heard: int) -> None:
+        if self._state.ignored_until.get(instance_id, 0) > heard:
+            return  # a game day's silence: as if this receipt never happened
+        previous = self._state.heard.get(instance_id)
+        if previous is None:
+            if len(self._state.heard) >= MAX_INSTANCES_PER_SHARD:
+                self._state.dropped_instances += 1
+                if worth_logging(self._state.dropped_instances):
+                    workflow.logger.warning(
+                        "liveness of %s shard %d is full (%d instances): raise the group's liveness_shards",
+                        self._group,
+                        self._shard,
+                        MAX_INSTANCES_PER_SHARD,
+                    )
+                return
+            if self._armed_for is None:
+                self._wake = True  # the first instance to watch: arm the timer
+        elif heard <= previous:
+            return
+        self._state.heard[instance_id] = heard
+        if instance_id in self._lost:
+            self._lost.discard(instance_id)
+            self._state.recovered += 1
+            last = datetime.fromtimestamp(heard, tz=UTC)
+            self._outbox.append(LivenessChange(instance_id=instance_id, lost=False, last_heard=last))
+
+    def _note_reporter(self, reporter: str, now: datetime, every: timedelta, relay: bool) -> None:
+        self._state.last_report_at = now
+        self._state.reporters[reporter] = ReporterSeen(last_at=now, report_every=every.total_seconds(), relay=relay)
+        # Reporters that stopped (a replica scaled in, a restart's old self) are let go after a few promises.
+        for name, seen in list(self._state.reporters.items()):
+            if now - seen.last_at > 3 * timedelta(seconds=seen.report_every) + self._grace():
+                del self._state.reporters[name]
+        while len(self._state.reporters) > MAX_REPORTERS:
+            oldest = min(self._state.reporters, key=lambda name: self._state.reporters[name].last_at)
+            del self._state.reporters[oldest]
+
+    def _on_ignore(self, ignore: IgnoreHeartbeats) -> None:
+        if ignore.instance_id in self._state.heard:
+            self._state.ignored_until[ignore.instance_id] = _epoch(ignore.until)
+
+    def _on_group_changed(self, group: CapacityGroup) -> None:
+        if group.name != self._group:
+            self._reject(Rejected(f"configuration of group {group.name} sent to {self._group}'s tracker"))
+            return
+        self._state.group = group
+        self._wake = True  # a new threshold moves every deadline
+
+    @workflow.query(name=names.QUERY_LIVENESS)
+    def liveness(self) -> LivenessView:
+        known = self._state.group is not None
+        return LivenessView(
+            group=self._group,
+            shard=self._shard,
+            shards=self._shards,
+            instances=len(self._state.heard),
+            lost=sorted(self._lost),
+            window_s=self._window().total_seconds() if known else None,
+            grace_s=self._grace().total_seconds() if known else None,
+            reporters=self._state.reporters,
+            last_report_at=self._state.last_report_at,
+            silent_since=self._state.silent_since,
+            floor=self._state.floor,
+            declared_lost=self._state.declared_lost,
+            recovered=self._state.recovered,
+            dropped_instances=self._state.dropped_instances,
+            forgotten=self._state.forgotten,
+            rejected_signals=self._state.rejected_signals,
+        )
+
+    def _time_to_continue(self) -> bool:
+        return workflow.info().is_continue_as_new_suggested() or self._signals_this_run >= SIGNALS_PER_RUN
+
+    def _details_markdown(self) -> str:
+        view = self.liveness()
+        name = liveness_workflow_id(self._group, self._shard, self._shards)
+        lines = [f"**{name}**: {view.instances} instances heard, **{len(view.lost)} lost**", ""]
+        if view.window_s is not None:
+            lines.append(f"Lost after {view.window_s:g}s without a heartbeat (+{view.grace_s:g}s grace)")
+        if view.silent_since is not None:
+            lines += ["", f"**No batch from any reporter since {iso(view.silent_since)}: declaring nothing**"]
+        elif view.floor is not None and workflow.now() < view.floor:
+            lines += ["", f"Reporters were silent; no loss declared before {iso(view.floor)}"]
+        if view.lost:
+            shown = ", ".join(view.lost[:DETAILS_LOST])
+            more = f" and {len(view.lost) - DETAILS_LOST} more" if len(view.lost) > DETAILS_LOST else ""
+            lines += ["", f"Lost: {shown}{more}"]
+        last = iso(view.last_report_at) if view.last_report_at else "never"
+        lines += ["", f"{len(view.reporters)} reporters; last batch {last}"]
+        if view.dropped_instances:
+            lines += ["", f"**{view.dropped_instances} instances not tracked: shard full, raise liveness_shards**"]
+        return "\n".join(lines)
