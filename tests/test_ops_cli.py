@@ -26,7 +26,7 @@ from contract.config import TemporalSettings
 from contract.groups import AutoRepair, CapacityGroup
 from contract.health import CheckType, HealthInput, HealthState
 from contract.ids import health_workflow_id, semaphore_workflow_id
-from contract.probe import Heartbeat
+from contract.probe import GpuFinding
 from contract.repair import PhaseStep, RepairPhase
 from node_probe.classify.kernel_log import parse_lines
 from node_probe.classify.policy import Policy
@@ -332,26 +332,35 @@ async def test_unreachable_temporal_and_bad_arguments_give_one_line(tmp_path: Pa
         assert expected in err, (args, err)
 
 
-async def test_lost_agents_rereading_their_group_config_continue_as_new_cleanly(
+async def test_withheld_repairs_rereading_their_group_config_continue_as_new_cleanly(
     client: Client, aws_env: str, tmp_path: Path
 ) -> None:
-    # A lost agent's health workflow re-reads its group once per threshold. When continue-as-new is suggested in
-    # the activation where that timer fires, the watchdog is cancelled mid-read; it must end, not carry on (a
-    # swallowed cancellation once left the run unable to finish its workflow task). Extra signals shift where the
-    # test server's 200-event suggestion lands in the 11-event read cycle, so the three cover different offsets.
-    instances = [unique("i-lost") for _ in range(3)]
+    # An impaired instance whose repair is withheld (auto repair DISABLED) re-reads its group once per threshold.
+    # Continue-as-new must land cleanly wherever in that timer-and-read cycle the suggestion comes, and carry the
+    # impairment and the withheld decision over. Extra signals shift where the test server's 200-event suggestion
+    # lands in the read cycle, so the three cover different offsets.
+    instances = [unique("i-held") for _ in range(3)]
     async with monitor_only(client, aws_env, tmp_path, timedelta(seconds=1)) as (settings, group):
         handles = []
         for shift, instance in enumerate(instances):
-            beat = Heartbeat(instance_id=instance, group=group, sent_at=datetime.now(UTC))
+            fault = GpuFinding(
+                finding_id=unique("f"),
+                instance_id=instance,
+                group=group,
+                kind="xid",
+                code=79,
+                reason="XID_79",
+                impairs=True,
+                observed_at=datetime.now(UTC),
+            )
             handle = await client.start_workflow(
                 "InstanceHealthWorkflow",
                 HealthInput(instance_id=instance, group=group),
                 id=health_workflow_id(instance),
                 task_queue=settings.temporal.task_queue,
                 id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-                start_signal="heartbeat",
-                start_signal_args=[beat],
+                start_signal="gpu_finding",
+                start_signal_args=[fault],
             )
             for _ in range(shift):
                 await handle.signal("not-a-signal")
@@ -364,8 +373,8 @@ async def test_lost_agents_rereading_their_group_config_continue_as_new_cleanly(
                 lambda: latest.query("health", result_type=InstanceHealthView, rpc_timeout=timedelta(seconds=5)),
                 lambda v: True,
             )
-            lost = next(d.status for d in view.healthStatus.details if d.type is CheckType.AGENT_CONNECTIVITY)
-            assert lost is HealthState.IMPAIRED and view.repair_withheld is not None
+            gpu = next(d.status for d in view.healthStatus.details if d.type is CheckType.ACCELERATED_COMPUTE)
+            assert gpu is HealthState.IMPAIRED and view.repair_withheld is not None
 
         await asyncio.gather(*(carried_on(latest, first_run) for latest, first_run in handles))
         for latest, _ in handles:

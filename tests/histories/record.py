@@ -14,11 +14,13 @@ from pathlib import Path
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 
-from contract.ids import health_workflow_id, repair_workflow_id, semaphore_workflow_id
+from contract import names
+from contract.ids import health_workflow_id, liveness_workflow_id, repair_workflow_id, semaphore_workflow_id
 from simulator.events import read_events
 from simulator.servers import MotoServer, TemporalDevServer, free_port
 from tests.fleet import simulated_fleet
 from tests.harness import eventually
+from workflows.models import LivenessView
 
 HERE = Path(__file__).parent
 
@@ -40,10 +42,17 @@ async def record() -> None:
                 lambda: asyncio.sleep(0, read_events(fleet.events_path)),
                 lambda events: any(e["type"] == "DrainPermitReleased" for e in events),
             )
+            # The replaced instance falls silent: the tracker declares it lost, finds its health workflow closed and
+            # forgets it, so the liveness history holds a loss too.
+            tracker = client.get_workflow_handle(liveness_workflow_id(group))
+            await eventually(
+                lambda: tracker.query(names.QUERY_LIVENESS, result_type=LivenessView), lambda v: v.forgotten >= 1
+            )
         for name, workflow_id in (
             ("repair", repair_workflow_id(faulty)),
             ("health", health_workflow_id(faulty)),
             ("semaphore", semaphore_workflow_id(group)),
+            ("liveness", liveness_workflow_id(group)),
         ):
             history = await client.get_workflow_handle(workflow_id).fetch_history()
             (HERE / f"{name}.json").write_text(history.to_json())
