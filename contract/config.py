@@ -188,6 +188,11 @@ class IngestSettings(SettingsSection):
     total_burst: int = Field(default=4000, ge=1)
     # How long an instance's group membership (tag or ECS cluster) is believed before it is looked up again.
     membership_ttl: timedelta = timedelta(minutes=5)
+    # After a report proven through STS the host gets a session token for its instance, good this long (at most an
+    # hour), so that its next reports cost no STS call (ingest/sessions.py). Replicas share `session_secret` to
+    # accept each other's tokens; without it each makes its own at start.
+    session_ttl: timedelta = Field(default=timedelta(minutes=15), le=timedelta(hours=1))
+    session_secret: SecretStr | None = None
 
     @model_validator(mode="after")
     def _cert_and_key_together(self) -> IngestSettings:

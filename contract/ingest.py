@@ -23,6 +23,8 @@ METRICS_PATH: Final = "/metrics"  # no identity check: Prometheus text
 
 # On the report request: base64 of the JSON of a SignedStsRequest.
 PROOF_HEADER: Final = "X-Autorepair-Proof"
+# Instead of a proof: the session token the ingest handed out with an earlier accepted report (Accepted.session).
+SESSION_HEADER: Final = "X-Autorepair-Session"
 # Signed into the GetCallerIdentity request (so STS checked them as part of the signature).
 INGEST_ID_HEADER: Final = "X-Autorepair-Ingest-Id"
 BODY_SHA256_HEADER: Final = "X-Autorepair-Body-Sha256"
@@ -45,6 +47,15 @@ class SignedStsRequest(BaseModel):
     url: str = Field(max_length=512)
     headers: dict[str, str] = Field(max_length=32)
     body: str = Field(max_length=256)
+
+
+class Accepted(BaseModel):
+    """The ingest's answer to a report it relayed (202). After a proof, a session token for the next reports: send
+    it in SESSION_HEADER instead of a proof until it expires or is refused (401), then prove yourself again."""
+
+    status: int = 202
+    session: str | None = Field(default=None, max_length=512)
+    session_expires_in_s: int | None = None
 
 
 class Refusal(BaseModel):

@@ -23,6 +23,7 @@ from ingest.membership import AwsMembershipLookup, GroupMembership
 from ingest.metrics import IngestMetrics
 from ingest.rate_limit import RateLimiter
 from ingest.server import Ingest, build_app
+from ingest.sessions import Sessions
 from node_probe.delivery.liveness_relay import LivenessRelay, routes_of
 from node_probe.delivery.reporter import Reporter
 from worker.settings import Settings
@@ -87,6 +88,7 @@ def build_ingest(settings: Settings, reporter: Reporter, session: aiohttp.Client
         relay=LivenessRelay(reporter, routes_of(settings.groups), settings.temporal.task_queue, relay=True),
         task_queue=settings.temporal.task_queue,
         metrics=IngestMetrics(),
+        sessions=Sessions(ingest),
     )
 
 

@@ -7,12 +7,13 @@ the group's liveness tracker hears in batches who was heard when.
 Checks, cheapest first, and what a failure answers (JSON contract.ingest.Refusal; none reaches Temporal):
     body over MAX_REPORT_BYTES -> 413, not read further     not a GpuFinding / Heartbeat -> 400
     the whole ingest over its rate (before STS is asked) -> 429 with Retry-After
+    a session token instead of a proof (ingest/sessions.py): unknown or expired -> 401 (the host proves itself again)
     no proof -> 401; a bad proof -> the verifier's status (401/403; 503 when STS cannot be reached)
     an ECS task's proof: the task resolved to its EC2 instance -> 403 when no configured cluster runs it (503 when
         ECS cannot say)
     a report about another instance -> 403                  over the instance's own rate -> 429 with Retry-After
     not a member of the group it names -> 403 (503 when AWS cannot say)
-    Temporal failed -> 503;  relayed -> 202
+    Temporal failed -> 503;  relayed -> 202 (contract.ingest.Accepted: after a proof, with a session token)
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from contract.ingest import (
     MAX_REPORT_BYTES,
     METRICS_PATH,
     PROOF_HEADER,
+    SESSION_HEADER,
+    Accepted,
     Refusal,
 )
 from contract.limits import MAX_TEXT
@@ -41,6 +44,7 @@ from ingest.identity import Caller, Refused
 from ingest.membership import GroupMembership, MembershipUnknown
 from ingest.metrics import IngestMetrics
 from ingest.rate_limit import RateLimiter, retry_after
+from ingest.sessions import SESSION_ARN, Sessions
 from node_probe.delivery.liveness_relay import LivenessRelay
 
 log = logging.getLogger(__name__)
@@ -63,6 +67,7 @@ class Ingest:
     relay: LivenessRelay
     task_queue: str
     metrics: IngestMetrics
+    sessions: Sessions
 
 
 class _Refuse(Exception):
@@ -158,21 +163,18 @@ class _Reports:
             return _refusal_response(refusal)
         self.ingest.metrics.relayed(kind)
         log.info("relayed %s of %s in %s", kind, claimed, report.group)
-        return web.Response(status=202, text='{"status":202}', content_type="application/json")
+        accepted = Accepted()
+        if caller.arn != SESSION_ARN:  # proven through STS just now: the next reports need not be
+            sessions = self.ingest.sessions
+            accepted = Accepted(session=sessions.issue(caller), session_expires_in_s=int(sessions.ttl.total_seconds()))
+        return web.Response(status=202, text=accepted.model_dump_json(), content_type="application/json")
 
     async def _check(self, request: web.Request, body: bytes, report: GpuFinding | Heartbeat) -> Caller:
         ingest = self.ingest
         wait = ingest.limiter.take_total()
         if wait:
             raise _Refuse(429, "rate_total", "the ingest is over its total rate", retry_after_s=retry_after(wait))
-        proof = request.headers.get(PROOF_HEADER)
-        if not proof:
-            raise _Refuse(401, "unsigned", f"no {PROOF_HEADER}: the report must carry the host's signed proof")
-        try:
-            caller = await ingest.verifier.verify(proof, body)
-        except Refused as refused:
-            kind = "sts_unavailable" if refused.status == 503 else "proof"
-            raise _Refuse(refused.status, kind, refused.reason) from None
+        caller = await self._identify(request, body)
         if caller.ecs_task_id is not None:
             caller = caller.on_instance(await self._task_instance(caller.ecs_task_id))
         instance_id = caller.instance_id
@@ -192,6 +194,22 @@ class _Reports:
         if not membership.member:
             raise _Refuse(403, "not_member", membership.how)
         return caller
+
+    async def _identify(self, request: web.Request, body: bytes) -> Caller:
+        token = request.headers.get(SESSION_HEADER)
+        if token:
+            try:
+                return self.ingest.sessions.check(token)
+            except Refused as refused:
+                raise _Refuse(refused.status, "session", refused.reason) from None
+        proof = request.headers.get(PROOF_HEADER)
+        if not proof:
+            raise _Refuse(401, "unsigned", f"no {PROOF_HEADER}: the report must carry the host's signed proof")
+        try:
+            return await self.ingest.verifier.verify(proof, body)
+        except Refused as refused:
+            kind = "sts_unavailable" if refused.status == 503 else "proof"
+            raise _Refuse(refused.status, kind, refused.reason) from None
 
     async def _task_instance(self, task_id: str) -> str:
         """The EC2 instance the proven ECS task runs on, or a refusal."""

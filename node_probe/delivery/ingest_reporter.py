@@ -1,5 +1,6 @@
 """Deliver findings and heartbeats through the ingest (contract/ingest.py): POST the report's JSON over HTTPS with a
-proof of this host's identity, a fresh one per attempt, signed with the host's own AWS credentials.
+proof of this host's identity, a fresh one per attempt, signed with the host's own AWS credentials; or, once the
+ingest has handed out a session token for this instance, with that token until it expires or is refused.
 
 The probe's deliverer retries whatever raises here, oldest finding first, with a backoff doubling up to its
 retry_max_backoff; a finding leaves the spool only when this returns. So every answer but 202 raises, except the
@@ -18,7 +19,7 @@ import aiohttp
 from botocore.credentials import ReadOnlyCredentials
 from pydantic import BaseModel, ValidationError
 
-from contract.ingest import FINDINGS_PATH, HEARTBEATS_PATH, PROOF_HEADER, Refusal
+from contract.ingest import FINDINGS_PATH, HEARTBEATS_PATH, PROOF_HEADER, SESSION_HEADER, Accepted, Refusal
 from contract.probe import GpuFinding, Heartbeat
 from node_probe.delivery.proof import ambient_credentials, sign_proof
 
@@ -31,6 +32,7 @@ CREDENTIALS_MAX_AGE_S = 300.0
 # A Retry-After longer than this is not believed (a misconfigured proxy must not silence the probe for a day).
 MAX_RETRY_AFTER_S = 300.0
 REQUEST_TIMEOUT_S = 10.0
+SESSION_MARGIN_S = 60
 
 
 def default_sts_endpoint(region: str) -> str:
@@ -82,6 +84,7 @@ class IngestReporter:
         credentials: Callable[[], ReadOnlyCredentials] | None = None,
         timeout_s: float = REQUEST_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
+        use_sessions: bool = True,
     ) -> None:
         self.url = url.rstrip("/")
         self.ingest_id = ingest_id
@@ -92,9 +95,12 @@ class IngestReporter:
         self._credentials_at = 0.0
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._clock = clock
-        self._session: aiohttp.ClientSession | None = None
+        self._http: aiohttp.ClientSession | None = None
         self._not_before = 0.0  # clock() before which nothing is sent: the last Retry-After
         self.dropped = 0  # findings refused for good (400, 413), logged each
+        self._use_sessions = use_sessions
+        self._session: tuple[str, float] | None = None  # the ingest's session token and when to stop using it
+        self.proofs_signed = 0
 
     async def send_finding(self, finding: GpuFinding, task_queue: str) -> None:
         try:
@@ -124,9 +130,9 @@ class IngestReporter:
         return 202, ""
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
 
     async def __aenter__(self) -> IngestReporter:
         return self
@@ -140,24 +146,57 @@ class IngestReporter:
             if pause > 0:
                 await asyncio.sleep(pause)
         body = report.model_dump_json().encode()
-        proof = sign_proof(
-            body,
-            ingest_id=self.ingest_id,
-            sts_endpoint=self.sts_endpoint,
-            region=self.region,
-            credentials=await self._current_credentials(),
-        )
-        headers = {"Content-Type": "application/json", PROOF_HEADER: proof}
-        if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=self._timeout)
-        async with self._session.post(f"{self.url}{path}", data=body, headers=headers) as response:
-            if 200 <= response.status < 300:
-                return
-            text = await response.text(errors="replace")
-            self._note_retry_after(response.headers.get("Retry-After"))
-        if response.status == 401:
+        token = self._current_session()
+        status, text = await self._send(path, body, token)
+        if status == 401 and token is not None:
+            # The token expired or another replica does not know it: prove ourselves, once, right away.
+            self._session = None
+            status, text = await self._send(path, body, None)
+        if 200 <= status < 300:
+            self._note_session(text)
+            return
+        if status == 401:
             self._credentials = None  # expired or rotated: read them again for the next attempt
-        raise IngestRefused(response.status, refusal_reason(response.status, text))
+        raise IngestRefused(status, refusal_reason(status, text))
+
+    async def _send(self, path: str, body: bytes, token: str | None) -> tuple[int, str]:
+        headers = {"Content-Type": "application/json"}
+        if token is not None:
+            headers[SESSION_HEADER] = token
+        else:
+            headers[PROOF_HEADER] = sign_proof(
+                body,
+                ingest_id=self.ingest_id,
+                sts_endpoint=self.sts_endpoint,
+                region=self.region,
+                credentials=await self._current_credentials(),
+            )
+            self.proofs_signed += 1
+        if self._http is None:
+            self._http = aiohttp.ClientSession(timeout=self._timeout)
+        async with self._http.post(f"{self.url}{path}", data=body, headers=headers) as response:
+            text = await response.text(errors="replace")
+            if not 200 <= response.status < 300:
+                self._note_retry_after(response.headers.get("Retry-After"))
+            return response.status, text
+
+    def _current_session(self) -> str | None:
+        if self._session is None:
+            return None
+        token, use_until = self._session
+        return token if self._clock() < use_until else None
+
+    def _note_session(self, text: str) -> None:
+        if not self._use_sessions:
+            return
+        try:
+            accepted = Accepted.model_validate_json(text)
+        except ValidationError:
+            return  # an ingest from before session tokens: a proof every time
+        if accepted.session and accepted.session_expires_in_s:
+            # Stop a little early: a token that expires on the way costs a 401 and a second request.
+            use_for = max(accepted.session_expires_in_s - SESSION_MARGIN_S, 0)
+            self._session = (accepted.session, self._clock() + use_for)
 
     def _note_retry_after(self, value: Any) -> None:
         if value is None:
