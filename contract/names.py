@@ -36,6 +36,7 @@ QUERY_HEALTH: Final = "health"  # health workflow: InstanceHealthView
 QUERY_STATUS: Final = "status"  # repair workflow: RepairStatus
 QUERY_STATE: Final = "state"  # drain semaphore: SemaphoreView
 QUERY_LIVENESS: Final = "liveness"  # liveness tracker: LivenessView
+QUERY_LAST_HEARD: Final = "last_heard"  # liveness tracker: list of instance ids -> {instance id: last receipt}
 QUERY_GROUP_CONFIG: Final = "group_config"  # drain semaphore: GroupConfigState
 UPDATE_GROUP: Final = "update_group"  # drain semaphore: GroupConfigUpdate -> GroupConfigState
 

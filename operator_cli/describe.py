@@ -34,6 +34,7 @@ from operator_cli.client import (
 from operator_cli.output import iso, print_json, short_time, stdout_console
 from workflows.models import InstanceHealthView
 
+LAST_HEARD_BATCH = 1_000
 STATUS_STYLES = {"IMPAIRED": "bold red", "INSUFFICIENT_DATA": "yellow", "INITIALIZING": "cyan", "OK": "green"}
 
 
@@ -74,7 +75,9 @@ async def describe_instances(args: argparse.Namespace) -> int:
             )
             for execution in executions
         )
-    entries = await bounded(_describe_one(client, temporal, instance, run_id) for instance, run_id in instances)
+    described = await bounded(_describe_one(client, temporal, instance, run_id) for instance, run_id in instances)
+    entries = [entry for entry, _ in described]
+    await _add_last_heard(client, [view for _, view in described if view is not None], entries)
     if args.json:
         print_json(entries)
     else:
@@ -84,7 +87,7 @@ async def describe_instances(args: argparse.Namespace) -> int:
 
 async def _describe_one(
     client: Client, temporal: TemporalSettings, instance_id: str, run_id: str | None
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], InstanceHealthView | None]:
     workflow_id = health_workflow_id(instance_id)
     handle = client.get_workflow_handle(workflow_id, run_id=run_id)
     try:
@@ -92,10 +95,35 @@ async def _describe_one(
             run_id = (await handle.describe(rpc_timeout=QUERY_TIMEOUT)).run_id
         view = await handle.query(names.QUERY_HEALTH, result_type=InstanceHealthView, rpc_timeout=QUERY_TIMEOUT)
     except RPCError as err:
-        return {"ec2InstanceId": instance_id, "error": rpc_reason(err, names.QUERY_HEALTH)}
+        return {"ec2InstanceId": instance_id, "error": rpc_reason(err, names.QUERY_HEALTH)}, None
     except (WorkflowQueryFailedError, WorkflowQueryRejectedError) as err:
-        return {"ec2InstanceId": instance_id, "error": one_line(str(err))}
-    return health_entry(view, workflow_url(temporal, workflow_id, run_id))
+        return {"ec2InstanceId": instance_id, "error": one_line(str(err))}, None
+    return health_entry(view, workflow_url(temporal, workflow_id, run_id)), view
+
+
+async def _add_last_heard(client: Client, views: list[InstanceHealthView], entries: list[dict[str, Any]]) -> None:
+    """`lastHeard`: when the ingest last heard each instance, from its liveness tracker (one query per tracker);
+    the health workflow itself hears heartbeats only when they change. Left out where the tracker cannot say."""
+    by_tracker: dict[str, list[str]] = {}
+    for view in views:
+        if view.liveness_workflow_id:
+            by_tracker.setdefault(view.liveness_workflow_id, []).append(view.instance_id)
+    heard: dict[str, datetime] = {}
+    for tracker, instance_ids in by_tracker.items():
+        handle = client.get_workflow_handle(tracker)
+        for start in range(0, len(instance_ids), LAST_HEARD_BATCH):
+            try:
+                heard |= await handle.query(
+                    names.QUERY_LAST_HEARD,
+                    instance_ids[start : start + LAST_HEARD_BATCH],
+                    result_type=dict[str, datetime],
+                    rpc_timeout=QUERY_TIMEOUT,
+                )
+            except (RPCError, WorkflowQueryFailedError, WorkflowQueryRejectedError):
+                break  # no tracker yet, or none that answers: the health workflow's own time stands
+    for entry in entries:
+        if entry["ec2InstanceId"] in heard:
+            entry["lastHeard"] = iso(heard[entry["ec2InstanceId"]])
 
 
 def health_entry(view: InstanceHealthView, url: str | None = None) -> dict[str, Any]:

@@ -119,6 +119,15 @@ async def test_describe_inject_and_history_on_a_simulated_fleet(client: Client, 
             # The simulated instance's probe follows its kernel-log file, and says that it works.
             [source] = entry["probeSources"]
             assert source["name"].startswith("kernel_log:") and (source["state"], source["reason"]) == ("OK", None)
+        # When each was last heard comes from the group's liveness tracker, and moves on while the probes beat.
+        first = {e["ec2InstanceId"]: datetime.fromisoformat(e["lastHeard"]) for e in entries}
+        later = await eventually(
+            lambda: cli_json(settings, "describe-instances", "--group", group),
+            lambda e: all(datetime.fromisoformat(x["lastHeard"]) > first[x["ec2InstanceId"]] for x in e),
+        )
+        # Receipt times travel in whole seconds, rounded up (never earlier than the receipt): at most a second ahead.
+        soon = datetime.now(UTC) + timedelta(seconds=1)
+        assert all(datetime.fromisoformat(x["lastHeard"]) <= soon for x in later), later
 
         warned, faulty = instances[:2]
         # An application Xid: the probe's policy calls it a warning; it is counted, never repaired.

@@ -71,6 +71,7 @@ class InstanceHealthWorkflow:
         self._signals_this_run = 0
         self._retired = False
         self._to_tracker: list[IgnoreHeartbeats] = []
+        self._tracker_id: str | None = None
         # Here, not in run(): with signal-with-start the first signal is handled before run() starts.
         if self._state.started_at is None:
             now = workflow.now()
@@ -90,6 +91,9 @@ class InstanceHealthWorkflow:
             )
         self._sync_status_attribute()
         group = await self._group_config()
+        self._tracker_id = liveness_workflow_id(
+            self._group, shard_of(self._instance_id, group.liveness_shards), group.liveness_shards
+        )
         workflow.set_current_details(self._details_markdown())
 
         while True:
@@ -116,7 +120,7 @@ class InstanceHealthWorkflow:
                     retry_policy=CALL_RETRY,
                 )
             while self._to_tracker:
-                await self._tell_tracker(group, self._to_tracker.pop(0))
+                await self._tell_tracker(self._to_tracker.pop(0))
             if self._repair_due():
                 await self._start_repair()
             workflow.set_current_details(self._details_markdown())
@@ -126,9 +130,9 @@ class InstanceHealthWorkflow:
                 await workflow.wait_condition(workflow.all_handlers_finished)
                 workflow.continue_as_new(HealthRun(instance_id=self._instance_id, group=self._group, carry=self._state))
 
-    async def _tell_tracker(self, group: CapacityGroup, ignore: IgnoreHeartbeats) -> None:
-        shard = shard_of(self._instance_id, group.liveness_shards)
-        tracker = liveness_workflow_id(self._group, shard, group.liveness_shards)
+    async def _tell_tracker(self, ignore: IgnoreHeartbeats) -> None:
+        tracker = self._tracker_id
+        assert tracker is not None  # set before the loop that calls this
         try:
             await workflow.get_external_workflow_handle(tracker).signal(names.SIGNAL_IGNORE_HEARTBEATS, ignore)
         except Exception as err:  # no tracker yet means no heartbeat yet: nothing to ignore
@@ -432,6 +436,7 @@ class InstanceHealthWorkflow:
             repair_withheld=self._state.repair_withheld,
             heartbeats_ignored_until=self._state.heartbeats_ignored_until,
             probe_sources=self._state.probe_sources,
+            liveness_workflow_id=self._tracker_id,
         )
 
     def _details_markdown(self) -> str:

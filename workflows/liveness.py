@@ -45,6 +45,7 @@ FORGET_LOST_AFTER = timedelta(days=1)
 MAX_REPORTERS = 64
 DEFAULT_THRESHOLD: timedelta = CapacityGroup.model_fields["heartbeat_loss_threshold"].default
 DETAILS_LOST = 20
+MAX_LAST_HEARD = 1_000
 
 
 def _epoch(at: datetime) -> int:
@@ -295,6 +296,12 @@ class LivenessTrackerWorkflow:
             forgotten=self._state.forgotten,
             rejected_signals=self._state.rejected_signals,
         )
+
+    @workflow.query(name=names.QUERY_LAST_HEARD)
+    def last_heard(self, instance_ids: list[str]) -> dict[str, datetime]:
+        """When each of these instances was last heard (those this tracker knows; at most MAX_LAST_HEARD asked)."""
+        heard = self._state.heard
+        return {i: datetime.fromtimestamp(heard[i], tz=UTC) for i in instance_ids[:MAX_LAST_HEARD] if i in heard}
 
     def _time_to_continue(self) -> bool:
         return workflow.info().is_continue_as_new_suggested() or self._signals_this_run >= SIGNALS_PER_RUN

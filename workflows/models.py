@@ -102,6 +102,8 @@ class InstanceHealthView(BaseModel):
     repair_withheld: str | None = None
     heartbeats_ignored_until: datetime | None = None
     probe_sources: list[ProbeSourceHealth] = Field(default_factory=list)
+    # The tracker that knows when this instance was last heard (its `last_heard` query); None before the group is read.
+    liveness_workflow_id: str | None = None
 
 
 # --- Drain semaphore -------------------------------------------------------------------------------------------
