@@ -162,7 +162,10 @@ class _Reports:
             )
             return _refusal_response(refusal)
         self.ingest.metrics.relayed(kind)
-        log.info("relayed %s of %s in %s", kind, claimed, report.group)
+        # A heartbeat per host per minute would be most of the log (and of the CPU): they are counted in the metrics.
+        log.log(
+            logging.INFO if kind == "finding" else logging.DEBUG, "relayed %s of %s in %s", kind, claimed, report.group
+        )
         accepted = Accepted()
         if caller.arn != SESSION_ARN:  # proven through STS just now: the next reports need not be
             sessions = self.ingest.sessions
