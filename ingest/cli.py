@@ -31,6 +31,9 @@ from worker.settings import Settings
 log = logging.getLogger(__name__)
 
 
+KEEPALIVE_S = 150.0
+
+
 class IngestConfigError(Exception):
     """A setting the ingest cannot start with: one line, exit status 2."""
 
@@ -96,7 +99,8 @@ def build_ingest(settings: Settings, reporter: Reporter, session: aiohttp.Client
 async def serving(
     app: web.Application, host: str, port: int, ssl_context: ssl.SSLContext | None
 ) -> AsyncIterator[None]:
-    runner = web.AppRunner(app, access_log=None)
+    # Hosts keep their connection open between heartbeats (a minute apart by default): keep it longer than they do.
+    runner = web.AppRunner(app, access_log=None, keepalive_timeout=KEEPALIVE_S)
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port, ssl_context=ssl_context).start()

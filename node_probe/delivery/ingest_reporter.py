@@ -33,6 +33,8 @@ CREDENTIALS_MAX_AGE_S = 300.0
 MAX_RETRY_AFTER_S = 300.0
 REQUEST_TIMEOUT_S = 10.0
 SESSION_MARGIN_S = 60
+# Longer than the default heartbeat interval (60 s), shorter than the ingest's own idle limit (KEEPALIVE_S there).
+KEEPALIVE_S = 120.0
 
 
 def default_sts_endpoint(region: str) -> str:
@@ -173,7 +175,11 @@ class IngestReporter:
             )
             self.proofs_signed += 1
         if self._http is None:
-            self._http = aiohttp.ClientSession(timeout=self._timeout)
+            # One connection kept open across heartbeats (aiohttp's default drops it after 15 s idle): no new TLS
+            # handshake per report, and behind a connection-level load balancer the host stays on one replica,
+            # whose liveness batches then carry its heartbeats in order (docs/operations.md, section 11).
+            connector = aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S)
+            self._http = aiohttp.ClientSession(timeout=self._timeout, connector=connector)
         async with self._http.post(f"{self.url}{path}", data=body, headers=headers) as response:
             text = await response.text(errors="replace")
             if not 200 <= response.status < 300:
