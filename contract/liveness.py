@@ -91,3 +91,5 @@ class IgnoreHeartbeats(BaseModel):
 
     instance_id: Id
     until: datetime
+    # The game day's start: the silence counts from here, as if the probe had stopped then.
+    since: datetime | None = None

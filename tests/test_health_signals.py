@@ -1,4 +1,5 @@
-"""The health workflow against a real Temporal dev server: bad input is dropped, liveness is measured."""
+"""The health workflow against a real Temporal dev server: bad input is dropped, liveness is measured (by the
+group's liveness tracker, fed the way probes feed it)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from pathlib import Path
 
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
@@ -17,6 +19,8 @@ from contract.groups import AutoRepair
 from contract.health import CheckType, HealthInput, HealthState
 from contract.ids import health_workflow_id
 from contract.probe import GpuFinding, GpuRef, Heartbeat, ProbeSourceHealth
+from node_probe.delivery.liveness_relay import LivenessRelay, LivenessRoute
+from node_probe.delivery.reporter import Reporter
 from simulator.events import read_events
 from simulator.servers import find_binary
 from tests.harness import eventually, make_settings, running_worker, unique
@@ -175,17 +179,29 @@ async def test_malformed_empty_and_duplicate_signals_are_counted_and_dropped(
 async def test_heartbeat_blip_changes_nothing_and_sustained_loss_impairs(
     client: Client, aws_env: str, tmp_path: Path
 ) -> None:
+    """Heartbeats take a trusted-lab probe's real path: its LivenessRelay forwards to the health workflow only what
+    changed and tells the group's liveness tracker that it was heard; only the tracker says an agent is lost."""
     blip, lost = unique("i-blip"), unique("i-lost")
-    async with monitor_only(client, aws_env, tmp_path, timedelta(seconds=4)) as (settings, group):
-        blip_handle = await start_health(client, settings, blip)
-        lost_handle = await start_health(client, settings, lost)
+    threshold = timedelta(seconds=4)
+    async with monitor_only(client, aws_env, tmp_path, threshold) as (settings, group):
+        task_queue = settings.temporal.task_queue
+        route = LivenessRoute.for_probe(settings.groups[0].heartbeat_interval)
+        probes = {
+            instance: LivenessRelay(Reporter(client), lambda _: route, task_queue, relay=False)
+            for instance in (blip, lost)
+        }
+        for instance, probe in probes.items():
+            await probe.send_heartbeat(heartbeat(instance, group), task_queue)
+        blip_handle = client.get_workflow_handle(health_workflow_id(blip))
+        lost_handle = client.get_workflow_handle(health_workflow_id(lost))
         for handle in (blip_handle, lost_handle):
-            await eventually(lambda h=handle: health_of(h), lambda v: v.healthStatus.overallStatus is HealthState.OK)
+            await eventually(partial(health_of, handle), lambda v: v.healthStatus.overallStatus is HealthState.OK)
 
-        # The blip instance pauses 2 s (half the threshold) between heartbeats; the lost one never beats again.
+        # The blip instance pauses 3 s (three quarters of the threshold) between heartbeats; the lost one never beats
+        # again.
         for _ in range(4):
-            await asyncio.sleep(2)
-            await blip_handle.signal("heartbeat", heartbeat(blip, group))
+            await asyncio.sleep(0.75 * threshold.total_seconds())
+            await probes[blip].send_heartbeat(heartbeat(blip, group), task_queue)
         view = await eventually(
             lambda: health_of(lost_handle),
             lambda v: check(v, CheckType.AGENT_CONNECTIVITY) is HealthState.IMPAIRED,
@@ -197,10 +213,18 @@ async def test_heartbeat_blip_changes_nothing_and_sustained_loss_impairs(
         assert blip_view.healthStatus.overallStatus is HealthState.OK
         blip_changes = [e for e in read_events(tmp_path / "events.jsonl") if e["instance_id"] == blip]
         assert [e["overall_status"] for e in blip_changes] == ["OK"]  # INITIALIZING -> OK, nothing after
+        # Only the first heartbeat said something new: the others reached the tracker alone.
+        assert probes[blip].heartbeats_forwarded == 1 and probes[blip].batches_sent == 5
 
         # A heartbeat after the loss reconnects the agent.
-        await lost_handle.signal("heartbeat", heartbeat(lost, group))
+        await probes[lost].send_heartbeat(heartbeat(lost, group), task_queue)
         await eventually(lambda: health_of(lost_handle), lambda v: v.healthStatus.overallStatus is HealthState.OK)
+        assert probes[lost].heartbeats_forwarded == 1
+        lost_changes = await eventually(
+            lambda: asyncio.sleep(0, [e for e in read_events(tmp_path / "events.jsonl") if e["instance_id"] == lost]),
+            lambda events: len(events) >= 3,
+        )
+        assert [e["overall_status"] for e in lost_changes] == ["OK", "IMPAIRED", "OK"]
         for handle in (blip_handle, lost_handle):
             await handle.terminate("test over")
 

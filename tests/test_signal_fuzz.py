@@ -1,17 +1,19 @@
 """Signal fuzzing: nothing a signal says may wedge a workflow.
 
-Each of the three workflow types (an instance's health workflow, a group's drain semaphore and an instance's repair)
-gets 1,000 random signals against the real Temporal dev server, with an in-process worker: mostly the real signal
-names (`contract/names.py`), some random names; no payload, several payloads, null, numbers, strings, lists, nested
-dicts, dicts shaped like the real models with wrong types, missing or extra fields and out-of-range values (durations
-such as "P9000Y" or "-PT1S", timestamps in year 1 or 9999 or malformed, huge counts, unicode, empty strings); mostly
-small, a few just under the server's 2 MB payload limit. They go out 20 at a time, in batches of 40 per workflow that
-it handles before the next (the near-limit ones one by one): the test is about what signals say, not about the
-server's buffer of signals that arrive while a workflow task runs. Afterwards, for every workflow:
+Each of the four workflow types (an instance's health workflow, a group's drain semaphore, an instance's repair and a
+group's liveness tracker) gets 1,000 random signals against the real Temporal dev server, with an in-process worker:
+mostly the real signal names (`contract/names.py`), some random names; no payload, several payloads, null, numbers,
+strings, lists, nested dicts, dicts shaped like the real models with wrong types, missing or extra fields and
+out-of-range values (durations such as "P9000Y" or "-PT1S", timestamps in year 1 or 9999 or malformed, huge counts,
+unicode, empty strings; liveness batches timed in year 1 or in the last second of 9999, for a shard out of range, of
+20,001 instances); mostly small, a few just under the server's 2 MB payload limit. They go out 20 at a time, in batches
+of 40 per workflow that it handles before the next (the near-limit ones one by one): the test is about what signals say,
+not about the server's buffer of signals that arrive while a workflow task runs. Afterwards, for every workflow:
 
 1. no run of it (continue-as-new is followed run by run) has a WorkflowTaskFailed event, other than those the server
    itself fails because of when signals arrived (SERVER_RETRIED; counted in the summary);
-2. it is still running: none of these signals is legitimate enough to close it (see `check_workflow`);
+2. it is still running: none of these signals is legitimate enough to close it (see `check_workflow`); the tracker
+   may declare the instances it was told of lost, and telling their (non-existent) health workflows must not fail it;
 3. it still answers its query within a few seconds.
 
 The signals are drawn from a seeded `random.Random`; the seed is printed, and `AUTOREPAIR_FUZZ_SEED=<seed>` replays
@@ -45,13 +47,22 @@ from temporalio.service import RPCError
 from contract import names
 from contract.groups import AutoRepair
 from contract.health import HealthState
-from contract.ids import health_workflow_id, repair_workflow_id, semaphore_workflow_id
+from contract.ids import health_workflow_id, liveness_workflow_id, repair_workflow_id, semaphore_workflow_id
+from contract.liveness import MAX_BATCH, MAX_LIVENESS_SHARDS
 from contract.probe import Heartbeat
 from contract.repair import RepairInput, RepairPhase
 from contract.semaphore import SemaphoreInput
 from node_probe.delivery.reporter import Reporter
 from tests.harness import eventually, make_settings, running_worker, unique
-from workflows.models import InstanceHealthView, Permit, RepairStatus, SemaphoreRun, SemaphoreView
+from workflows.models import (
+    InstanceHealthView,
+    LivenessRun,
+    LivenessView,
+    Permit,
+    RepairStatus,
+    SemaphoreRun,
+    SemaphoreView,
+)
 
 SIGNALS_PER_WORKFLOW = 1_000
 LARGE_PER_WORKFLOW = 4  # each 1.5-1.9 MB of JSON: under the server's 2 MB blob limit
@@ -63,16 +74,29 @@ BATCH = 40
 QUERY_WITHIN = 5.0  # seconds
 SETTLE_WITHIN = 60.0  # seconds, for the workflows to work through what they were sent
 SEND_WITHIN = 120.0  # seconds, for all the signals to be sent
+# The liveness tracker also acts on its own timer: once the signals are sent, the test waits one window and grace of
+# its group (6 s and 2 s) and a little more, so that what it was told is also acted on before the checks.
+TRACKER_TIMERS = 10.0  # seconds
 
 REAL_SIGNALS = [
     names.SIGNAL_GPU_FINDING,
     names.SIGNAL_HEARTBEAT,
     names.SIGNAL_REPAIR_PROGRESS,
     names.SIGNAL_INJECT_HEARTBEAT_LOSS,
+    names.SIGNAL_LIVENESS,
+    names.SIGNAL_LIVENESS_REPORT,
+    names.SIGNAL_IGNORE_HEARTBEATS,
+    names.SIGNAL_GROUP_CHANGED,
     names.SIGNAL_REQUEST,
     names.SIGNAL_RELEASE,
     names.SIGNAL_PERMIT_GRANTED,
 ]
+LIVENESS_SIGNALS = {
+    names.SIGNAL_LIVENESS,
+    names.SIGNAL_LIVENESS_REPORT,
+    names.SIGNAL_IGNORE_HEARTBEATS,
+    names.SIGNAL_GROUP_CHANGED,
+}
 
 CLOSED_EVENTS = {
     EventType.EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED: "completed",
@@ -104,6 +128,7 @@ class Ids:
     semaphore_group: str
     repair_instance: str
     repair_group: str
+    liveness_group: str
 
     @property
     def repair_id(self) -> str:
@@ -282,6 +307,115 @@ class SignalFuzzer:
     def count(self) -> Any:
         return self.pick([1, 1, 2, 17, 0, -3, 1_000_000_000, 1_000_000_001, 2**63, 10**30, "many", 1.5, None])
 
+    # --- liveness ----------------------------------------------------------------------------------------------
+
+    def either(self, valid: list[Any], invalid: list[Any], wild: bool) -> Any:
+        """A valid value; in a wild payload, one time in three anything. A liveness batch is refused whole for one
+        bad field or entry, so most payloads must be valid throughout for the tracker's state to be fuzzed at all."""
+        if wild and self.rng.random() < 0.35:
+            return self.pick(valid + invalid)
+        return self.pick(valid)
+
+    def ghost(self) -> str:
+        """One of a few hundred instances without a health workflow: telling it of a loss fails."""
+        return f"i-ghost-{self.rng.randrange(300)}"
+
+    def instance(self, wild: bool) -> Any:
+        """An instance a liveness batch or a game day may name: mostly a ghost, sometimes the health workflow under
+        test (the tracker may tell it of a loss, a real signal), sometimes not an id at all."""
+        return self.either(
+            [self.ghost(), self.ghost(), self.ghost(), self.ids.health_instance, "i-ünïcødé-🔥", "x" * 256],
+            ["", "x" * 257, self.text()[:300]],
+            wild,
+        )
+
+    def heard(self, wild: bool) -> Any:
+        """Who a batch heard, by whole seconds before its `at` (the contract allows 0 to 86,400): mostly a few, now
+        and then one more instance than a batch may hold (about 0.4 MB)."""
+        if self.rng.random() < 0.02:
+            return {f"i-flood-{n:05d}": self.rng.randrange(8) for n in range(MAX_BATCH + 1)}
+        ago_valid = [0, 0, 0, 1, 3, 5, 7, 30, 59, 600, 86_399, 86_400]
+        ago_invalid = [86_401, -1, -86_400, 2**31, 2**63, -(2**63), 10**30, 1.5, "5", "", None, [], {}]
+        size = self.pick([0, 1, 1, 2, 3, 5, 8, 20, 60])
+        entries_wild = wild and self.rng.random() < 0.3  # one bad entry of many refuses the batch
+        heard = {self.instance(entries_wild): self.either(ago_valid, ago_invalid, entries_wild) for _ in range(size)}
+        return self.either([heard], [[], None, "", self.value()], wild)
+
+    def liveness_time(self, wild: bool) -> Any:
+        """A time by a reporter's or a tracker's clock: mostly about now, sometimes year 1 or 9999, then anything."""
+        now = datetime.now(UTC)
+        valid = [
+            *[now.isoformat()] * 8,
+            (now - timedelta(seconds=self.pick([1, 5, 30, 600]))).isoformat(),
+            (now + timedelta(seconds=self.pick([1, 5, 30, 600]))).isoformat(),
+            (now + timedelta(days=self.pick([-365, -2, 1, 3650]))).isoformat(),
+            self.pick(["0001-01-01T00:00:00Z", "0001-01-01T00:00:05Z", "0001-01-01T00:00:00+00:30"]),
+            self.pick(["9999-12-31T23:59:59Z", "9999-12-31T23:59:50Z", "9999-12-31T23:00:00Z"]),
+        ]
+        return self.either(valid, [self.timestamp()], wild)
+
+    def capacity_group(self, wild: bool) -> dict[str, Any]:
+        """A group's configuration as the semaphore sends it to its tracker. On the wire a CapacityGroup stays
+        lenient (no settings rules): a zero, negative or huge duration gets through to the tracker."""
+        ids, either = self.ids, self.either
+        return {
+            "name": either([ids.liveness_group], [ids.health_group, "", " ", self.text()], wild),
+            "cluster": either([ids.liveness_group], ["", self.text()], wild),
+            "launch_template": either([None, "lt-0fuzz"], ["", self.text()], wild),
+            "launch_template_version": either(["$Latest", "$Default", "7"], ["", None], wild),
+            "auto_scaling_group": either([None, "asg-fuzz"], [self.text()], wild),
+            "auto_repair": either(["ENABLED", "DISABLED"], ["enabled", "", None], wild),
+            "max_draining_percent": either([20, 1, 100], [0, 101, -1, 2**63, "20", None], wild),
+            # The one duration the tracker uses: zero, negative and far too long ones are all valid timedeltas.
+            "heartbeat_loss_threshold": either(
+                ["PT6S", "PT6S", "PT6S", "PT3S", "PT1M", "P1D"],
+                ["PT0S", "-PT1S", "P999999999D", 10**12, 86_401, "P9000Y", self.duration()],
+                wild,
+            ),
+            "heartbeat_interval": either(["PT2S", "PT1M"], [self.duration()], wild),
+            "replacement_ready_timeout": either(["PT1M"], [self.duration()], wild),
+            "task_poll_interval": either(["PT1S"], [self.duration()], wild),
+            "permit_reclaim_interval": either(["PT2S"], [self.duration()], wild),
+            "liveness_shards": either([1, 1, 2, MAX_LIVENESS_SHARDS], [MAX_LIVENESS_SHARDS + 1, 0, -1, None], wild),
+        }
+
+    def liveness_template(self, name: str) -> dict[str, Any]:
+        """The tracker's three signals and the tracker's one to a health workflow; some of them wild."""
+        ids, either, wild = self.ids, self.either, self.rng.random() < 0.4
+        if name == names.SIGNAL_LIVENESS:
+            return {
+                "instance_id": either([ids.health_instance], ["i-someone-else", "", self.text()], wild),
+                "lost": either([True, False], ["yes", 1, None, "lost"], wild),
+                "last_heard": either([None, self.liveness_time(wild)], [self.timestamp()], wild),
+                "threshold": either([None, "PT6S", "P1D"], [self.duration()], wild),
+            }
+        if name == names.SIGNAL_LIVENESS_REPORT:
+            return {
+                "group": either([ids.liveness_group], [ids.health_group, "", "x" * 257, self.text()], wild),
+                # The tracker of shard 0 of 1, told of other shards: a shard out of range is still a valid batch.
+                "shard": either([0, 0, 0, 1, MAX_LIVENESS_SHARDS - 1], [MAX_LIVENESS_SHARDS, -1, 2**63, None], wild),
+                "shards": either([1, 1, 1, 2, MAX_LIVENESS_SHARDS], [MAX_LIVENESS_SHARDS + 1, 0, -1, None], wild),
+                "reporter": either(
+                    ["ingest-a", "ingest-a", "ingest-b", f"probe-{self.rng.randrange(100)}", "x" * 128],
+                    ["", "x" * 129, self.text()[:200]],
+                    wild,
+                ),
+                "at": self.liveness_time(wild),
+                # A day is the most a reporter may promise; a reporter that does holds every loss for a day, until it
+                # promises less again.
+                "report_every": either(
+                    ["PT2S", "PT2S", "PT2S", "PT4S", "PT6S", "PT30S", 3, 0.001, self.pick(["P1D", "PT2S"])],
+                    ["PT24H0.000001S", "PT0S", 0, -5, "-PT1S", 10**12, "P9000Y", self.duration()],
+                    wild,
+                ),
+                # Relays that go quiet hold every loss (a silent pipeline); probes signalling directly do not.
+                "relay": either([True, False], [None, "maybe", 2], wild),
+                "heard": self.heard(wild),
+            }
+        if name == names.SIGNAL_IGNORE_HEARTBEATS:
+            return {"instance_id": self.instance(wild), "until": self.liveness_time(wild)}
+        return self.capacity_group(wild)
+
     # --- model-shaped payloads -----------------------------------------------------------------------------
 
     def template(self, name: str) -> dict[str, Any]:
@@ -360,6 +494,8 @@ class SignalFuzzer:
                 # sends: not a forgery, so never sent here.
                 grant["holder_workflow_id"] = "repair/i-forged"
             return grant
+        if name in LIVENESS_SIGNALS:
+            return self.liveness_template(name)
         return {self.text()[:30]: self.value(1) for _ in range(self.rng.randint(1, 4))}
 
     def mutated(self, model: dict[str, Any]) -> dict[str, Any]:
@@ -404,6 +540,7 @@ class SignalFuzzer:
                 "state",
                 "status",
                 "update_group",
+                "group_config",
             ]
         )
 
@@ -467,6 +604,8 @@ class Target:
     view: type[BaseModel]
     # Beyond running and answering: what the view must show (None: fine).
     check_view: Callable[[Any], str | None] = lambda _: None
+    # What the summary says of the view.
+    describe: Callable[[Any], str] = lambda view: f"rejected_signals={getattr(view, 'rejected_signals', '?')}"
     send_errors: Counter[str] = field(default_factory=Counter)
     send_error_examples: dict[str, str] = field(default_factory=dict)
 
@@ -607,10 +746,11 @@ async def check_workflow(client: Client, target: Target, settled: str) -> tuple[
     problems, runs, retried = await check_history(client, target)
     handle = client.get_workflow_handle(target.workflow_id)
     description = await handle.describe()
-    # All three must still be running. None of the signals sent could legitimately close one: the health workflow's
+    # All four must still be running. None of the signals sent could legitimately close one: the health workflow's
     # group has auto repair DISABLED, so no repair of its instance exists and every repair_progress it got was
     # forged (a forged "Completed" must not retire it); the semaphore never closes; the repair waits behind a
-    # permit that is never given up, and no permit_granted it got names both its group and itself.
+    # permit that is never given up, and no permit_granted it got names both its group and itself; the liveness
+    # tracker only ever continues as new.
     if description.status != WorkflowExecutionStatus.RUNNING:
         problems.append(f"not running: {description.status.name if description.status else '?'}")
     summary = f"{runs} runs, {settled}, {sum(target.send_errors.values())} signals refused at send"
@@ -629,8 +769,25 @@ async def check_workflow(client: Client, target: Target, settled: str) -> tuple[
         elif (wrong := target.check_view(view)) is not None:
             problems.append(wrong)
         else:
-            summary += f", rejected_signals={getattr(view, 'rejected_signals', '?')}"
+            summary += f", {target.describe(view)}"
     return problems, summary
+
+
+def _tracker_of(group: str) -> Callable[[LivenessView], str | None]:
+    def check(view: LivenessView) -> str | None:
+        if view.group != group or view.window_s is None:
+            return f"liveness tracker answers for group {view.group!r} (window {view.window_s}), not {group!r}"
+        return None
+
+    return check
+
+
+def _describe_tracker(view: LivenessView) -> str:
+    return (
+        f"rejected_signals={view.rejected_signals}, instances={view.instances}, lost={len(view.lost)}, "
+        f"declared_lost={view.declared_lost}, recovered={view.recovered}, forgotten={view.forgotten}, "
+        f"dropped_instances={view.dropped_instances}, reporters={len(view.reporters)}, window_s={view.window_s}"
+    )
 
 
 def _repair_still_waiting(view: RepairStatus) -> str | None:
@@ -649,12 +806,14 @@ async def test_random_signals_never_wedge_a_workflow(client: Client, aws_env: st
     rng = random.Random(seed)
 
     health_group, semaphore_group, repair_group = unique("g-health"), unique("g-sem"), unique("g-repair")
+    liveness_group = unique("g-live")
     ids = Ids(
         health_instance=unique("i-fuzz-health"),
         health_group=health_group,
         semaphore_group=semaphore_group,
         repair_instance=unique("i-fuzz-repair"),  # not in ECS: a repair that got past its permit would fail
         repair_group=repair_group,
+        liveness_group=liveness_group,
     )
     base = make_settings(
         client,
@@ -677,6 +836,8 @@ async def test_random_signals_never_wedge_a_workflow(client: Client, aws_env: st
                 health_settings.model_copy(
                     update={"name": repair_group, "cluster": repair_group, "auto_repair": AutoRepair.ENABLED}
                 ),
+                # The tracker reads its group's threshold (6 s: a window of 6 s and 2 s of grace) when it starts.
+                health_settings.model_copy(update={"name": liveness_group, "cluster": liveness_group}),
             ]
         }
     )
@@ -692,10 +853,20 @@ async def test_random_signals_never_wedge_a_workflow(client: Client, aws_env: st
             names.SIGNAL_HEARTBEAT,
             names.SIGNAL_REPAIR_PROGRESS,
             names.SIGNAL_INJECT_HEARTBEAT_LOSS,
+            names.SIGNAL_LIVENESS,
         ]
     )
     semaphore_signals = fuzzer.signals([names.SIGNAL_REQUEST, names.SIGNAL_RELEASE])
     repair_signals = fuzzer.signals([names.SIGNAL_PERMIT_GRANTED])
+    # Batches twice as often: they are what the tracker's state is made of.
+    liveness_signals = fuzzer.signals(
+        [
+            names.SIGNAL_LIVENESS_REPORT,
+            names.SIGNAL_LIVENESS_REPORT,
+            names.SIGNAL_IGNORE_HEARTBEATS,
+            names.SIGNAL_GROUP_CHANGED,
+        ]
+    )
 
     task_queue = settings.temporal.task_queue
     started: list[str] = []
@@ -750,6 +921,18 @@ async def test_random_signals_never_wedge_a_workflow(client: Client, aws_env: st
                 within=30,
             )
 
+            # The liveness tracker, started as the relay starts it but without a first batch: it reads its group.
+            liveness_id = liveness_workflow_id(liveness_group)
+            liveness: WorkflowHandle = await client.start_workflow(
+                names.LIVENESS_WORKFLOW, LivenessRun(group=liveness_group), id=liveness_id, task_queue=task_queue
+            )
+            started.append(liveness_id)
+            await eventually(
+                lambda: liveness.query(names.QUERY_LIVENESS, result_type=LivenessView),
+                lambda v: v.window_s is not None,
+                within=30,
+            )
+
             targets = [
                 Target(
                     "health",
@@ -769,8 +952,22 @@ async def test_random_signals_never_wedge_a_workflow(client: Client, aws_env: st
                     RepairStatus,
                     check_view=_repair_still_waiting,
                 ),
+                Target(
+                    "liveness",
+                    liveness_id,
+                    liveness.first_execution_run_id or "",
+                    names.QUERY_LIVENESS,
+                    LivenessView,
+                    check_view=_tracker_of(liveness_group),
+                    describe=_describe_tracker,
+                ),
             ]
-            plan = {"health": health_signals, "semaphore": semaphore_signals, "repair": repair_signals}
+            plan = {
+                "health": health_signals,
+                "semaphore": semaphore_signals,
+                "repair": repair_signals,
+                "liveness": liveness_signals,
+            }
             began = time.monotonic()
             gate = asyncio.Semaphore(IN_FLIGHT)
             unsent = None
@@ -780,9 +977,11 @@ async def test_random_signals_never_wedge_a_workflow(client: Client, aws_env: st
             except TimeoutError:
                 unsent = f"sending did not finish within {SEND_WITHIN:.0f}s (signal RPCs or the workflows too slow)"
             sent_in = time.monotonic() - began
+            await asyncio.sleep(TRACKER_TIMERS)
             settled = await asyncio.gather(*(settle(client, t.workflow_id) for t in targets))
             print(
-                f"sent {3 * SIGNALS_PER_WORKFLOW} signals in {sent_in:.1f}s, settled in {time.monotonic() - began:.1f}s"
+                f"sent {len(targets) * SIGNALS_PER_WORKFLOW} signals in {sent_in:.1f}s, "
+                f"settled in {time.monotonic() - began:.1f}s"
             )
 
             report: list[str] = [unsent] if unsent else []

@@ -17,8 +17,9 @@ Runbook it automates:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from temporalio import workflow
 from temporalio.common import RawValue
@@ -58,6 +59,7 @@ MAX_WARNING_KINDS = 256
 MAX_DAEMONS_DOWN = 32
 # A run accepts at most 10,000 signals and that limit does not raise the continue-as-new suggestion.
 SIGNALS_PER_RUN = 2_000
+GAME_DAY_RETRY = timedelta(seconds=2)
 
 
 @workflow.defn(name=names.HEALTH_WORKFLOW)
@@ -70,7 +72,7 @@ class InstanceHealthWorkflow:
         self._outbox: list[FleetEvent] = []
         self._signals_this_run = 0
         self._retired = False
-        self._to_tracker: list[IgnoreHeartbeats] = []
+        self._tell_tracker_now = False
         self._tracker_id: str | None = None
         # Here, not in run(): with signal-with-start the first signal is handled before run() starts.
         if self._state.started_at is None:
@@ -96,21 +98,23 @@ class InstanceHealthWorkflow:
         )
         workflow.set_current_details(self._details_markdown())
 
+        config_read_at = workflow.now()
         while True:
-            try:
+            with contextlib.suppress(TimeoutError):  # a timer of _next_wake's: what it was for is checked below
                 await workflow.wait_condition(
                     lambda: (
-                        bool(self._outbox or self._to_tracker)
+                        bool(self._outbox)
+                        or self._tell_tracker_now
                         or self._repair_due()
                         or self._retired
                         or self._time_to_continue()
                     ),
-                    # Only an instance whose repair is withheld watches its group; a healthy one sets no timer.
-                    timeout=group.heartbeat_loss_threshold if self._state.repair_withheld else None,
-                    timeout_summary="repair withheld: look at the group's configuration again",
+                    timeout=self._next_wake(group, config_read_at),
+                    timeout_summary=self._wake_summary(),
                 )
-            except TimeoutError:
+            if self._state.repair_withheld and workflow.now() - config_read_at >= group.heartbeat_loss_threshold:
                 group = await self._reread_group_config(group)
+                config_read_at = workflow.now()
             while self._outbox:
                 await workflow.execute_activity_method(
                     EventActivities.publish_event,
@@ -119,8 +123,8 @@ class InstanceHealthWorkflow:
                     start_to_close_timeout=CALL_TIMEOUT,
                     retry_policy=CALL_RETRY,
                 )
-            while self._to_tracker:
-                await self._tell_tracker(self._to_tracker.pop(0))
+            if self._state.game_day_to_tell is not None:
+                await self._tell_tracker(self._state.game_day_to_tell)
             if self._repair_due():
                 await self._start_repair()
             workflow.set_current_details(self._details_markdown())
@@ -130,13 +134,35 @@ class InstanceHealthWorkflow:
                 await workflow.wait_condition(workflow.all_handlers_finished)
                 workflow.continue_as_new(HealthRun(instance_id=self._instance_id, group=self._group, carry=self._state))
 
+    def _next_wake(self, group: CapacityGroup, config_read_at: datetime) -> timedelta | None:
+        """A healthy instance sets no timer. One whose repair is withheld looks at its group once per threshold;
+        a game day not yet passed to the tracker (it may not exist yet) is tried again shortly."""
+        waits = []
+        if self._state.repair_withheld:
+            waits.append(max(config_read_at + group.heartbeat_loss_threshold - workflow.now(), timedelta(0)))
+        if self._state.game_day_to_tell is not None:
+            waits.append(GAME_DAY_RETRY)
+        return min(waits, default=None)
+
+    def _wake_summary(self) -> str:
+        if self._state.game_day_to_tell is not None:
+            return "game day: pass it to the liveness tracker again"
+        return "repair withheld: look at the group's configuration again"
+
     async def _tell_tracker(self, ignore: IgnoreHeartbeats) -> None:
+        """Pass a game day on; kept and retried while the tracker cannot be told (behind the ingest it starts with
+        the first batch, a moment after this workflow) and the game day is not over."""
+        self._tell_tracker_now = False
         tracker = self._tracker_id
         assert tracker is not None  # set before the loop that calls this
         try:
             await workflow.get_external_workflow_handle(tracker).signal(names.SIGNAL_IGNORE_HEARTBEATS, ignore)
-        except Exception as err:  # no tracker yet means no heartbeat yet: nothing to ignore
-            workflow.logger.warning("game day for %s not passed to %s: %s", self._instance_id, tracker, err)
+        except Exception as err:
+            if workflow.now() < ignore.until:
+                workflow.logger.info("game day for %s not passed to %s yet: %s", self._instance_id, tracker, err)
+                return
+            workflow.logger.warning("game day for %s never reached %s: %s", self._instance_id, tracker, err)
+        self._state.game_day_to_tell = None
 
     async def _reread_group_config(self, group: CapacityGroup) -> CapacityGroup:
         """The group as it is now; re-arms a repair withheld while the group was DISABLED."""
@@ -322,16 +348,17 @@ class InstanceHealthWorkflow:
             reason = f"Agent disconnected since {since}"
             self._set_check(CheckType.AGENT_CONNECTIVITY, HealthState.IMPAIRED, reason, now)
             return
-        ignored_until = self._state.heartbeats_ignored_until
-        if ignored_until is not None and now < ignored_until:
-            return  # a game day's silence is not over: the tracker heard a receipt from before it began
+        # The tracker knows the game day too (it ignores receipts until it ends): heard again is heard again.
         self._state.last_heartbeat = max(self._state.last_heartbeat or now, change.last_heard or now)
         self._set_check(CheckType.AGENT_CONNECTIVITY, HealthState.OK, None, now)
 
     def _on_heartbeat_loss_injection(self, injection: HeartbeatLossInjection) -> None:
         until = workflow.now() + injection.duration
         self._state.heartbeats_ignored_until = until
-        self._to_tracker.append(IgnoreHeartbeats(instance_id=self._instance_id, until=until))
+        self._state.game_day_to_tell = IgnoreHeartbeats(
+            instance_id=self._instance_id, since=workflow.now(), until=until
+        )
+        self._tell_tracker_now = True
         workflow.logger.warning(
             "game day: heartbeats of %s ignored until %s (requested by %s)",
             self._instance_id,

@@ -17,6 +17,7 @@ Runbook it automates:
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 
@@ -25,7 +26,7 @@ from temporalio.common import RawValue
 
 from contract import names
 from contract.formats import iso
-from contract.groups import CapacityGroup
+from contract.groups import CapacityGroup, heartbeat_threshold_problem
 from contract.ids import health_workflow_id, liveness_workflow_id
 from contract.liveness import (
     MAX_INSTANCES_PER_SHARD,
@@ -42,6 +43,7 @@ SIGNALS_PER_RUN = 2_000
 # Health workflows told at once: bounded so a mass loss does not put thousands of commands in one task.
 SIGNALS_IN_FLIGHT = 100
 FORGET_LOST_AFTER = timedelta(days=1)
+MAX_CLOCK_AHEAD = timedelta(minutes=5)
 MAX_REPORTERS = 64
 DEFAULT_THRESHOLD: timedelta = CapacityGroup.model_fields["heartbeat_loss_threshold"].default
 DETAILS_LOST = 20
@@ -63,7 +65,9 @@ class LivenessTrackerWorkflow:
         self._lost = set(self._state.lost)
         self._outbox: list[LivenessChange] = []
         self._armed_for: datetime | None = None
+        self._armed_at: datetime | None = None
         self._wake = False
+        self._telling = 0  # health workflows being told right now: continue-as-new waits for them
         self._signals_this_run = 0
 
     @workflow.run
@@ -73,6 +77,7 @@ class LivenessTrackerWorkflow:
         sender = asyncio.create_task(self._tell_health_workflows())
         while not self._time_to_continue():
             self._armed_for = self._next_check()
+            self._armed_at = workflow.now()
             self._wake = False
             workflow.set_current_details(self._details_markdown())
             timeout = None if self._armed_for is None else max(self._armed_for - workflow.now(), timedelta(0))
@@ -84,18 +89,23 @@ class LivenessTrackerWorkflow:
                 )
             except TimeoutError:
                 now = workflow.now()
-                if self._armed_for is not None and now - self._armed_for > self._grace():
+                # Late against when it was due, or when it was set if that deadline had already passed.
+                due = max(self._armed_for or now, self._armed_at or now)
+                if now - due > self._grace():
                     # The timer fired late: Temporal or every worker was down. What probes said meanwhile may be
                     # on its way; give them a full window from now.
                     self._state.floor = max(self._state.floor or now, now + self._window() + self._grace())
                     workflow.logger.warning(
                         "liveness of %s: woke %s late; no loss declared before %s",
                         self._group,
-                        now - self._armed_for,
+                        now - due,
                         iso(self._state.floor),
                     )
                 self._declare_losses(now)
-        await workflow.wait_condition(lambda: not self._outbox and workflow.all_handlers_finished())
+        # Cancelled only while idle: cancelling it mid-signal would lose changes already taken from the outbox.
+        await workflow.wait_condition(
+            lambda: not self._outbox and not self._telling and workflow.all_handlers_finished()
+        )
         sender.cancel()
         self._state.lost = sorted(self._lost)
         workflow.continue_as_new(
@@ -129,10 +139,13 @@ class LivenessTrackerWorkflow:
         live = [t for i, t in self._state.heard.items() if i not in self._lost]
         if not live or self._state.silent_since is not None:
             return None  # nothing to watch, or waiting for the pipeline: the next batch wakes the loop
-        at = datetime.fromtimestamp(min(live), tz=UTC) + self._window() + self._grace()
+        at = self._deadline(min(live))
         if self._state.floor is not None:
             at = max(at, self._state.floor)
         return at
+
+    def _deadline(self, heard: int) -> datetime:
+        return datetime.fromtimestamp(heard, tz=UTC) + self._window() + self._grace()
 
     def _declare_losses(self, now: datetime) -> None:
         if self._pipeline_silent(now):
@@ -161,15 +174,19 @@ class LivenessTrackerWorkflow:
 
     def _forget(self, instance_id: str) -> None:
         self._lost.discard(instance_id)
-        self._state.heard.pop(instance_id, None)
         self._state.ignored_until.pop(instance_id, None)
-        self._state.forgotten += 1
+        if self._state.heard.pop(instance_id, None) is not None:
+            self._state.forgotten += 1
 
     async def _tell_health_workflows(self) -> None:
         while True:
             await workflow.wait_condition(lambda: bool(self._outbox))
             batch, self._outbox = self._outbox[:SIGNALS_IN_FLIGHT], self._outbox[SIGNALS_IN_FLIGHT:]
-            results = await asyncio.gather(*(self._tell(change) for change in batch), return_exceptions=True)
+            self._telling = len(batch)
+            try:
+                results = await asyncio.gather(*(self._tell(change) for change in batch), return_exceptions=True)
+            finally:
+                self._telling = 0
             for change, result in zip(batch, results, strict=True):
                 if isinstance(result, BaseException):
                     # Its health workflow is closed: the instance was replaced or retired. Nothing left to tell.
@@ -209,8 +226,9 @@ class LivenessTrackerWorkflow:
             workflow.logger.warning("liveness of %s: dropped signal: %s", self._group, why)
 
     def _on_report(self, report: LivenessReport) -> None:
-        if report.group != self._group:
-            self._reject(Rejected(f"batch for group {report.group} sent to {self._group}'s tracker"))
+        if (report.group, report.shard, report.shards) != (self._group, self._shard, self._shards):
+            where = f"{report.group} shard {report.shard} of {report.shards}"
+            self._reject(Rejected(f"batch for {where} sent to {self._group} shard {self._shard} of {self._shards}"))
             return
         now = workflow.now()
         was_silent = self._state.silent_since is not None or self._pipeline_silent(now)
@@ -224,8 +242,13 @@ class LivenessTrackerWorkflow:
                 "liveness of %s: reporters back; no loss declared before %s", self._group, iso(self._state.floor)
             )
         at = _epoch(report.at)
+        # A reporter's clock is its own, and its receipt times are rounded up: one further ahead than clocks drift
+        # counts as that far ahead, one older than a day is no news.
+        newest, oldest = _epoch(now + MAX_CLOCK_AHEAD), _epoch(now - FORGET_LOST_AFTER)
         for instance_id, ago in report.heard.items():
-            self._on_heard(instance_id, at - ago)
+            heard = min(at - ago, newest)
+            if heard >= oldest:
+                self._on_heard(instance_id, heard)
 
     def _on_heard(self, instance_id: str, heard: int) -> None:
         if self._state.ignored_until.get(instance_id, 0) > heard:
@@ -242,8 +265,8 @@ class LivenessTrackerWorkflow:
                         MAX_INSTANCES_PER_SHARD,
                     )
                 return
-            if self._armed_for is None:
-                self._wake = True  # the first instance to watch: arm the timer
+            if self._armed_for is None or self._deadline(heard) < self._armed_for:
+                self._wake = True  # a first instance to watch, or one due before the timer: arm it anew
         elif heard <= previous:
             return
         self._state.heard[instance_id] = heard
@@ -265,12 +288,26 @@ class LivenessTrackerWorkflow:
             del self._state.reporters[oldest]
 
     def _on_ignore(self, ignore: IgnoreHeartbeats) -> None:
-        if ignore.instance_id in self._state.heard:
-            self._state.ignored_until[ignore.instance_id] = _epoch(ignore.until)
+        instance_id = ignore.instance_id
+        if instance_id not in self._state.heard:
+            return
+        # Receipts travel rounded up to the whole second: one stamped ceil(until) may still be from before `until`.
+        self._state.ignored_until[instance_id] = math.ceil(ignore.until.timestamp()) + 1
+        if ignore.since is not None and instance_id not in self._lost:
+            # Silent from the start of the game day, as a probe that stopped then: a receipt from just before it,
+            # still on its way, must not count as newer.
+            now = workflow.now()
+            since = min(max(ignore.since, now - FORGET_LOST_AFTER), now + MAX_CLOCK_AHEAD)
+            self._state.heard[instance_id] = max(self._state.heard[instance_id], _epoch(since))
 
     def _on_group_changed(self, group: CapacityGroup) -> None:
         if group.name != self._group:
             self._reject(Rejected(f"configuration of group {group.name} sent to {self._group}'s tracker"))
+            return
+        # Lenient on the wire, so checked here: a threshold out of bounds would put deadlines past the calendar.
+        problem = heartbeat_threshold_problem(group.heartbeat_loss_threshold, None)
+        if problem:
+            self._reject(Rejected(f"group_changed refused: {problem}"))
             return
         self._state.group = group
         self._wake = True  # a new threshold moves every deadline

@@ -13,7 +13,7 @@ from pydantic import BaseModel, Field
 from contract.groups import CapacityGroup, GroupConfigState
 from contract.health import CheckType, HealthInput, HealthState
 from contract.limits import Id, OptionalId, Text, Token
-from contract.liveness import LivenessInput
+from contract.liveness import IgnoreHeartbeats, LivenessInput
 from contract.probe import GpuFinding, ProbeSourceHealth
 from contract.repair import PhaseStep, RepairPhase
 from contract.semaphore import PermitRequest, SemaphoreInput
@@ -76,6 +76,8 @@ class HealthCarry(BaseModel):
     # Why an IMPAIRED instance is not being repaired (auto repair DISABLED); cleared when the group is re-ENABLED.
     repair_withheld: str | None = None
     heartbeats_ignored_until: datetime | None = None
+    # A game day not yet passed to the liveness tracker.
+    game_day_to_tell: IgnoreHeartbeats | None = None
     probe_sources: list[ProbeSourceHealth] = Field(default_factory=list)  # as the last heartbeat reported them
     # Reasons (DAEMON_<unit>) of critical daemons reported down and not yet back, oldest first.
     daemons_down: list[str] = Field(default_factory=list)

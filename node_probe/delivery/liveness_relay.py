@@ -140,7 +140,9 @@ class LivenessRelay:
         now = self._clock()
         for key, pending in list(self._pending.items()):
             every = self._routes(key[0]).every.total_seconds()
-            news = any(
+            # A probe reporting for itself sends every receipt: one it held back would die with it, and the tracker
+            # would judge it by an older one (lost before the threshold).
+            news = (not self._relay and bool(pending)) or any(
                 (reported := self._reported.get(instance_id)) is None or now >= reported + every
                 for instance_id in pending
             )
