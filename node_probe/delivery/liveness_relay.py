@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 # Instances one relay remembers (what it last forwarded and reported for each): far above a fleet, bounded anyway.
 MAX_REMEMBERED = 200_000
+FINAL_FLUSH_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,16 @@ class LivenessRelay:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+            # A clean stop sends what it holds, so the trackers do not take a replica's restart for an outage.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(FINAL_FLUSH_S):
+                    await self.flush_all()
+
+    async def flush_all(self) -> None:
+        now = self._clock()
+        for key, pending in list(self._pending.items()):
+            if pending:
+                await self._send(key, pending, now)
 
     async def _flush_forever(self) -> None:
         while True:
