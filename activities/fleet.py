@@ -27,10 +27,13 @@ from activities.launch import Launcher
 from activities.models import (
     ContainerInstanceRef,
     DrainResult,
+    GoneInstance,
     GroupCapacity,
     GroupCapacityRequest,
     GroupConfigRequest,
     InstanceRef,
+    InstancesGone,
+    InstancesGoneRequest,
     InstanceTasks,
     LaunchRequest,
     LaunchResult,
@@ -47,6 +50,7 @@ if TYPE_CHECKING:
 
 
 REGISTERED_STATUSES = ("ACTIVE", "DRAINING")
+MAX_REASON = 256
 # The ECS agent's default (ECS_CONTAINER_STOP_TIMEOUT) for a container without stopTimeout, on EC2.
 ECS_DEFAULT_STOP_TIMEOUT = 30
 ECS_REASON_MAX = 255
@@ -97,9 +101,29 @@ class FleetActivities:
             self.list_instance_tasks,
             self.stop_tasks,
             self.terminate_instance,
+            self.instances_gone,
         ]
 
     # --- activities ---------------------------------------------------------------------------------------
+
+    @activity.defn(name="instances_gone")
+    async def instances_gone(self, request: InstancesGoneRequest) -> InstancesGone:
+        """Which of these silent instances EC2 says are terminated or terminating: they left (scaled in, terminated
+        by an operator, a Spot interruption), they did not fail. One call for a whole batch of losses, never a poll
+        per instance."""
+        found = await self._ec2.instances(request.instance_ids)
+        return InstancesGone(
+            gone=[
+                GoneInstance(
+                    instance_id=instance_id,
+                    state=instance["State"]["Name"],
+                    reason=instance.get("StateTransitionReason", "")[:MAX_REASON],
+                )
+                for instance_id, instance in sorted(found.items())
+                # Left for good; stopping or stopped is not (it may start again), nor is one EC2 no longer knows.
+                if instance.get("State", {}).get("Name") in GONE_EC2_STATES
+            ]
+        )
 
     @activity.defn(name="describe_group_capacity")
     async def describe_group_capacity(self, request: GroupCapacityRequest) -> GroupCapacity:

@@ -28,6 +28,8 @@ class EventType(StrEnum):
     DRAIN_PERMIT_RELEASED = "DrainPermitReleased"
     # A group-level event: instance_id is empty, `changes` holds each changed field's old and new value.
     GROUP_CONFIG_CHANGED = "GroupConfigChanged"
+    # The instance left on purpose (terminated by someone other than a repair): watched no more, never repaired.
+    INSTANCE_RETIRED = "InstanceRetired"
 
 
 HEALTH_DETAIL_TYPE = "Instance Health Change"
@@ -50,7 +52,8 @@ class FleetEvent(BaseModel):
     def detail_type(self) -> str:
         if self.type is EventType.GROUP_CONFIG_CHANGED:
             return GROUP_DETAIL_TYPE
-        return HEALTH_DETAIL_TYPE if self.type is EventType.HEALTH_CHANGED else REPAIR_DETAIL_TYPE
+        health = (EventType.HEALTH_CHANGED, EventType.INSTANCE_RETIRED)
+        return HEALTH_DETAIL_TYPE if self.type in health else REPAIR_DETAIL_TYPE
 
     def line(self) -> dict[str, Any]:
         """The flat JSON-lines shape: time, type, group, instance_id, then the type's own keys."""
@@ -92,6 +95,23 @@ class GroupConfigRequest(BaseModel):
     group: str
     # The drain semaphore holds the overrides and applies them itself: it asks for the settings alone.
     live_overrides: bool = True
+
+
+class InstancesGoneRequest(BaseModel):
+    group: str
+    instance_ids: list[str]
+
+
+class GoneInstance(BaseModel):
+    instance_id: str
+    state: str  # EC2's: shutting-down or terminated
+    reason: str = ""  # EC2's StateTransitionReason, e.g. "User initiated (2026-12-01 10:00:00 GMT)"
+
+
+class InstancesGone(BaseModel):
+    """Of the instances asked about, those EC2 says are terminated or terminating."""
+
+    gone: list[GoneInstance] = Field(default_factory=list)
 
 
 class InstanceRef(BaseModel):

@@ -18,7 +18,7 @@ from typing import Annotated, Final
 
 from pydantic import BaseModel, Field
 
-from contract.limits import Id, Name
+from contract.limits import Id, Name, Text
 
 # One shard of a group's tracker holds at most this many instances (its carried state stays far under Temporal's
 # 2 MB payload limit: about 40 bytes each). A larger group sets `liveness_shards`.
@@ -76,6 +76,8 @@ class LivenessChange(BaseModel):
     lost: bool
     last_heard: datetime | None = None
     threshold: timedelta | None = None
+    # Set when the lost instance left on purpose (EC2 says terminated, by someone other than a repair): retire.
+    gone: Text | None = None
 
 
 class LivenessInput(BaseModel):

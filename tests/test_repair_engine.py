@@ -18,10 +18,11 @@ from temporalio.client import Client, WorkflowExecutionStatus
 
 from contract.groups import AutoRepair
 from contract.health import HealthState
-from contract.ids import repair_workflow_id
+from contract.ids import health_workflow_id, repair_workflow_id
 from tests.fleet import assert_start_before_stop, simulated_fleet
 from tests.harness import eventually
 from worker.settings import Settings
+from workflows.models import InstanceHealthView
 
 
 def max_concurrently_draining(events: list[dict[str, Any]]) -> int:
@@ -115,6 +116,27 @@ async def test_heartbeat_blip_repairs_nothing_and_sustained_loss_repairs(
         assert_start_before_stop(fleet, lost)
         assert [e for e in fleet.events() if e["instance_id"] == blipped and e["type"] != "HealthChanged"] == []
         assert [e["overall_status"] for e in fleet.events("HealthChanged") if e["instance_id"] == blipped] == ["OK"]
+
+
+async def test_an_instance_terminated_on_purpose_retires_without_a_repair(
+    client: Client, aws_env: str, tmp_path: Path
+) -> None:
+    async with simulated_fleet(client, aws_env, tmp_path, instances=4) as fleet:
+        await fleet.all_healthy(4)
+        left = fleet.sim.live_instances()[0]
+        # An operator (or a scale-in) terminates it: its probe falls silent with it, which is not a fault.
+        fleet.ec2().terminate_instances(InstanceIds=[left])
+        [retired] = await eventually(
+            lambda: asyncio.sleep(0, fleet.events("InstanceRetired")), lambda found: len(found) == 1, within=120
+        )
+        assert retired["instance_id"] == left
+        assert retired["reason"].startswith(("terminated in EC2: ", "shutting-down in EC2: ")), retired
+        handle = client.get_workflow_handle(health_workflow_id(left), result_type=InstanceHealthView)
+        view = await handle.result()
+        assert view.retired and view.retired_reason == retired["reason"]
+        assert view.healthStatus.overallStatus is HealthState.OK  # never IMPAIRED, never repaired
+        assert fleet.events("RepairStarted") == [] and fleet.replacements_of(left) == []
+        assert [e["overall_status"] for e in fleet.events("HealthChanged") if e["instance_id"] == left] == ["OK"]
 
 
 async def test_operator_terminating_a_permit_holder_frees_its_permit(

@@ -125,7 +125,7 @@ class InstanceHealthWorkflow:
                 )
             if self._state.game_day_to_tell is not None:
                 await self._tell_tracker(self._state.game_day_to_tell)
-            if self._repair_due():
+            if self._repair_due() and not self._retired:
                 await self._start_repair()
             workflow.set_current_details(self._details_markdown())
             if self._retired:
@@ -343,6 +343,9 @@ class InstanceHealthWorkflow:
             self._reject(Rejected(f"liveness of {change.instance_id} sent to {self._instance_id}"))
             return
         now = workflow.now()
+        if change.gone and self._state.repair is None:
+            self._retire(change.gone)
+            return
         if change.lost:
             since = iso(change.last_heard) if change.last_heard else "its start"
             reason = f"Agent disconnected since {since}"
@@ -351,6 +354,23 @@ class InstanceHealthWorkflow:
         # The tracker knows the game day too (it ignores receipts until it ends): heard again is heard again.
         self._state.last_heartbeat = max(self._state.last_heartbeat or now, change.last_heard or now)
         self._set_check(CheckType.AGENT_CONNECTIVITY, HealthState.OK, None, now)
+
+    def _retire(self, why: str) -> None:
+        """It left on purpose (terminated by someone other than a repair): no fault, nothing to repair, done."""
+        self._retired = True
+        self._state.retired_reason = why
+        workflow.logger.info("%s left on purpose (%s): retired, not repaired", self._instance_id, why)
+        self._outbox.append(
+            FleetEvent(
+                event_id=str(workflow.uuid4()),
+                time=workflow.now(),
+                type=EventType.INSTANCE_RETIRED,
+                group=self._group,
+                instance_id=self._instance_id,
+                workflow_id=health_workflow_id(self._instance_id),
+                fields={"reason": why},
+            )
+        )
 
     def _on_heartbeat_loss_injection(self, injection: HeartbeatLossInjection) -> None:
         until = workflow.now() + injection.duration
@@ -458,6 +478,7 @@ class InstanceHealthWorkflow:
             last_heartbeat=self._state.last_heartbeat,
             rejected_signals=self._state.rejected_signals,
             retired=self._retired,
+            retired_reason=self._state.retired_reason,
             forged_signals=self._state.forged_signals,
             dropped_entries=self._state.dropped_entries,
             repair_withheld=self._state.repair_withheld,

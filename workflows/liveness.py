@@ -10,7 +10,9 @@ Runbook it automates:
      or Temporal was down), nothing is declared lost, and once batches come again, not for another full window:
      probes get a whole threshold to be heard again.
   4. Game days: an instance's health workflow can ask the tracker to ignore its receipts for a while.
-  5. State stays bounded: at most 20,000 instances per shard; an instance lost for a day, or whose health workflow
+  5. Before telling of a loss, EC2 is asked (once per batch of losses) whether the instance was terminated: one
+     that left on purpose (scaled in, by an operator, a Spot interruption) retires instead of being repaired.
+  6. State stays bounded: at most 20,000 instances per shard; an instance lost for a day, or whose health workflow
      is gone (it was replaced), is forgotten.
 """
 
@@ -22,7 +24,8 @@ from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 
 from temporalio import workflow
-from temporalio.common import RawValue
+from temporalio.common import RawValue, RetryPolicy
+from temporalio.exceptions import ActivityError
 
 from contract import names
 from contract.formats import iso
@@ -37,7 +40,12 @@ from contract.liveness import (
 )
 from workflows.group_config import read_group_config
 from workflows.models import LivenessCarry, LivenessRun, LivenessView, ReporterSeen
+from workflows.options import CALL_TIMEOUT
 from workflows.signal_input import Rejected, decode, worth_logging
+
+with workflow.unsafe.imports_passed_through():
+    from activities.fleet import FleetActivities
+    from activities.models import GoneInstance, InstancesGoneRequest
 
 SIGNALS_PER_RUN = 2_000
 # Health workflows told at once: bounded so a mass loss does not put thousands of commands in one task.
@@ -101,7 +109,9 @@ class LivenessTrackerWorkflow:
                         now - due,
                         iso(self._state.floor),
                     )
-                self._declare_losses(now)
+                lost = self._declare_losses(now)
+                if lost:
+                    await self._tell_losses(lost)
         # Cancelled only while idle: cancelling it mid-signal would lose changes already taken from the outbox.
         await workflow.wait_condition(
             lambda: not self._outbox and not self._telling and workflow.all_handlers_finished()
@@ -147,7 +157,8 @@ class LivenessTrackerWorkflow:
     def _deadline(self, heard: int) -> datetime:
         return datetime.fromtimestamp(heard, tz=UTC) + self._window() + self._grace()
 
-    def _declare_losses(self, now: datetime) -> None:
+    def _declare_losses(self, now: datetime) -> list[str]:
+        """The instances lost as of now (marked lost here; told by _tell_losses)."""
         if self._pipeline_silent(now):
             if self._state.silent_since is None:
                 self._state.silent_since = self._state.last_report_at or now
@@ -156,21 +167,47 @@ class LivenessTrackerWorkflow:
                     self._group,
                     iso(self._state.silent_since),
                 )
-            return
+            return []
         if self._state.floor is not None and now < self._state.floor:
-            return
-        cutoff = _epoch(now - self._window() - self._grace())
-        for instance_id, heard in self._state.heard.items():
-            if heard <= cutoff and instance_id not in self._lost:
-                self._lost.add(instance_id)
-                self._state.declared_lost += 1
-                last = datetime.fromtimestamp(heard, tz=UTC)
-                self._outbox.append(
-                    LivenessChange(instance_id=instance_id, lost=True, last_heard=last, threshold=self._threshold())
-                )
+            return []
         forget_before = _epoch(now - FORGET_LOST_AFTER)
         for instance_id in [i for i in self._lost if self._state.heard.get(i, 0) < forget_before]:
             self._forget(instance_id)
+        cutoff = _epoch(now - self._window() - self._grace())
+        lost = [i for i, heard in self._state.heard.items() if heard <= cutoff and i not in self._lost]
+        self._lost.update(lost)
+        self._state.declared_lost += len(lost)
+        return lost
+
+    async def _tell_losses(self, lost: list[str]) -> None:
+        """Lost, or gone on purpose: EC2 is asked once for the whole batch whether any was terminated (scaled in,
+        by an operator, a Spot interruption), so that those retire instead of being repaired."""
+        gone: dict[str, GoneInstance] = {}
+        try:
+            answer = await workflow.execute_activity_method(
+                FleetActivities.instances_gone,
+                InstancesGoneRequest(group=self._group, instance_ids=lost),
+                summary=f"did {len(lost)} silent instance(s) leave on purpose? (EC2 state)",
+                start_to_close_timeout=CALL_TIMEOUT,
+                # Bounded: a loss is not held back for long because EC2 cannot be asked.
+                retry_policy=RetryPolicy(initial_interval=timedelta(seconds=2), maximum_attempts=3),
+            )
+            gone = {g.instance_id: g for g in answer.gone}
+        except ActivityError as err:
+            workflow.logger.warning("liveness of %s: EC2 not asked (%s); told as lost", self._group, err.cause)
+        for instance_id in lost:
+            if instance_id not in self._lost:
+                continue  # heard again while EC2 was asked: its recovery is already on its way
+            left = gone.get(instance_id)
+            self._outbox.append(
+                LivenessChange(
+                    instance_id=instance_id,
+                    lost=True,
+                    last_heard=datetime.fromtimestamp(self._state.heard[instance_id], tz=UTC),
+                    threshold=self._threshold(),
+                    gone=f"{left.state} in EC2: {left.reason or 'no reason given'}" if left else None,
+                )
+            )
 
     def _forget(self, instance_id: str) -> None:
         self._lost.discard(instance_id)

@@ -76,6 +76,8 @@ class HealthCarry(BaseModel):
     # Why an IMPAIRED instance is not being repaired (auto repair DISABLED); cleared when the group is re-ENABLED.
     repair_withheld: str | None = None
     heartbeats_ignored_until: datetime | None = None
+    # Why it retired without a repair (it left on purpose), if it did.
+    retired_reason: str | None = None
     # A game day not yet passed to the liveness tracker.
     game_day_to_tell: IgnoreHeartbeats | None = None
     probe_sources: list[ProbeSourceHealth] = Field(default_factory=list)  # as the last heartbeat reported them
@@ -99,6 +101,7 @@ class InstanceHealthView(BaseModel):
     last_heartbeat: datetime | None
     rejected_signals: int
     retired: bool
+    retired_reason: str | None = None
     forged_signals: int = 0
     dropped_entries: int = 0
     repair_withheld: str | None = None
