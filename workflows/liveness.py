@@ -152,7 +152,20 @@ class LivenessTrackerWorkflow:
         at = self._deadline(min(live))
         if self._state.floor is not None:
             at = max(at, self._state.floor)
+        promised = self._relays_promise()
+        if promised is not None and at > promised:
+            # Every relay promised a batch before this deadline: one that keeps its promise wakes the loop first
+            # (and if none does, the pipeline is silent and nothing may be declared). So a healthy group behind
+            # its ingest sets no timer at all; one is set only when a deadline comes before the batches.
+            return None
         return at
+
+    def _relays_promise(self) -> datetime | None:
+        """By when every relay promised its next batch (None: no relay reports here)."""
+        promises = [
+            seen.last_at + timedelta(seconds=seen.report_every) for seen in self._state.reporters.values() if seen.relay
+        ]
+        return max(promises, default=None)
 
     def _deadline(self, heard: int) -> datetime:
         return datetime.fromtimestamp(heard, tz=UTC) + self._window() + self._grace()
@@ -269,7 +282,13 @@ class LivenessTrackerWorkflow:
             return
         now = workflow.now()
         was_silent = self._state.silent_since is not None or self._pipeline_silent(now)
-        self._note_reporter(report.reporter, now, report.report_every, report.relay)
+        if was_silent:
+            self._state.last_silence_from = self._state.silent_since or self._state.last_report_at
+            self._state.last_silence_to = now
+        # When the batch was made, not when it arrived: one that waited out an outage in Temporal's hands must
+        # not pass for a pipeline that kept working.
+        made = min(max(report.at, now - FORGET_LOST_AFTER), now)
+        self._note_reporter(report.reporter, made, report.report_every, report.relay)
         if was_silent:
             # Whatever probes said while the pipeline was down never arrived: give them a full window from now.
             self._state.floor = now + self._window() + self._grace()
@@ -286,6 +305,14 @@ class LivenessTrackerWorkflow:
             heard = min(at - ago, newest)
             if heard >= oldest:
                 self._on_heard(instance_id, heard)
+        self._wake_if_due_sooner()
+
+    def _wake_if_due_sooner(self) -> None:
+        """Re-arm only when the next check moved earlier than the timer (or there is none): a batch that merely
+        pushes deadlines back costs no new timer."""
+        check = self._next_check()
+        if check is not None and (self._armed_for is None or check < self._armed_for):
+            self._wake = True
 
     def _on_heard(self, instance_id: str, heard: int) -> None:
         if self._state.ignored_until.get(instance_id, 0) > heard:
@@ -302,8 +329,6 @@ class LivenessTrackerWorkflow:
                         MAX_INSTANCES_PER_SHARD,
                     )
                 return
-            if self._armed_for is None or self._deadline(heard) < self._armed_for:
-                self._wake = True  # a first instance to watch, or one due before the timer: arm it anew
         elif heard <= previous:
             return
         self._state.heard[instance_id] = heard
@@ -313,12 +338,16 @@ class LivenessTrackerWorkflow:
             last = datetime.fromtimestamp(heard, tz=UTC)
             self._outbox.append(LivenessChange(instance_id=instance_id, lost=False, last_heard=last))
 
-    def _note_reporter(self, reporter: str, now: datetime, every: timedelta, relay: bool) -> None:
-        self._state.last_report_at = now
-        self._state.reporters[reporter] = ReporterSeen(last_at=now, report_every=every.total_seconds(), relay=relay)
-        # Reporters that stopped (a replica scaled in, a restart's old self) are let go after a few promises.
+    def _note_reporter(self, reporter: str, made: datetime, every: timedelta, relay: bool) -> None:
+        self._state.last_report_at = max(self._state.last_report_at or made, made)
+        before = self._state.reporters.get(reporter)
+        last_at = max(before.last_at, made) if before else made
+        self._state.reporters[reporter] = ReporterSeen(last_at=last_at, report_every=every.total_seconds(), relay=relay)
+        now = workflow.now()
+        # Reporters that stopped (a replica scaled in, a restart's old self) are let go after a few promises; never
+        # the one just heard from, however late its batch arrived.
         for name, seen in list(self._state.reporters.items()):
-            if now - seen.last_at > 3 * timedelta(seconds=seen.report_every) + self._grace():
+            if name != reporter and now - seen.last_at > 3 * timedelta(seconds=seen.report_every) + self._grace():
                 del self._state.reporters[name]
         while len(self._state.reporters) > MAX_REPORTERS:
             oldest = min(self._state.reporters, key=lambda name: self._state.reporters[name].last_at)
@@ -364,6 +393,8 @@ class LivenessTrackerWorkflow:
             last_report_at=self._state.last_report_at,
             silent_since=self._state.silent_since,
             floor=self._state.floor,
+            last_silence_from=self._state.last_silence_from,
+            last_silence_to=self._state.last_silence_to,
             declared_lost=self._state.declared_lost,
             recovered=self._state.recovered,
             dropped_instances=self._state.dropped_instances,
@@ -390,6 +421,11 @@ class LivenessTrackerWorkflow:
             lines += ["", f"**No batch from any reporter since {iso(view.silent_since)}: declaring nothing**"]
         elif view.floor is not None and workflow.now() < view.floor:
             lines += ["", f"Reporters were silent; no loss declared before {iso(view.floor)}"]
+        if view.last_silence_from is not None and view.last_silence_to is not None:
+            lines += [
+                "",
+                f"Last silence of the reporters: {iso(view.last_silence_from)} to {iso(view.last_silence_to)}",
+            ]
         if view.lost:
             shown = ", ".join(view.lost[:DETAILS_LOST])
             more = f" and {len(view.lost) - DETAILS_LOST} more" if len(view.lost) > DETAILS_LOST else ""

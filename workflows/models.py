@@ -182,6 +182,10 @@ class LivenessCarry(BaseModel):
     # after it speaks again nothing before `floor`, a full window later.
     silent_since: datetime | None = None
     floor: datetime | None = None
+    # The last silence noticed (when batches came again, or a timer found the relays overdue): from the last
+    # batch before it to the first after it (None while it lasts).
+    last_silence_from: datetime | None = None
+    last_silence_to: datetime | None = None
     group: CapacityGroup | None = None
     declared_lost: int = 0
     recovered: int = 0
@@ -207,6 +211,8 @@ class LivenessView(BaseModel):
     silent_since: datetime | None
     floor: datetime | None
     declared_lost: int
+    last_silence_from: datetime | None = None
+    last_silence_to: datetime | None = None
     recovered: int
     dropped_instances: int
     forgotten: int
