@@ -73,21 +73,6 @@ class Ec2:
     async def instance(self, instance_id: str) -> InstanceTypeDef | None:
         return (await self.instances([instance_id])).get(instance_id)
 
-    async def find_replacement(self, impaired_instance_id: str) -> str | None:
-        """A live instance already launched (or claimed) for this impaired instance: the idempotency key."""
-        resp = await aws_call(
-            f"replacement of EC2 instance {impaired_instance_id}",
-            self._aws.ec2.describe_instances,
-            Filters=[
-                {"Name": f"tag:{REPLACES_TAG}", "Values": [impaired_instance_id]},
-                {"Name": "instance-state-name", "Values": LIVE_EC2_STATES},
-            ],
-        )
-        instances = [i for r in resp.get("Reservations", []) for i in r.get("Instances", [])]
-        if not instances:
-            return None
-        return min(instances, key=lambda i: (i["LaunchTime"], i["InstanceId"]))["InstanceId"]
-
     async def auto_scaling_group(self, group: CapacityGroup) -> AutoScalingGroupTypeDef:
         name = group.auto_scaling_group or ""
         resp = await aws_call(

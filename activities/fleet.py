@@ -11,10 +11,12 @@ activities/launch.py.
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from temporalio import activity
@@ -22,12 +24,12 @@ from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
 
 from activities.aws import AwsClients, aws_call
-from activities.ec2 import GONE_EC2_STATES, Ec2, chunks
+from activities.departures import Departures, departure
+from activities.ec2 import GONE_EC2_STATES, REPLACES_TAG, Ec2, chunks, tags_of
 from activities.launch import Launcher
 from activities.models import (
     ContainerInstanceRef,
     DrainResult,
-    GoneInstance,
     GroupCapacity,
     GroupCapacityRequest,
     GroupConfigRequest,
@@ -37,6 +39,8 @@ from activities.models import (
     InstanceTasks,
     LaunchRequest,
     LaunchResult,
+    ReplacementRef,
+    ReplacementWait,
     StopTasksRequest,
     StopTasksResult,
     TaskInfo,
@@ -50,7 +54,6 @@ if TYPE_CHECKING:
 
 
 REGISTERED_STATUSES = ("ACTIVE", "DRAINING")
-MAX_REASON = 256
 # The ECS agent's default (ECS_CONTAINER_STOP_TIMEOUT) for a container without stopTimeout, on EC2.
 ECS_DEFAULT_STOP_TIMEOUT = 30
 ECS_REASON_MAX = 255
@@ -61,6 +64,8 @@ ECS_DESCRIBE_BATCH = 100
 EC2_CHECK_EVERY_POLLS = 15
 
 INSTANCE_ID = re.compile(r"^i-[0-9a-f]{8,17}$")
+
+log = logging.getLogger(__name__)
 
 
 def _is_not_found(err: ApplicationError) -> bool:
@@ -81,6 +86,7 @@ class FleetActivities:
         self._aws = aws
         self._ec2 = Ec2(aws)
         self._launch = Launcher(aws, self._ec2)
+        self._departures = Departures(aws)
         self._groups = groups
         # Reads the live overrides an operator set on the group's drain semaphore; None: settings only.
         self._client = client
@@ -98,6 +104,7 @@ class FleetActivities:
             self.set_draining,
             self.launch_replacement,
             self.await_container_instance_active,
+            self.terminate_replacement,
             self.list_instance_tasks,
             self.stop_tasks,
             self.terminate_instance,
@@ -108,21 +115,24 @@ class FleetActivities:
 
     @activity.defn(name="instances_gone")
     async def instances_gone(self, request: InstancesGoneRequest) -> InstancesGone:
-        """Which of these silent instances EC2 says are terminated or terminating: they left (scaled in, terminated
-        by an operator, a Spot interruption), they did not fail. One call for a whole batch of losses, never a poll
-        per instance."""
+        """Which of these silent instances left on purpose, and why (GoneCause): stopped or terminated in EC2, on
+        their way out of their Auto Scaling group, deregistered from the group's ECS cluster, interrupted Spot, or
+        in a Capacity Block that is ending. They did not fail, so they retire instead of being repaired.
+
+        One read per AWS API for a whole batch of losses (activities/departures.py), never a poll per instance.
+        EC2's read failing fails the activity; any other read failing only leaves its instances counted as lost."""
         found = await self._ec2.instances(request.instance_ids)
+        try:
+            cluster: str | None = self._group(request.group).cluster
+        except ApplicationError as err:
+            # Not a reason to hold back what EC2 said: without the cluster, ECS is just not asked.
+            log.warning("instances_gone: ECS not asked (%s)", err)
+            cluster = None
+        registrations = partial(self._registrations, cluster) if cluster else None
+        lookups = await self._departures.lookups(found, cluster, registrations)
+        now = datetime.now(UTC)
         return InstancesGone(
-            gone=[
-                GoneInstance(
-                    instance_id=instance_id,
-                    state=instance["State"]["Name"],
-                    reason=instance.get("StateTransitionReason", "")[:MAX_REASON],
-                )
-                for instance_id, instance in sorted(found.items())
-                # Left for good; stopping or stopped is not (it may start again), nor is one EC2 no longer knows.
-                if instance.get("State", {}).get("Name") in GONE_EC2_STATES
-            ]
+            gone=[gone for _, instance in sorted(found.items()) if (gone := departure(instance, lookups, now))]
         )
 
     @activity.defn(name="describe_group_capacity")
@@ -187,10 +197,11 @@ class FleetActivities:
 
     @activity.defn(name="launch_replacement")
     async def launch_replacement(self, request: LaunchRequest) -> LaunchResult:
-        """Start the replacement before anything is stopped. Idempotent through the `replaces` tag."""
+        """Start the replacement before anything is stopped. Idempotent per attempt: the `replaces` tag and the
+        attempt's client token (`launch-token` tag) find the instance a retry of this attempt already launched."""
         group = self._group(request.group)
         _check_instance_id(request.impaired_instance_id)
-        existing = await self._ec2.find_replacement(request.impaired_instance_id)
+        existing = await self._launch.existing(request)
         if existing is not None:
             return LaunchResult(replacement_instance_id=existing, already_existed=True)
         if group.launch_template:
@@ -205,13 +216,15 @@ class FleetActivities:
         )
 
     @activity.defn(name="await_container_instance_active")
-    async def await_container_instance_active(self, ref: InstanceRef) -> ContainerInstanceRef:
-        """Wait until the instance's ECS agent has registered it ACTIVE in the group's cluster.
+    async def await_container_instance_active(self, ref: ReplacementWait) -> ContainerInstanceRef:
+        """Wait until the instance's ECS agent has registered it ACTIVE in the group's cluster, until `ready_by`.
 
-        Runs under the workflow's start_to_close and heartbeat timeouts. Cancellation arrives as
+        Runs under the workflow's schedule-to-close and heartbeat timeouts. Cancellation arrives as
         CancelledError at the next await (a heartbeat is what lets the server deliver it) and propagates.
         """
         group = self._group(ref.group)
+        # A plain InstanceRef (a direct call) has no deadline: the activity's timeout alone ends the wait.
+        ready_by = ref.ready_by if isinstance(ref, ReplacementWait) else None
         polls = 0
         while True:
             ci = await self._find_container_instance(group, ref.instance_id)
@@ -230,9 +243,40 @@ class FleetActivities:
                         type="InstanceTerminated",
                         non_retryable=True,
                     )
+            if ready_by is not None and datetime.now(UTC) >= ready_by:
+                # Non-retryable: waiting longer is the one thing that does not help; the workflow gives up on it.
+                raise ApplicationError(
+                    f"EC2 instance {ref.instance_id} is not ACTIVE in ECS cluster {group.cluster} by "
+                    f"{ready_by.astimezone(UTC).isoformat(timespec='seconds')} (replacement_ready_timeout of "
+                    f"capacity group {group.name}); ECS says {status}",
+                    type="ReplacementNotReady",
+                    non_retryable=True,
+                )
             activity.heartbeat(status)
             polls += 1
             await asyncio.sleep(self._poll_seconds)
+
+    @activity.defn(name="terminate_replacement")
+    async def terminate_replacement(self, ref: ReplacementRef) -> TerminateResult:
+        """Terminate a replacement the repair gave up on (deregistered from ECS first, in case it registered late).
+        Already terminated is success. Only an instance tagged as a replacement of this impaired instance: a mixed-up
+        id must never take down a serving instance."""
+        _check_instance_id(ref.instance_id)
+        instance = await self._ec2.instance(ref.instance_id)
+        if instance is not None:
+            state = instance.get("State", {}).get("Name")
+            if state in GONE_EC2_STATES:
+                return TerminateResult(previous_state=state, already_terminated=True)
+            owner = tags_of(instance.get("Tags")).get(REPLACES_TAG)
+            if owner != ref.impaired_instance_id:
+                raise ApplicationError(
+                    f"EC2 instance {ref.instance_id} is not tagged {REPLACES_TAG}={ref.impaired_instance_id} "
+                    f"({owner or 'no such tag'}): not terminated as an abandoned replacement",
+                    type="NotAReplacement",
+                    non_retryable=True,
+                )
+        # Not found by the lookup (EC2 lags, or it is long gone): TerminateInstances decides, NotFound is success.
+        return await self.terminate_instance(InstanceRef(group=ref.group, instance_id=ref.instance_id))
 
     @activity.defn(name="list_instance_tasks")
     async def list_instance_tasks(self, ref: InstanceRef) -> InstanceTasks:
@@ -392,6 +436,22 @@ class FleetActivities:
             return None
         # A re-registered instance (agent state reset) has two; the newest is the live one.
         return max(matches, key=lambda ci: ci.get("registeredAt") or datetime.min.replace(tzinfo=UTC))
+
+    async def _registrations(self, cluster: str, instance_ids: list[str]) -> dict[str, list[str]]:
+        """Statuses of the container instances of these EC2 instances in the cluster, [] for one with none. ECS lists
+        every status but INACTIVE: an instance deregistered for good has none."""
+        ids = [i for i in instance_ids if INSTANCE_ID.match(i)]  # they go into a cluster query expression
+        if not ids:
+            return {}
+        # Real ECS narrows the list with the cluster query; moto ignores `filter` and lists the whole cluster.
+        # Matching ec2InstanceId below as well keeps one code path that is right on both.
+        arns = await self._list_container_instance_arns(cluster, query=f"ec2InstanceId in [{', '.join(ids)}]")
+        statuses: dict[str, list[str]] = {i: [] for i in ids}
+        for ci in await self._describe_container_instances(cluster, arns):
+            instance_id = ci.get("ec2InstanceId", "")
+            if instance_id in statuses:
+                statuses[instance_id].append(ci.get("status", ""))
+        return statuses
 
     async def _describe_tasks(self, cluster: str, task_arns: Sequence[str]) -> list[Any]:
         tasks: list[Any] = []

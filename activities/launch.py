@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 
 # A name may start with "lt-" too; an id is exactly this shape.
 LAUNCH_TEMPLATE_ID = re.compile(r"^lt-[0-9a-f]{17}$")
+# The launch's client token, on the replacement: tells one replacement attempt's instance from an earlier one's.
+LAUNCH_TOKEN_TAG = "gpu-autorepair:launch-token"
 
 
 class Launcher:
@@ -29,6 +31,30 @@ class Launcher:
     def __init__(self, aws: AwsClients, ec2: Ec2) -> None:
         self._aws = aws
         self._ec2 = ec2
+
+    async def existing(self, request: LaunchRequest) -> str | None:
+        """The live replacement this launch request already made (or claimed), if any: the idempotency key.
+
+        One launched by a worker that did not tag its token yet counts too: a second one would be a duplicate. One
+        with another token is an earlier attempt's, on its way out: never handed back for this attempt."""
+        impaired = request.impaired_instance_id
+        resp = await aws_call(
+            f"replacement of EC2 instance {impaired}",
+            self._aws.ec2.describe_instances,
+            Filters=[
+                {"Name": f"tag:{REPLACES_TAG}", "Values": [impaired]},
+                {"Name": "instance-state-name", "Values": LIVE_EC2_STATES},
+            ],
+        )
+        instances = [
+            i
+            for r in resp.get("Reservations", [])
+            for i in r.get("Instances", [])
+            if tags_of(i.get("Tags")).get(LAUNCH_TOKEN_TAG, request.client_token) == request.client_token
+        ]
+        if not instances:
+            return None
+        return min(instances, key=lambda i: (i["LaunchTime"], i["InstanceId"]))["InstanceId"]
 
     async def from_template(self, group: CapacityGroup, request: LaunchRequest) -> LaunchResult:
         template = group.launch_template or ""
@@ -74,6 +100,7 @@ class Launcher:
                     "Tags": [
                         {"Key": GROUP_TAG, "Value": group.name},
                         {"Key": REPLACES_TAG, "Value": request.impaired_instance_id},
+                        {"Key": LAUNCH_TOKEN_TAG, "Value": request.client_token},
                         {"Key": "Name", "Value": f"{group.name} (replaces {request.impaired_instance_id})"},
                     ],
                 }
@@ -135,7 +162,9 @@ class Launcher:
             )
         # The first launched after the detach is most likely the one the detach caused.
         chosen = min(candidates, key=lambda i: (i["LaunchTime"], i["InstanceId"]))["InstanceId"]
-        await self._ec2.tag(chosen, {REPLACES_TAG: impaired, GROUP_TAG: group.name})
+        await self._ec2.tag(
+            chosen, {REPLACES_TAG: impaired, LAUNCH_TOKEN_TAG: request.client_token, GROUP_TAG: group.name}
+        )
         # Two repairs in one group may pick the same new instance: the tag's last writer owns it, the
         # other retries.
         owner = tags_of(((await self._ec2.instance(chosen)) or {}).get("Tags")).get(REPLACES_TAG)

@@ -6,7 +6,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from contract.formats import iso
 from contract.groups import GroupConfigOverrides, GroupConfigState
@@ -30,11 +30,32 @@ class EventType(StrEnum):
     GROUP_CONFIG_CHANGED = "GroupConfigChanged"
     # The instance left on purpose (terminated by someone other than a repair): watched no more, never repaired.
     INSTANCE_RETIRED = "InstanceRetired"
+    # A dormant instance (it left on purpose, stopped or in standby, say) was heard from again: watched as before.
+    INSTANCE_RETURNED = "InstanceReturned"
+    # Per-instance operator controls (contract/instances.py), from the instance's health workflow; each carries
+    # `requested_by` and `reason`.
+    INSTANCE_EXCLUDED = "InstanceExcluded"
+    INSTANCE_INCLUDED = "InstanceIncluded"
+    REPAIR_REQUESTED = "RepairRequested"
+    FINDING_CLEARED = "FindingCleared"
+    # The breaker (group-level, or fleet-wide with group "*"): repairs held, and an operator's resume.
+    REPAIRS_HELD = "RepairsHeld"
+    REPAIRS_RESUMED = "RepairsResumed"
+    # A held repair let go by `--resume --discard-held`: its instance was never touched.
+    REPAIR_DISCARDED = "RepairDiscarded"
+    # A replacement that was not ACTIVE in ECS within replacement_ready_timeout (or went away): terminated, and
+    # another launched unless it was the repair's last attempt.
+    REPLACEMENT_ABANDONED = "ReplacementAbandoned"
 
 
 HEALTH_DETAIL_TYPE = "Instance Health Change"
 REPAIR_DETAIL_TYPE = "Instance Repair Step"
 GROUP_DETAIL_TYPE = "Capacity Group Configuration Change"
+CONTROL_DETAIL_TYPE = "Instance Operator Control"
+CONTROL_EVENTS = frozenset(
+    {EventType.INSTANCE_EXCLUDED, EventType.INSTANCE_INCLUDED, EventType.REPAIR_REQUESTED, EventType.FINDING_CLEARED}
+)
+BREAKER_DETAIL_TYPE = "Capacity Group Breaker"
 
 
 class FleetEvent(BaseModel):
@@ -52,7 +73,11 @@ class FleetEvent(BaseModel):
     def detail_type(self) -> str:
         if self.type is EventType.GROUP_CONFIG_CHANGED:
             return GROUP_DETAIL_TYPE
-        health = (EventType.HEALTH_CHANGED, EventType.INSTANCE_RETIRED)
+        if self.type in CONTROL_EVENTS:
+            return CONTROL_DETAIL_TYPE
+        if self.type in (EventType.REPAIRS_HELD, EventType.REPAIRS_RESUMED):
+            return BREAKER_DETAIL_TYPE
+        health = (EventType.HEALTH_CHANGED, EventType.INSTANCE_RETIRED, EventType.INSTANCE_RETURNED)
         return HEALTH_DETAIL_TYPE if self.type in health else REPAIR_DETAIL_TYPE
 
     def line(self) -> dict[str, Any]:
@@ -98,18 +123,46 @@ class GroupConfigRequest(BaseModel):
 
 
 class InstancesGoneRequest(BaseModel):
-    group: str
+    group: str  # its ECS cluster is where a deregistration is looked for
     instance_ids: list[str]
+
+
+class GoneCause(StrEnum):
+    """Why a silent instance counts as having left on purpose: the strongest of what the reads said."""
+
+    EC2_TERMINATED = "ec2_terminated"  # shutting-down or terminated in EC2
+    EC2_STOPPED = "ec2_stopped"  # stopping or stopped in EC2 (a repair never stops an instance)
+    ASG_LEAVING = "asg_leaving"  # scale-in, lifecycle hook, detach or standby in its Auto Scaling group
+    ECS_DEREGISTERED = "ecs_deregistered"  # no longer registered in its group's ECS cluster
+    SPOT_INTERRUPTION = "spot_interruption"  # its Spot request says EC2 is taking it back
+    CAPACITY_BLOCK_ENDING = "capacity_block_ending"  # its Capacity Block ended or is about to
+    # A cause a newer worker knows and this one does not: still gone, since only a gone instance is reported.
+    OTHER = "other"
 
 
 class GoneInstance(BaseModel):
     instance_id: str
-    state: str  # EC2's: shutting-down or terminated
-    reason: str = ""  # EC2's StateTransitionReason, e.g. "User initiated (2026-12-01 10:00:00 GMT)"
+    # EC2's state name: shutting-down, terminated, stopping, stopped; or pending/running when another service (Auto
+    # Scaling, ECS, Spot, the Capacity Block) says the instance is leaving.
+    state: str
+    # Human-readable, strongest cause first, e.g. EC2's StateTransitionReason ("User initiated (2026-12-01 10:00:00
+    # GMT)") or "Auto Scaling group g6-asg has it Standby: put in standby".
+    reason: str = ""
+    # Payloads of older workers have none: they only ever reported instances terminated or shutting down in EC2.
+    cause: GoneCause = GoneCause.EC2_TERMINATED
+
+    @field_validator("cause", mode="before")
+    @classmethod
+    def _lenient_cause(cls, value: object) -> object:
+        # Lenient on the wire: an unknown cause must not make a whole batch of departures undecodable.
+        try:
+            return GoneCause(value) if isinstance(value, str) else GoneCause.OTHER
+        except ValueError:
+            return GoneCause.OTHER
 
 
 class InstancesGone(BaseModel):
-    """Of the instances asked about, those EC2 says are terminated or terminating."""
+    """Of the instances asked about, those that left on purpose (GoneCause says which way)."""
 
     gone: list[GoneInstance] = Field(default_factory=list)
 
@@ -130,7 +183,8 @@ class LaunchRequest(BaseModel):
     impaired_instance_id: str
     availability_zone: str | None = None
     subnet_id: str | None = None
-    # Same token on every retry of one repair's launch: the activity returns the instance it already launched.
+    # Same token on every retry of one replacement attempt (a new one per attempt): a retried launch returns the
+    # instance that attempt already launched, never one an earlier attempt gave up on.
     client_token: str = Field(min_length=1, max_length=64)
 
 
@@ -170,6 +224,9 @@ class TerminateResult(BaseModel):
 class StartRepairRequest(BaseModel):
     repair: RepairInput
     summary: str = Field(description="One line for the Web UI's list view")
+    # The progress token of this instance's earlier repair, which ended without replacing it (withdrawn by an
+    # operator's control, or failed): a new repair may then run under the same id. Empty: never a second repair.
+    replaces_token: str = ""
 
 
 class StartRepairResult(BaseModel):
@@ -177,6 +234,21 @@ class StartRepairResult(BaseModel):
     already_running: bool
     # The progress token of the repair that runs under that id: the one just started, or one started earlier.
     progress_token: str = ""
+
+
+class WithdrawRepairRequest(BaseModel):
+    """Ask a repair that waits for its drain permit to stand down (its `withdraw_repair` update)."""
+
+    workflow_id: str
+    token: str  # the repair's progress token: it takes the withdrawal only from the health workflow that started it
+    reason: str
+
+
+class WithdrawRepairResult(BaseModel):
+    # True: the repair will not touch the instance (it stood down, or had closed already). False: it holds its
+    # permit and is left to finish.
+    withdrawn: bool
+    detail: str = ""
 
 
 class PermitRequestOrder(BaseModel):
@@ -187,6 +259,7 @@ class PermitRequestOrder(BaseModel):
     holder_run_id: str
     instance_id: str
     token: str  # the repair's secret for this request (PermitRequest.token)
+    critical: bool = True
 
 
 class WorkflowRun(BaseModel):
@@ -203,3 +276,19 @@ class RepairsOfGroup(BaseModel):
 
     group: str
     runs: list[WorkflowRun]
+
+
+class ReplacementWait(InstanceRef):
+    """Wait for a replacement (`instance_id`) to be ACTIVE in the group's cluster, until `ready_by` at the latest."""
+
+    # Fixed by the workflow when the wait starts, so a retried wait (a worker lost) does not start the clock again.
+    # None (a payload of an older workflow): only the activity's own timeout ends the wait.
+    ready_by: datetime | None = None
+
+
+class ReplacementRef(BaseModel):
+    """A replacement that a repair gives up on, and the impaired instance it was launched for."""
+
+    group: str
+    instance_id: str
+    impaired_instance_id: str

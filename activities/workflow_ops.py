@@ -3,6 +3,7 @@ signal-with-start, look at another workflow's status)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
@@ -13,8 +14,10 @@ from temporalio.client import (
     Client,
     WorkflowExecutionDescription,
     WorkflowExecutionStatus,
+    WorkflowFailureError,
     WorkflowHandle,
     WorkflowQueryRejectedError,
+    WorkflowUpdateFailedError,
 )
 from temporalio.common import (
     QueryRejectCondition,
@@ -23,7 +26,7 @@ from temporalio.common import (
     WorkflowIDConflictPolicy,
     WorkflowIDReusePolicy,
 )
-from temporalio.exceptions import WorkflowAlreadyStartedError
+from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.models import (
@@ -33,6 +36,8 @@ from activities.models import (
     RepairsOfGroup,
     StartRepairRequest,
     StartRepairResult,
+    WithdrawRepairRequest,
+    WithdrawRepairResult,
     WorkflowRun,
     WorkflowRuns,
 )
@@ -40,6 +45,7 @@ from contract import names
 from contract import search_attributes as sa
 from contract.groups import GroupConfigState
 from contract.ids import repair_workflow_id, semaphore_workflow_id
+from contract.instances import RepairWithdrawal, RepairWithdrawalResult
 from contract.repair import RepairInput, RepairPhase
 from contract.semaphore import PermitRequest, SemaphoreInput
 
@@ -83,6 +89,7 @@ class WorkflowOps:
             self.find_running_repairs,
             self.find_closed_workflows,
             self.previous_group_config,
+            self.withdraw_repair,
         ]
 
     @activity.defn
@@ -98,26 +105,43 @@ class WorkflowOps:
         ]
         if repair.finding is not None and repair.finding.code is not None:
             attributes.append(SearchAttributePair(sa.XID, repair.finding.code))
-        # A repair is its own story: start it in a fresh trace (one trace per repair), not as one more span of
-        # the instance's long-lived health workflow, which would bury it.
-        token = otel_context.attach(otel_context.Context())
+        # A terminated instance is never repaired twice, even by a late duplicate start; only a repair that ended
+        # without replacing it (withdrawn, failed) may be followed by another, when the health workflow says so.
+        reuse = (
+            WorkflowIDReusePolicy.ALLOW_DUPLICATE_FAILED_ONLY
+            if request.replaces_token
+            else WorkflowIDReusePolicy.REJECT_DUPLICATE
+        )
+
+        async def start() -> WorkflowHandle[Any, Any]:
+            # A repair is its own story: start it in a fresh trace (one trace per repair), not as one more span of
+            # the instance's long-lived health workflow, which would bury it.
+            token = otel_context.attach(otel_context.Context())
+            try:
+                return await self._client.start_workflow(
+                    names.REPAIR_WORKFLOW,
+                    repair,
+                    id=workflow_id,
+                    task_queue=self._task_queue,
+                    id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+                    id_reuse_policy=reuse,
+                    search_attributes=TypedSearchAttributes(attributes),
+                    static_summary=request.summary,
+                )
+            finally:
+                otel_context.detach(token)
+
         try:
-            handle = await self._client.start_workflow(
-                names.REPAIR_WORKFLOW,
-                repair,
-                id=workflow_id,
-                task_queue=self._task_queue,
-                id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-                # A terminated instance is never repaired twice, even by a late duplicate start.
-                id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
-                search_attributes=TypedSearchAttributes(attributes),
-                static_summary=request.summary,
-            )
+            handle = await start()
+            running = await self._progress_token(handle)
+            if request.replaces_token and running == request.replaces_token:
+                # The repair this one replaces was withdrawn and is still closing: once it has, start this one.
+                with contextlib.suppress(WorkflowFailureError):
+                    await handle.result(follow_runs=False)
+                handle = await start()
+                running = await self._progress_token(handle)
         except WorkflowAlreadyStartedError:
             return StartRepairResult(workflow_id=workflow_id, already_running=True)
-        finally:
-            otel_context.detach(token)
-        running = await self._progress_token(handle)
         return StartRepairResult(
             workflow_id=workflow_id,
             already_running=running != repair.progress_token,
@@ -149,6 +173,7 @@ class WorkflowOps:
                     holder_run_id=order.holder_run_id,
                     instance_id=order.instance_id,
                     token=order.token,
+                    critical=order.critical,
                 )
             ],
             static_summary=f"drain cap for capacity group {order.group}",
@@ -206,3 +231,22 @@ class WorkflowOps:
         latest = max(closed, key=lambda execution: execution.close_time or datetime.min)
         state = await latest.memo_value(names.GROUP_CONFIG_MEMO, None, type_hint=GroupConfigState)
         return PreviousGroupConfig(state=state, run_id=latest.run_id)
+
+    @activity.defn
+    async def withdraw_repair(self, request: WithdrawRepairRequest) -> WithdrawRepairResult:
+        """Ask a repair that waits for its drain permit to stand down, through its `withdraw_repair` update: the
+        repair itself decides, so one that got its permit meanwhile is never stopped halfway through a drain."""
+        handle = self._client.get_workflow_handle(request.workflow_id)
+        withdrawal = RepairWithdrawal(token=request.token, reason=request.reason)
+        try:
+            await handle.execute_update(names.UPDATE_WITHDRAW_REPAIR, withdrawal, result_type=RepairWithdrawalResult)
+        except WorkflowUpdateFailedError as err:
+            cause = err.cause
+            refused = cause.message if isinstance(cause, ApplicationError) else str(cause)
+            return WithdrawRepairResult(withdrawn=False, detail=refused)
+        except RPCError as err:
+            if err.status != RPCStatusCode.NOT_FOUND:
+                raise
+            # Closed already (it failed, or an operator terminated it): it will not touch the instance either.
+            return WithdrawRepairResult(withdrawn=True, detail=f"{request.workflow_id} had closed already")
+        return WithdrawRepairResult(withdrawn=True, detail=f"{request.workflow_id} withdrawn before draining")

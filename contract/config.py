@@ -159,11 +159,26 @@ class EventSettings(SettingsSection):
     webhook_timeout: PositiveDuration = Field(
         default=timedelta(seconds=2), description="Per request; publish_event waits at most this"
     )
+    # Every sink fails open (activities/webhook.py has the outbox): publish_event tries each once, and what a sink
+    # refuses waits on the worker's disk for a background retry, so an outage never holds up a repair.
     webhook_outbox_dir: Path = Field(
         default=Path("/var/lib/autorepair/webhook-outbox"),
-        description="Events the webhook has not accepted yet wait here, one file each, and survive restarts",
+        description=(
+            "Events a sink has not accepted yet wait here, one file each, and survive restarts: the webhook's at the "
+            "top, EventBridge's in eventbridge/ and the JSON-lines file's in jsonl/, each with a dead-letter.jsonl"
+        ),
     )
-    webhook_outbox_max_events: int = Field(default=10_000, ge=1, description="When full, the oldest event is dropped")
+    webhook_outbox_max_events: int = Field(
+        default=10_000, ge=1, description="Per outbox; when full, the oldest event is dead-lettered"
+    )
+    sink_timeout: PositiveDuration = Field(
+        default=timedelta(seconds=2),
+        description="publish_event's one try at EventBridge and at the JSON-lines file (the webhook has its own)",
+    )
+    outbox_deadline: PositiveDuration = Field(
+        default=timedelta(hours=24),
+        description="How long an event waiting in an outbox is retried before it goes to the dead-letter file",
+    )
 
 
 class IngestSettings(SettingsSection):

@@ -8,6 +8,16 @@ from typing import Annotated
 
 from pydantic import BaseModel, Field
 
+from contract.breaker import (
+    MAX_IMPAIRED_PERCENT,
+    MAX_IMPAIRED_WINDOW,
+    MAX_REPAIRS_PER_DAY,
+    MIN_IMPAIRED_PERCENT,
+    BreakerRule,
+    ImpairedPercent,
+    MaintenanceWindow,
+    MinImpaired,
+)
 from contract.config import SettingsSection, format_seconds
 from contract.limits import Name
 from contract.liveness import LivenessShards
@@ -20,6 +30,8 @@ DrainingPercent = Annotated[int, Field(ge=MIN_DRAINING_PERCENT, le=MAX_DRAINING_
 HEARTBEATS_PER_THRESHOLD = 3
 MAX_HEARTBEAT_LOSS_THRESHOLD = timedelta(days=1)
 DEFAULT_HEARTBEAT_INTERVAL = timedelta(seconds=60)  # the probe's own default, `--heartbeat-interval 60`
+# Each attempt may hold a drain permit for a whole replacement_ready_timeout: more than a few only delays the operator.
+MAX_REPLACEMENT_ATTEMPTS = 10
 
 
 def heartbeat_threshold_problem(threshold: timedelta, heartbeat_interval: timedelta | None) -> str | None:
@@ -64,23 +76,55 @@ class CapacityGroup(SettingsSection):
     # How often the group's probes send a heartbeat: their --heartbeat-interval (default 60 s), said here once more so
     # that the threshold can be checked against it.
     heartbeat_interval: timedelta = DEFAULT_HEARTBEAT_INTERVAL
-    # How long a replacement may take from launch to ACTIVE in ECS before the wait is retried.
+    # How long a replacement may take from launch to ACTIVE in ECS; then it is terminated and another is launched.
     replacement_ready_timeout: timedelta = timedelta(minutes=20)
+    # Replacements one repair may launch that never become ACTIVE; then the repair fails, its instance left DRAINING.
+    max_replacement_attempts: int = Field(default=3, ge=1, le=MAX_REPLACEMENT_ATTEMPTS)
     # How often the repair looks at the draining instance's tasks between stop-timeout deadlines.
     task_poll_interval: timedelta = timedelta(seconds=15)
     # How often the drain semaphore checks that its permit holders are still running.
     permit_reclaim_interval: timedelta = timedelta(minutes=1)
     # Liveness trackers for the group: one holds up to 20,000 instances; a larger group needs more (ceil(n/20,000)).
     liveness_shards: LivenessShards = 1
+    # The breaker (docs/operations.md): no new drain permits once strictly more than max(min_impaired, n x
+    # max_impaired_percent / 100) of the group's n instances became IMPAIRED within impaired_window.
+    max_impaired_percent: ImpairedPercent = 30
+    min_impaired: MinImpaired = 3
+    impaired_window: timedelta = timedelta(minutes=30)
+    # Optional: at most this many repairs granted in 24 hours, then repairs are held like the breaker holds them.
+    max_repairs_per_day: int | None = Field(default=None, ge=1, le=MAX_REPAIRS_PER_DAY)
+    # Optional: outside every window (UTC) only critical repairs run; none means any time.
+    maintenance_windows: list[MaintenanceWindow] = Field(default_factory=list, max_length=50)
 
     def max_draining(self, instance_count: int) -> int:
         """The drain cap, computed here only. ECS's rule: max(1, floor(n * pct / 100)); below 9 instances at 20%
         that is one at a time."""
         return max(1, instance_count * self.max_draining_percent // 100)
 
+    def breaker_rule(self) -> BreakerRule:
+        return BreakerRule(
+            max_impaired_percent=self.max_impaired_percent,
+            min_impaired=self.min_impaired,
+            impaired_window=self.impaired_window,
+        )
+
     def settings_problems(self) -> list[tuple[str | None, str]]:
+        problems: list[tuple[str | None, str]] = []
         problem = heartbeat_threshold_problem(self.heartbeat_loss_threshold, self.heartbeat_interval)
-        return [("heartbeat_loss_threshold", problem)] if problem else []
+        if problem:
+            problems.append(("heartbeat_loss_threshold", problem))
+        if (problem := impaired_window_problem(self.impaired_window)) is not None:
+            problems.append(("impaired_window", problem))
+        return problems
+
+
+def impaired_window_problem(window: timedelta) -> str | None:
+    if timedelta(0) < window <= MAX_IMPAIRED_WINDOW:
+        return None
+    return (
+        f"impaired_window must be more than 0s and at most {format_seconds(MAX_IMPAIRED_WINDOW)}, "
+        f"not {format_seconds(window)}"
+    )
 
 
 class GroupConfigOverrides(BaseModel):
@@ -89,6 +133,10 @@ class GroupConfigOverrides(BaseModel):
     auto_repair: AutoRepair | None = None
     max_draining_percent: int | None = None
     heartbeat_loss_threshold: timedelta | None = None
+    max_impaired_percent: int | None = None
+    min_impaired: int | None = None
+    impaired_window: timedelta | None = None
+    max_repairs_per_day: int | None = None
 
     def apply(self, group: CapacityGroup) -> CapacityGroup:
         return group.model_copy(update=self.model_dump(exclude_none=True))
@@ -101,22 +149,48 @@ class GroupConfigUpdate(BaseModel):
     auto_repair: AutoRepair | None = None
     max_draining_percent: int | None = None
     heartbeat_loss_threshold: timedelta | None = None
+    max_impaired_percent: int | None = None
+    min_impaired: int | None = None
+    impaired_window: timedelta | None = None
+    max_repairs_per_day: int | None = None
     # Drop every live override first (back to the worker's settings), then apply the fields above, if any.
     reset: bool = False
+    # Let held repairs through again (the breaker never resets by itself); with discard_held, the held repairs are
+    # let go instead and their instances must prove their fault again.
+    resume: bool = False
+    discard_held: bool = False
     requested_by: Name = ""
 
     def changes(self) -> GroupConfigOverrides:
-        return GroupConfigOverrides.model_validate(self.model_dump(exclude={"requested_by", "reset"}))
+        return GroupConfigOverrides.model_validate(
+            self.model_dump(exclude={"requested_by", "reset", "resume", "discard_held"})
+        )
 
     def problems(self, group: CapacityGroup | None = None) -> list[str]:
         """What is wrong with this update, for the operator; empty when it may be applied. `group`: the group's
         effective configuration now (settings + live overrides), to check the threshold against its
         heartbeat_interval; without it only the bounds are checked."""
         problems = []
-        if not self.reset and self.changes() == GroupConfigOverrides():
+        if not (self.reset or self.resume) and self.changes() == GroupConfigOverrides():
             problems.append(
-                "nothing to change: give auto_repair, max_draining_percent, heartbeat_loss_threshold or reset"
+                "nothing to change: give auto_repair, max_draining_percent, heartbeat_loss_threshold, "
+                "max_impaired_percent, min_impaired, impaired_window, max_repairs_per_day, reset or resume"
             )
+        if self.discard_held and not self.resume:
+            problems.append("discard_held goes with resume: --resume --discard-held")
+        impaired = self.max_impaired_percent
+        if impaired is not None and not MIN_IMPAIRED_PERCENT <= impaired <= MAX_IMPAIRED_PERCENT:
+            problems.append(
+                f"max_impaired_percent must be between {MIN_IMPAIRED_PERCENT} and {MAX_IMPAIRED_PERCENT}, "
+                f"not {impaired}"
+            )
+        if self.min_impaired is not None and not 0 <= self.min_impaired <= 100_000:
+            problems.append(f"min_impaired must be between 0 and 100000, not {self.min_impaired}")
+        if self.impaired_window is not None and (problem := impaired_window_problem(self.impaired_window)):
+            problems.append(problem)
+        budget = self.max_repairs_per_day
+        if budget is not None and not 1 <= budget <= MAX_REPAIRS_PER_DAY:
+            problems.append(f"max_repairs_per_day must be between 1 and {MAX_REPAIRS_PER_DAY}, not {budget}")
         percent = self.max_draining_percent
         if percent is not None and not MIN_DRAINING_PERCENT <= percent <= MAX_DRAINING_PERCENT:
             problems.append(

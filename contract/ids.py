@@ -1,5 +1,5 @@
 """Workflow ids: one health workflow per instance, one repair per impaired instance, one semaphore per group, one
-liveness tracker per group shard."""
+liveness tracker per group shard, one fleet breaker."""
 
 
 def health_workflow_id(instance_id: str) -> str:
@@ -12,6 +12,11 @@ def repair_workflow_id(instance_id: str) -> str:
 
 def semaphore_workflow_id(group: str) -> str:
     return f"drain-semaphore/{group}"
+
+
+def fleet_breaker_workflow_id(task_queue: str) -> str:
+    # One per worker deployment (its settings name the fleet's groups), told apart by the task queue.
+    return f"fleet-breaker/{task_queue}"
 
 
 def liveness_workflow_id(group: str, shard: int = 0, shards: int = 1) -> str:

@@ -78,6 +78,10 @@ class LivenessChange(BaseModel):
     threshold: timedelta | None = None
     # Set when the lost instance left on purpose (EC2 says terminated, by someone other than a repair): retire.
     gone: Text | None = None
+    # Gone for good (terminated, a Spot interruption, its Capacity Block ending): the health workflow completes.
+    # Otherwise (stopped, in standby, detached, deregistered) it may come back: the health workflow stays, dormant,
+    # until it is heard from again.
+    for_good: bool = True
 
 
 class LivenessInput(BaseModel):
@@ -86,6 +90,14 @@ class LivenessInput(BaseModel):
     group: Id
     shard: int = Field(default=0, ge=0, lt=MAX_LIVENESS_SHARDS)
     shards: LivenessShards = 1
+
+
+class RecheckLoss(BaseModel):
+    """From a health workflow to its tracker: an operator cleared the instance's heartbeat loss, or let its held
+    repair go (`--resume --discard-held`). A loss the tracker declared is forgotten and the silence is judged
+    afresh from now: still silent after a full window, it is lost again."""
+
+    instance_id: Id
 
 
 class IgnoreHeartbeats(BaseModel):

@@ -13,6 +13,7 @@ HEALTH_WORKFLOW: Final = "InstanceHealthWorkflow"
 REPAIR_WORKFLOW: Final = "InstanceRepairWorkflow"
 SEMAPHORE_WORKFLOW: Final = "DrainSemaphoreWorkflow"
 LIVENESS_WORKFLOW: Final = "LivenessTrackerWorkflow"
+FLEET_BREAKER_WORKFLOW: Final = "FleetBreakerWorkflow"
 
 # Signals to a health workflow: the probe's two, the repair's progress, and the game-day injection.
 SIGNAL_GPU_FINDING: Final = "gpu_finding"
@@ -25,11 +26,18 @@ SIGNAL_LIVENESS: Final = "liveness"  # from the group's liveness tracker: lost o
 SIGNAL_LIVENESS_REPORT: Final = "liveness_report"
 SIGNAL_IGNORE_HEARTBEATS: Final = "ignore_heartbeats"
 SIGNAL_GROUP_CHANGED: Final = "group_changed"
+SIGNAL_RECHECK_LOSS: Final = "recheck_loss"
 
 # Signals between a repair and its group's drain semaphore.
 SIGNAL_REQUEST: Final = "request"
 SIGNAL_RELEASE: Final = "release"
 SIGNAL_PERMIT_GRANTED: Final = "permit_granted"
+SIGNAL_PERMIT_DENIED: Final = "permit_denied"  # a held repair let go by `--resume --discard-held`
+
+# The breaker: health workflows tell their group's semaphore of each impairment, semaphores tell the fleet breaker,
+# and the fleet breaker tells every semaphore when it holds or resumes.
+SIGNAL_IMPAIRED: Final = "impaired"
+SIGNAL_FLEET_HOLD: Final = "fleet_hold"
 
 # Queries and updates.
 QUERY_HEALTH: Final = "health"  # health workflow: InstanceHealthView
@@ -39,6 +47,15 @@ QUERY_LIVENESS: Final = "liveness"  # liveness tracker: LivenessView
 QUERY_LAST_HEARD: Final = "last_heard"  # liveness tracker: list of instance ids -> {instance id: last receipt}
 QUERY_GROUP_CONFIG: Final = "group_config"  # drain semaphore: GroupConfigState
 UPDATE_GROUP: Final = "update_group"  # drain semaphore: GroupConfigUpdate -> GroupConfigState
+# Per-instance operator controls, on a health workflow (contract/instances.py): request -> InstanceControlResult.
+UPDATE_EXCLUDE_INSTANCE: Final = "exclude_instance"  # InstanceExclude
+UPDATE_INCLUDE_INSTANCE: Final = "include_instance"  # InstanceInclude
+UPDATE_REPAIR_INSTANCE: Final = "repair_instance"  # InstanceRepairNow
+UPDATE_CLEAR_FINDINGS: Final = "clear_findings"  # FindingsClear
+# On a repair, from its health workflow (through an activity): RepairWithdrawal -> RepairWithdrawalResult.
+UPDATE_WITHDRAW_REPAIR: Final = "withdraw_repair"
+QUERY_FLEET_BREAKER: Final = "fleet_breaker"  # fleet breaker: FleetBreakerView
+UPDATE_FLEET_RESUME: Final = "resume"  # fleet breaker: FleetResume -> FleetBreakerView
 
 # The semaphore keeps its GroupConfigState in this memo key, so that a run started after an operator terminated the
 # last one can take the live overrides over (WorkflowOps.previous_group_config).

@@ -21,6 +21,9 @@ class RepairPhase(StrEnum):
     COMPLETED = "Completed"
     FAILED = "Failed"
     CANCELLED = "Cancelled"
+    # Held by the breaker and let go by `--resume --discard-held`: the instance was never touched, and must prove
+    # its fault again before another repair.
+    DISCARDED = "Discarded"
 
 
 class PhaseStep(BaseModel):
@@ -36,3 +39,5 @@ class RepairInput(BaseModel):
     # Set by the health workflow that starts the repair; the repair puts it in every `repair_progress` it sends,
     # and the health workflow takes progress only with it.
     progress_token: Token = ""
+    # Outside the group's maintenance windows only critical repairs get a permit (docs/operations.md).
+    critical: bool = True

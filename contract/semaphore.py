@@ -6,7 +6,7 @@ from datetime import datetime
 
 from pydantic import BaseModel
 
-from contract.limits import Id, OptionalId, Token
+from contract.limits import Id, OptionalId, Text, Token
 
 
 class PermitRequest(BaseModel):
@@ -18,6 +18,17 @@ class PermitRequest(BaseModel):
     requested_at: datetime | None = None
     # The repair's own secret for this request: the grant must carry it back, and a release must show it.
     token: Token = ""
+    # Outside the group's maintenance windows only critical repairs are granted.
+    critical: bool = True
+
+
+class PermitDenial(BaseModel):
+    """The `permit_denied` signal: the semaphore lets a waiting repair go (`--resume --discard-held`) instead of
+    granting it; the repair ends without touching its instance."""
+
+    holder_workflow_id: Id
+    token: Token = ""
+    reason: Text = ""
 
 
 class SemaphoreInput(BaseModel):

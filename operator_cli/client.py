@@ -43,7 +43,8 @@ def guarded(handler: Callable[[argparse.Namespace], Awaitable[int]]) -> Callable
     """Turn every failure the operator can act on into one line on stderr and an exit status."""
 
     async def run(args: argparse.Namespace) -> int:
-        name = " ".join(filter(None, [args.command, getattr(args, "group_command", None)]))
+        subcommands = [getattr(args, "group_command", None), getattr(args, "instance_command", None)]
+        name = " ".join(filter(None, [args.command, *subcommands]))
         try:
             return await handler(args)
         except OpsError as err:

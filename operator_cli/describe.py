@@ -18,7 +18,8 @@ from contract import names
 from contract import search_attributes as sa
 from contract.config import TemporalSettings
 from contract.health import HealthState
-from contract.ids import health_workflow_id
+from contract.ids import health_workflow_id, semaphore_workflow_id
+from contract.repair import RepairPhase
 from operator_cli.arguments import add_common_arguments, safe_name
 from operator_cli.client import (
     QUERY_TIMEOUT,
@@ -32,7 +33,7 @@ from operator_cli.client import (
     workflow_url,
 )
 from operator_cli.output import iso, print_json, short_time, stdout_console
-from workflows.models import InstanceHealthView
+from workflows.models import InstanceHealthView, SemaphoreView
 
 LAST_HEARD_BATCH = 1_000
 STATUS_STYLES = {"IMPAIRED": "bold red", "INSUFFICIENT_DATA": "yellow", "INITIALIZING": "cyan", "OK": "green"}
@@ -78,6 +79,7 @@ async def describe_instances(args: argparse.Namespace) -> int:
     described = await bounded(_describe_one(client, temporal, instance, run_id) for instance, run_id in instances)
     entries = [entry for entry, _ in described]
     await _add_last_heard(client, [view for _, view in described if view is not None], entries)
+    await _add_held(client, [view for _, view in described if view is not None], entries)
     if args.json:
         print_json(entries)
     else:
@@ -126,6 +128,26 @@ async def _add_last_heard(client: Client, views: list[InstanceHealthView], entri
             entry["lastHeard"] = iso(heard[entry["ec2InstanceId"]])
 
 
+async def _add_held(client: Client, views: list[InstanceHealthView], entries: list[dict[str, Any]]) -> None:
+    """`repairHeld`: why a repair waiting for its permit waits, when a breaker holds its group (one query per group
+    with a waiting repair)."""
+    waiting = {v.instance_id: v.group for v in views if v.repair and v.repair.phase is RepairPhase.WAITING_FOR_PERMIT}
+    holds: dict[str, str] = {}
+    for group in set(waiting.values()):
+        try:
+            handle = client.get_workflow_handle(semaphore_workflow_id(group))
+            state = await handle.query(names.QUERY_STATE, result_type=SemaphoreView, rpc_timeout=QUERY_TIMEOUT)
+        except (RPCError, WorkflowQueryFailedError, WorkflowQueryRejectedError):
+            continue  # no semaphore that answers: nothing to say
+        hold = state.breaker.held or state.breaker.fleet_held
+        if hold is not None:
+            holds[group] = hold.message
+    for entry in entries:
+        held = holds.get(waiting.get(entry["ec2InstanceId"], ""))
+        if held is not None:
+            entry["repairHeld"] = held
+
+
 def health_entry(view: InstanceHealthView, url: str | None = None) -> dict[str, Any]:
     """One instance shaped like an entry of ECS DescribeContainerInstances (`ec2InstanceId`, `healthStatus`),
     extended with the findings behind the status and the repair in progress."""
@@ -137,6 +159,11 @@ def health_entry(view: InstanceHealthView, url: str | None = None) -> dict[str, 
         "warningCounts": view.warning_counts,
         "repair": view.repair.model_dump(mode="json") if view.repair is not None else None,
         "repairWithheld": view.repair_withheld,
+        # `autorepair instance`: excluded from repair (who, why, since), and impairments cleared as false.
+        "excluded": None
+        if view.excluded is None
+        else {"by": view.excluded.by, "reason": view.excluded.reason, "since": iso(view.excluded.since)},
+        "clearedFindings": [c.model_dump(mode="json") for c in view.cleared_findings],
         "lastHeartbeat": iso(view.last_heartbeat),
         "heartbeatsIgnoredUntil": iso(view.heartbeats_ignored_until),
         "rejectedSignals": view.rejected_signals,
@@ -160,6 +187,9 @@ def _print_instances(entries: list[dict[str, Any]], group: str | None) -> None:
     sources = Table(title="Probe sources that are down")
     for column in ("instance", "source", "state", "reason"):
         sources.add_column(column, overflow="fold")
+    controls = Table(title="Operator controls")
+    for column in ("instance", "control", "by", "at", "what", "reason"):
+        controls.add_column(column, overflow="fold")
     problems: list[str] = []
     for entry in entries:
         instance = entry["ec2InstanceId"]
@@ -195,7 +225,7 @@ def _print_instances(entries: list[dict[str, Any]], group: str | None) -> None:
             repairs.add_row(
                 instance,
                 repair["workflow_id"],
-                repair["phase"],
+                repair["phase"] + (" (HELD by the breaker)" if entry.get("repairHeld") else ""),
                 repair["reason"],
                 repair.get("replacement_instance_id") or "",
                 repair.get("error") or "",
@@ -205,6 +235,7 @@ def _print_instances(entries: list[dict[str, Any]], group: str | None) -> None:
         for source in entry["probeSources"]:
             if source["state"] != "OK":
                 sources.add_row(instance, source["name"], source["state"], source.get("reason") or "")
+        _add_controls(controls, instance, entry)
     if checks.row_count:
         console.print(checks)
     if findings.row_count:
@@ -213,7 +244,22 @@ def _print_instances(entries: list[dict[str, Any]], group: str | None) -> None:
         console.print(repairs)
     if sources.row_count:
         console.print(sources)
+    if controls.row_count:
+        console.print(controls)
     if not entries:
         console.print("no running health workflows found")
     for problem in problems:
         console.print(f"[yellow]{problem}[/]")
+
+
+def _add_controls(table: Table, instance: str, entry: dict[str, Any]) -> None:
+    excluded = entry.get("excluded")
+    if excluded:
+        since = short_time(datetime.fromisoformat(excluded["since"]))
+        table.add_row(instance, "excluded from repair", excluded["by"], since, "", excluded["reason"], style="yellow")
+    for cleared in entry.get("clearedFindings") or []:
+        what = f"{cleared['check']} {cleared.get('status_reason') or ''}".strip()
+        if cleared.get("finding_id"):
+            what += f" (finding {cleared['finding_id']})"
+        at = short_time(datetime.fromisoformat(cleared["cleared_at"]))
+        table.add_row(instance, "cleared as false", cleared["cleared_by"], at, what, cleared.get("reason") or "")

@@ -18,7 +18,7 @@ from temporalio.exceptions import ApplicationError
 
 from activities.workflow_ops import live_group_config
 from contract import names
-from contract.groups import AutoRepair, CapacityGroup, GroupConfigState, GroupConfigUpdate
+from contract.groups import AutoRepair, CapacityGroup, GroupConfigOverrides, GroupConfigState, GroupConfigUpdate
 from contract.ids import semaphore_workflow_id
 from contract.semaphore import SemaphoreInput
 from operator_cli.arguments import add_common_arguments, parse_duration, safe_name
@@ -44,12 +44,24 @@ def add_group_arguments(parser: argparse.ArgumentParser) -> None:
     show.set_defaults(run=guarded(group_describe))
     show.add_argument("--name", type=safe_name("group name"), required=True)
     add_common_arguments(show)
-    update = actions.add_parser("update", help="change auto repair, the drain cap or the heartbeat threshold now")
+    update = actions.add_parser(
+        "update", help="change auto repair, the drain cap, the heartbeat threshold or the breaker now; resume repairs"
+    )
     update.set_defaults(run=guarded(group_update))
     update.add_argument("--name", type=safe_name("group name"), required=True)
     update.add_argument("--auto-repair", type=str.upper, choices=[a.value for a in AutoRepair])
     update.add_argument("--max-draining-percent", type=int, metavar="P")
     update.add_argument("--heartbeat-loss-threshold", type=parse_duration, metavar="DURATION")
+    update.add_argument("--max-impaired-percent", type=int, metavar="P", help="the breaker's percentage (30)")
+    update.add_argument("--min-impaired", type=int, metavar="N", help="the breaker never trips at N or fewer (3)")
+    update.add_argument("--impaired-window", type=parse_duration, metavar="DURATION", help="the breaker's window")
+    update.add_argument("--max-repairs-per-day", type=int, metavar="N", help="hold repairs after N in 24 hours")
+    update.add_argument("--resume", action="store_true", help="let repairs held by the group's breaker through")
+    update.add_argument(
+        "--discard-held",
+        action="store_true",
+        help="with --resume: let the held repairs go instead; their instances must prove their fault again",
+    )
     update.add_argument(
         "--reset", action="store_true", help="drop every live override (back to the settings), then apply the rest"
     )
@@ -96,6 +108,7 @@ async def group_describe(args: argparse.Namespace) -> int:
             "holders": [p.instance_id for p in view.holders],
             "waiting": [w.instance_id for w in view.waiters],
         },
+        "breaker": None if view is None else view.breaker.model_dump(mode="json"),
         "workflowUrl": workflow_url(temporal, semaphore_workflow_id(args.name), None) if state else None,
     }
     if args.json:
@@ -119,7 +132,7 @@ def _print_group(document: dict[str, Any]) -> None:
         table.add_column(column, overflow="fold")
     overrides = document["overrides"]
     effective = document["effective"] or {}
-    for key in ("auto_repair", "max_draining_percent", "heartbeat_loss_threshold"):
+    for key in (*GroupConfigOverrides.model_fields,):
         value = effective.get(key, "?")
         table.add_row(key, str(value), "yes" if key in overrides else "", style="bold" if key in overrides else None)
     for key in ("cluster", "launch_template", "auto_scaling_group", "replacement_ready_timeout"):
@@ -138,9 +151,36 @@ def _print_group(document: dict[str, Any]) -> None:
             f"draining {len(draining['holders'])} / {draining['capacity']} ({draining['groupSize']} instances)"
             + (f", waiting: {', '.join(draining['waiting'])}" if draining["waiting"] else "")
         )
+    breaker = document["breaker"]
+    if breaker is not None:
+        _print_breaker(breaker)
     elif not document["semaphoreRunning"]:
         kept = " (its last run's overrides apply, and the next run takes them over)" if document["revision"] else ""
         console.print(f"no drain semaphore running for this group now{kept}")
+
+
+def _print_breaker(breaker: dict[str, Any]) -> None:
+    console = stdout_console()
+    for key, scope in (("held", "the group's breaker"), ("fleet_held", "the fleet-wide breaker")):
+        hold = breaker.get(key)
+        if hold:
+            console.print(f"[bold red]HELD by {scope}[/] since {hold['tripped_at']}: {hold['message']}")
+    console.print(
+        f"breaker: {breaker['impaired_in_window']} impaired within the window, trips above {breaker['threshold']:g}"
+        + (
+            f"; repairs in 24 h: {breaker['repairs_today']} / {breaker['max_repairs_per_day']}"
+            if breaker.get("max_repairs_per_day")
+            else ""
+        )
+    )
+    if not breaker.get("in_maintenance_window", True):
+        console.print(
+            f"outside the maintenance windows: only critical repairs until {breaker['next_maintenance_window']}"
+        )
+    resumed = breaker.get("last_resume")
+    if resumed:
+        discarded = ", held repairs discarded" if resumed.get("discard_held") else ""
+        console.print(f"last resumed {resumed['at']} by {resumed.get('by') or '?'}{discarded}")
 
 
 async def group_update(args: argparse.Namespace) -> int:
@@ -148,9 +188,18 @@ async def group_update(args: argparse.Namespace) -> int:
         auto_repair=AutoRepair(args.auto_repair) if args.auto_repair else None,
         max_draining_percent=args.max_draining_percent,
         heartbeat_loss_threshold=args.heartbeat_loss_threshold,
+        max_impaired_percent=args.max_impaired_percent,
+        min_impaired=args.min_impaired,
+        impaired_window=args.impaired_window,
+        max_repairs_per_day=args.max_repairs_per_day,
         reset=args.reset,
+        resume=args.resume,
+        discard_held=args.discard_held,
         requested_by=requested_by(),
     )
+    problems = update.problems()
+    if problems:
+        raise OpsError("; ".join(problems))
     settings_groups = [g.name for g in Settings().groups]
     if settings_groups and args.name not in settings_groups:
         # Only when this host has the groups configured; otherwise the worker (which always has) decides.
@@ -199,5 +248,8 @@ async def group_update(args: argparse.Namespace) -> int:
     else:
         changed = ", ".join(f"{k}={v}" for k, v in state.overrides.model_dump(mode="json", exclude_none=True).items())
         overrides = f"live overrides now {changed}" if changed else "no live overrides (the settings apply)"
+        if args.resume:
+            discarded = ", held repairs discarded" if args.discard_held else ""
+            stdout_console().print(f"capacity group {args.name}: repairs resumed{discarded}")
         stdout_console().print(f"capacity group {args.name}: revision {state.revision}, {overrides}")
     return 0

@@ -42,7 +42,7 @@ from operator_cli.client import (
 from operator_cli.output import iso, print_json, seconds_text, short_time, stdout_console
 from workflows.models import RepairResult, RepairStatus
 
-TERMINAL_PHASES = frozenset({RepairPhase.COMPLETED, RepairPhase.FAILED, RepairPhase.CANCELLED})
+TERMINAL_PHASES = frozenset({RepairPhase.COMPLETED, RepairPhase.FAILED, RepairPhase.CANCELLED, RepairPhase.DISCARDED})
 STATUS_WORDS = {
     WorkflowExecutionStatus.RUNNING: "Running",
     WorkflowExecutionStatus.COMPLETED: "Completed",

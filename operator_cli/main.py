@@ -25,9 +25,11 @@ from node_probe.cli import (
 )
 from operator_cli.client import guarded
 from operator_cli.describe import add_describe_arguments, describe_instances
+from operator_cli.fleet import add_fleet_arguments, fleet_usage
 from operator_cli.group import add_group_arguments, group_usage
 from operator_cli.history import add_history_arguments, repair_history
 from operator_cli.inject import add_inject_arguments, inject_fault
+from operator_cli.instance import add_instance_arguments, instance_usage
 from worker.commands import run_setup_command, run_worker_command
 from worker.logging_setup import configure_logging
 from worker.settings import Settings
@@ -91,6 +93,16 @@ def build_parser() -> argparse.ArgumentParser:
         )
     )
     add_group_arguments(command("group", "a capacity group's configuration, changed live", guarded(group_usage)))
+    add_fleet_arguments(
+        command("fleet", "the fleet-wide breaker: describe it, resume held repairs", guarded(fleet_usage))
+    )
+    add_instance_arguments(
+        command(
+            "instance",
+            "an operator's controls of one instance: exclude from repair, include, repair now, clear a false finding",
+            guarded(instance_usage),
+        )
+    )
     return parser
 
 

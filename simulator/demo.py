@@ -354,6 +354,7 @@ async def _drive(
             auto_repair=plan.auto_repair,
             targets=set(faulted) | set(lost),
             blipped=set(blipped),
+            group=DEMO_GROUP,
         )
         status = "repairing" if plan.auto_repair is AutoRepair.ENABLED else "watching (auto repair DISABLED)"
 

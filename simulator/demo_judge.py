@@ -1,6 +1,7 @@
 """When a demo run has reached its goal, or failed: judged from the fleet's snapshot and the events so far.
 
-ENABLED: every faulted instance replaced, the fleet back to N healthy instances, one RepairCompleted per fault.
+ENABLED: every faulted instance replaced, the fleet back to N healthy instances, one RepairCompleted per fault; or,
+when the breaker tripped (too many faults at once), what drained before it replaced and the rest held.
 DISABLED: every faulted instance IMPAIRED and nothing drained or replaced for a grace period. In both modes a
 repair or an IMPAIRED instance without a fault (a blip taken for a loss, noise taken for a fault) fails the run.
 """
@@ -31,8 +32,11 @@ class Outcome:
 class Judge:
     """Decides when the run reached its goal (or failed), from the fleet's snapshot and the event counts."""
 
-    def __init__(self, *, instances: int, auto_repair: AutoRepair, targets: set[str], blipped: set[str]) -> None:
+    def __init__(
+        self, *, instances: int, auto_repair: AutoRepair, targets: set[str], blipped: set[str], group: str = ""
+    ) -> None:
         self.instances = instances
+        self.group = group
         self.auto_repair = auto_repair
         self.targets = targets  # must be impaired (and, when ENABLED, replaced)
         self.blipped = blipped
@@ -52,6 +56,8 @@ class Judge:
             return Outcome(failed=True, message=f"IMPAIRED without a fault: {which}")
         if self.auto_repair is AutoRepair.DISABLED:
             return self._judge_disabled(snap)
+        if events["RepairsHeld"]:
+            return self._judge_held(snap, events, terminated)
         replaced = self.targets <= terminated
         back_to_n = (
             snap.running == self.instances
@@ -69,6 +75,22 @@ class Judge:
                 ),
             )
         return Outcome()
+
+    def _judge_held(self, snap: FleetSnapshot, events: Counter[str], terminated: set[str]) -> Outcome:
+        """The breaker tripped (too many faults at once): done once what drained before it is replaced, the rest
+        held. Holding is the goal here, not a failure: replacing many instances on one signal is what it prevents."""
+        if snap.container_draining or snap.booting or events["RepairCompleted"] < len(terminated):
+            return Outcome()
+        held = len(self.targets - terminated)
+        return Outcome(
+            done=True,
+            message=(
+                f"the breaker held repairs: {len(self.targets)} instances impaired at once, {len(terminated)} "
+                f"replaced before it tripped, {held} held for an operator; `autorepair group describe --name "
+                f"{self.group}` says why, `autorepair group update --name {self.group} --resume` lets them through "
+                "(`--resume --discard-held` lets them go)"
+            ),
+        )
 
     def _judge_disabled(self, snap: FleetSnapshot) -> Outcome:
         if snap.container_draining or snap.terminated or snap.replacements_running or snap.booting:

@@ -68,6 +68,8 @@ def describe_event(event: dict[str, Any]) -> str:
         extra = f"error {event.get('error')}"
     elif kind == "HealthChanged":
         extra = str(event.get("overall_status", ""))
+    elif kind in ("RepairsHeld", "RepairsResumed"):
+        extra = str(event.get("message") or f"by {event.get('requested_by')}")
     stamp = str(event.get("time", ""))[11:19]
     return f"{stamp} {kind:<20} {event.get('instance_id', '')} {extra}".rstrip()
 

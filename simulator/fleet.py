@@ -191,6 +191,11 @@ class SimulatedFleet:
         self._probes = NodeProbes(None if runner is None else functools.partial(runner, self))
         self._name_counter = 0
         self._watch: asyncio.Task[None] | None = None
+        # Fault injection: replacements, numbered in the order the fleet sees them launched (1 is the first), whose
+        # ECS agent never registers (a bad AMI, an agent that cannot reach ECS). They run in EC2, never in the cluster.
+        self.unregistered_replacements: set[int] = set()
+        self._replacements_seen = 0
+        self._never_registers: set[str] = set()
 
     # --- Setup ----------------------------------------------------------------------------------------------
 
@@ -271,13 +276,19 @@ class SimulatedFleet:
                 if state not in _RUNNING_STATES:
                     continue
                 node = self._new_node(instance_id, az, initial=False, seen_at=now)
-                log.info("fleet-sim: new instance %s in %s, booting", instance_id, az)
+                self._replacements_seen += 1
+                if self._replacements_seen in self.unregistered_replacements:
+                    self._never_registers.add(instance_id)
+                    log.info("fleet-sim: new instance %s in %s will never register in ECS", instance_id, az)
+                else:
+                    log.info("fleet-sim: new instance %s in %s, booting", instance_id, az)
             if state in _GONE_STATES and not node.terminated:
                 await self._bury(node)
             elif (
                 state == "running"
                 and not node.booted
                 and not node.terminated
+                and instance_id not in self._never_registers
                 and now - node.seen_at >= self.timing.boot_delay.total_seconds()
             ):
                 await self._boot(node)

@@ -12,7 +12,7 @@ from typing import TypeVar
 
 from temporalio.client import Client
 
-from activities.webhook import webhook_delivery
+from activities.events import event_delivery
 from contract.config import AwsSettings, EventSettings, TemporalSettings
 from contract.groups import AutoRepair, CapacityGroup
 from worker.main import build_worker
@@ -45,7 +45,8 @@ def make_settings(
             task_queue=task_queue or unique("tq"),
         ),
         aws=AwsSettings(endpoint_url=moto_endpoint, region="us-east-1"),
-        events=EventSettings(jsonl_path=events_path),
+        # The outbox beside the events: a publish that fails in a test never lands in the default /var/lib folder.
+        events=EventSettings(jsonl_path=events_path, webhook_outbox_dir=events_path.parent / "outbox"),
         groups=[
             CapacityGroup(
                 name=group,
@@ -65,7 +66,7 @@ def make_settings(
 
 @asynccontextmanager
 async def running_worker(settings: Settings, client: Client) -> AsyncIterator[None]:
-    async with webhook_delivery(settings.events), build_worker(settings, client):
+    async with event_delivery(settings.events), build_worker(settings, client):
         yield
 
 

@@ -10,8 +10,6 @@ from typing import Any
 
 import boto3
 import pytest
-from botocore.stub import Stubber
-from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
 from activities.aws import AwsClients
@@ -161,33 +159,3 @@ async def test_both_sinks(aws: AwsClients, bus: tuple[str, str, Any, str], tmp_p
 
     [envelope] = received(sqs, queue_url)
     assert envelope["detail"] == json.loads(path.read_text())
-
-
-async def test_missing_bus_is_permanent(aws: AwsClients, tmp_path: Path) -> None:
-    path = tmp_path / "events.jsonl"
-    acts = EventActivities(aws, EventSettings(bus_name=unique("no-such-bus"), jsonl_path=path))
-    with pytest.raises(ApplicationError) as exc:
-        await ActivityEnvironment().run(acts.publish_event, repair_event())
-    assert exc.value.type == "ResourceNotFoundException" and exc.value.non_retryable
-    assert exc.value.message.startswith("events:PutEvents on event bus no-such-bus")
-    assert not path.exists()  # EventBridge first: a failed put writes no line, so retries add no duplicates
-
-
-@pytest.mark.parametrize(
-    ("code", "retryable"),
-    [("ThrottlingException", True), ("InternalFailure", True), ("MalformedDetail", False)],
-)
-async def test_failed_entry_raises(aws_env: str, code: str, retryable: bool) -> None:
-    # moto never fails an entry for a well-formed event, so the answer is stubbed here.
-    aws = AwsClients(AwsSettings(endpoint_url=aws_env))
-    acts = EventActivities(aws, EventSettings())
-    event = repair_event()
-    with Stubber(aws.events) as stub:
-        stub.add_response(
-            "put_events", {"FailedEntryCount": 1, "Entries": [{"ErrorCode": code, "ErrorMessage": "boom"}]}
-        )
-        with pytest.raises(ApplicationError) as exc:
-            await ActivityEnvironment().run(acts.publish_event, event)
-    assert exc.value.type == code
-    assert exc.value.non_retryable is not retryable
-    assert event.event_id in exc.value.message

@@ -37,33 +37,6 @@ def max_concurrently_draining(events: list[dict[str, Any]]) -> int:
     return peak
 
 
-async def test_twenty_instances_ten_faults_repair_start_before_stop_never_more_than_four_draining(
-    client: Client, aws_env: str, tmp_path: Path
-) -> None:
-    async with simulated_fleet(client, aws_env, tmp_path, instances=20) as fleet:
-        await fleet.all_healthy(20)
-        faulty = fleet.sim.rng.sample(fleet.sim.live_instances(), 10)
-        for instance_id in faulty:
-            fleet.sim.inject_fault(instance_id)
-        # A second finding on an already impaired instance must not start a second repair.
-        fleet.sim.inject_fault(faulty[0], xid=48)
-
-        assert len(await fleet.repairs_finished(10, within=400)) == 10
-        await fleet.all_healthy(20)
-
-        for instance_id in faulty:
-            assert_start_before_stop(fleet, instance_id)
-        assert len(fleet.events("RepairStarted")) == 10
-        assert max_concurrently_draining(fleet.events()) <= 4
-        semaphore = await fleet.semaphore()
-        assert 1 <= semaphore.max_holders_seen <= 4
-        assert semaphore.holders == [] and semaphore.waiters == []
-        reasons = {e["instance_id"]: e["reason"] for e in fleet.events("RepairStarted")}
-        assert all(reason.startswith("XID_") for reason in reasons.values()), reasons
-        # Tasks that ignored the drain were stopped at their stop timeout, and said so.
-        assert sum(e["forced"] for e in fleet.events("TasksStopped")) >= 1
-
-
 async def test_six_instances_drain_one_at_a_time(client: Client, aws_env: str, tmp_path: Path) -> None:
     async with simulated_fleet(client, aws_env, tmp_path, instances=6) as fleet:
         await fleet.all_healthy(6)

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import types
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import time, timedelta
 from pathlib import Path
 from typing import Annotated, Any, Union, get_args, get_origin
 
@@ -88,8 +88,8 @@ def settings_models(root: type[BaseModel]) -> list[tuple[tuple[Step, ...], type[
     return found
 
 
-def _sample(annotation: Any) -> Any:
-    """A valid value for a required field (only strings and enums are required today)."""
+def _sample(annotation: Any, name: str = "") -> Any:
+    """A valid value for a required field (strings, enums, and a maintenance window's start and end)."""
     for kinds, model in _routes(annotation):
         if not kinds:
             return minimal(model)
@@ -97,12 +97,14 @@ def _sample(annotation: Any) -> Any:
         return "x1"
     if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
         return next(iter(annotation)).value
+    if annotation is time:
+        return "02:00" if name == "end" else "01:00"  # a window must not end where it starts
     raise AssertionError(f"teach _sample a value for a required {annotation!r}")
 
 
 def minimal(model: type[BaseModel]) -> dict[str, Any]:
     """The smallest valid input of a model: its required fields only."""
-    return {name: _sample(f.annotation) for name, f in model.model_fields.items() if f.is_required()}
+    return {name: _sample(f.annotation, name) for name, f in model.model_fields.items() if f.is_required()}
 
 
 def input_along(

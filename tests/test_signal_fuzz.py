@@ -541,6 +541,9 @@ class SignalFuzzer:
                 "status",
                 "update_group",
                 "group_config",
+                names.UPDATE_EXCLUDE_INSTANCE,
+                names.UPDATE_REPAIR_INSTANCE,
+                names.UPDATE_WITHDRAW_REPAIR,
             ]
         )
 

@@ -35,7 +35,7 @@ from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 from temporalio.testing import ActivityEnvironment
 
 from activities.aws import AwsClients
-from activities.events import EventActivities
+from activities.events import EventActivities, event_delivery
 from activities.metrics import WEBHOOK_DELIVERY_FAILURES
 from activities.models import EventType, FleetEvent
 from activities.webhook import (
@@ -43,9 +43,9 @@ from activities.webhook import (
     EVENT_TYPE_HEADER,
     SIGNATURE_HEADER,
     TIMESTAMP_HEADER,
+    DrainTiming,
     Outbox,
     sign,
-    webhook_delivery,
 )
 from contract.config import AwsSettings, EventSettings
 from simulator.servers import free_port
@@ -247,7 +247,7 @@ async def publish_all(acts: EventActivities, batch: list[FleetEvent]) -> list[fl
 
 def fast_delivery(settings: EventSettings) -> AbstractAsyncContextManager[None]:
     """The worker's delivery task, polling and backing off in tenths of seconds rather than seconds."""
-    return webhook_delivery(settings, idle_poll=0.05, first_backoff=0.1, max_backoff=0.5)
+    return event_delivery(settings, timing=DrainTiming(idle_poll=0.05, first_backoff=0.1, max_backoff=0.5))
 
 
 @pytest.fixture
@@ -400,7 +400,7 @@ async def test_each_attempt_is_signed_with_its_own_time(aws: AwsClients, tmp_pat
     [event] = events(1)
     # The event's own try and the outbox's first are refused; the second outbox try, over a second later, gets in.
     with receiving(port, ["fail", "fail"]) as receiver:
-        async with webhook_delivery(settings, idle_poll=0.05, first_backoff=1.1, max_backoff=1.1):
+        async with event_delivery(settings, timing=DrainTiming(idle_poll=0.05, first_backoff=1.1, max_backoff=1.1)):
             await publish_all(EventActivities(aws, settings), [event])
             await eventually(
                 lambda: asyncio.sleep(0, receiver.ids()), lambda ids: ids == [event.event_id], within=30, every=0.1
@@ -448,12 +448,10 @@ async def test_a_redirect_is_a_failed_delivery_and_the_event_waits_for_the_right
         with redirecting(port, status, location) as redirected, caplog.at_level(logging.WARNING, "activities.webhook"):
             settings = webhook_settings(port, outbox)
             took = await publish_all(EventActivities(aws, settings), [event])
-            async with webhook_delivery(
+            async with event_delivery(
                 settings,
                 meter.with_additional_attributes({"case": case}),
-                idle_poll=0.05,
-                first_backoff=0.1,
-                max_backoff=0.2,
+                timing=DrainTiming(idle_poll=0.05, first_backoff=0.1, max_backoff=0.2),
             ):
                 await eventually(
                     lambda: asyncio.to_thread(delivery_failures, metrics_port, case),

@@ -10,18 +10,26 @@ from temporalio.worker import Worker
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
 from activities.aws import AwsClients
-from activities.events import EventActivities
+from activities.breaker_ops import BreakerOps
+from activities.events import EventActivities, event_delivery
 from activities.fleet import FleetActivities
-from activities.webhook import webhook_delivery
 from activities.workflow_ops import WorkflowOps
+from contract.breaker import FleetBreakerConfig
 from worker.health_gauges import health_gauges
 from worker.settings import Settings
 from workflows.drain_semaphore import DrainSemaphoreWorkflow
+from workflows.fleet_breaker import FleetBreakerWorkflow
 from workflows.health import InstanceHealthWorkflow
 from workflows.liveness import LivenessTrackerWorkflow
 from workflows.repair import InstanceRepairWorkflow
 
-WORKFLOWS = [InstanceHealthWorkflow, InstanceRepairWorkflow, DrainSemaphoreWorkflow, LivenessTrackerWorkflow]
+WORKFLOWS = [
+    InstanceHealthWorkflow,
+    InstanceRepairWorkflow,
+    DrainSemaphoreWorkflow,
+    LivenessTrackerWorkflow,
+    FleetBreakerWorkflow,
+]
 
 # The contract and the models are shared with activities and clients: passing them through keeps one class per
 # model (and per enum, so `is` comparisons hold), so a model built in a workflow is an instance of the class an
@@ -29,7 +37,14 @@ WORKFLOWS = [InstanceHealthWorkflow, InstanceRepairWorkflow, DrainSemaphoreWorkf
 # structlog and rich format the replay-aware workflow logger's records; they import lazily, which the sandbox blocks.
 SANDBOX = SandboxedWorkflowRunner(
     restrictions=SandboxRestrictions.default.with_passthrough_modules(
-        "contract", "workflows.models", "activities", "pydantic", "structlog", "rich"
+        # workflows.breaker: its book is carried state (a model in workflows.models), so one class for both.
+        "contract",
+        "workflows.models",
+        "workflows.breaker",
+        "activities",
+        "pydantic",
+        "structlog",
+        "rich",
     )
 )
 
@@ -39,12 +54,16 @@ def build_worker(settings: Settings, client: Client) -> Worker:
     fleet = FleetActivities(aws, settings.group, client=client)
     events = EventActivities(aws, settings.events, ui_url=settings.temporal.ui_url)
     ops = WorkflowOps(client, settings.temporal.task_queue)
+    fleet_breaker = FleetBreakerConfig(
+        rule=settings.fleet_breaker.rule(), groups=[group.name for group in settings.groups]
+    )
+    breaker = BreakerOps(client, settings.temporal.task_queue, fleet_breaker)
     return Worker(
         client,
         task_queue=settings.temporal.task_queue,
         workflows=WORKFLOWS,
         workflow_runner=SANDBOX,
-        activities=[*fleet.activities(), *events.activities(), *ops.activities()],
+        activities=[*fleet.activities(), *events.activities(), *ops.activities(), *breaker.activities()],
     )
 
 
@@ -53,7 +72,7 @@ async def run_worker(settings: Settings, client: Client) -> None:
     # The webhook outbox is drained by this process while it runs (see activities/webhook.py).
     meter = (client.service_client.config.runtime or Runtime.default()).metric_meter
     async with AsyncExitStack() as stack:
-        await stack.enter_async_context(webhook_delivery(settings.events, meter))
+        await stack.enter_async_context(event_delivery(settings.events, meter))
         if settings.metrics_bind_address:
             groups = [group.name for group in settings.groups]
             await stack.enter_async_context(health_gauges(client, groups, meter, settings.health_gauge_interval))

@@ -6,6 +6,7 @@ from datetime import timedelta
 
 from pydantic import Field, field_validator
 
+from contract.breaker import FleetBreakerSettings
 from contract.config import (
     AwsSettings,
     ConfigSources,
@@ -25,6 +26,7 @@ class Settings(ConfigSources):
     events: EventSettings = Field(default_factory=EventSettings)
     ingest: IngestSettings = Field(default_factory=IngestSettings)
     groups: list[CapacityGroup] = Field(default_factory=list)
+    fleet_breaker: FleetBreakerSettings = Field(default_factory=FleetBreakerSettings)
     log_format: str = Field(default="auto", pattern="^(auto|json|console)$")
     metrics_bind_address: str | None = None
     health_gauge_interval: PositiveDuration = Field(

@@ -16,27 +16,34 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RawValue
 from temporalio.exceptions import ActivityError, ApplicationError, FailureError
 
 from contract import names
+from contract.breaker import (
+    FleetHoldQuery,
+    HoldNotice,
+    ImpairmentReport,
+)
+from contract.formats import iso
 from contract.groups import CapacityGroup, GroupConfigOverrides, GroupConfigState, GroupConfigUpdate
 from contract.ids import liveness_workflow_id, repair_workflow_id, semaphore_workflow_id
 from contract.semaphore import PermitRequest
+from workflows.breaker import BreakerBook
 from workflows.group_config import read_group_config
+from workflows.group_events import activity_cause, publish_group_event
 from workflows.models import Permit, PermitGrant, PermitRelease, SemaphoreRun, SemaphoreView
 from workflows.options import CALL_RETRY, CALL_TIMEOUT
-from workflows.signal_input import Rejected, decode, worth_logging
+from workflows.semaphore_breaker import SemaphoreBreaker
+from workflows.signal_input import Rejected, Route, dispatch, worth_logging
 
 with workflow.unsafe.imports_passed_through():
-    from activities.events import EventActivities
-    from activities.fleet import FleetActivities
+    from activities.breaker_ops import BreakerOps
     from activities.models import (
         EventType,
-        FleetEvent,
-        GroupCapacityRequest,
         GroupRef,
         RepairsOfGroup,
         WorkflowRun,
@@ -48,12 +55,14 @@ SIGNALS_PER_RUN = 2_000
 # The waiting line is carried across continue-as-new: bounded, and far above any real group's repairs.
 MAX_WAITERS = 500
 DETAILS_WAITERS = 20
+# Impairments reported and not yet counted (the loop counts them at its next turn): bounded like all state.
+MAX_REPORTS_PENDING = 10_000
 PERMITS_IN_USE = "autorepair_drain_permits_in_use"
 PERMITS_WAITING = "autorepair_drain_permits_waiting"
 
 
 @workflow.defn(name=names.SEMAPHORE_WORKFLOW)
-class DrainSemaphoreWorkflow:
+class DrainSemaphoreWorkflow(SemaphoreBreaker):
     @workflow.init
     def __init__(self, input: SemaphoreRun) -> None:
         self._group = input.group
@@ -64,6 +73,11 @@ class DrainSemaphoreWorkflow:
         self._forged = input.forged_signals
         self._dropped_requests = input.dropped_requests
         self._config = input.config or GroupConfigState(group=input.group)
+        self._breaker = input.breaker or BreakerBook()
+        self._fleet_hold = input.fleet_hold
+        # A fresh start asks the fleet breaker whether it holds: its notice went out while no run was listening.
+        self._fleet_asked = input.breaker is not None
+        self._reported: list[ImpairmentReport] = []
         # A fresh start (not continue-as-new) first takes over what an earlier run left, e.g. one an operator
         # terminated: overrides such as auto_repair=DISABLED must not silently revert to the settings.
         self._config_taken_over = input.config is not None
@@ -73,8 +87,9 @@ class DrainSemaphoreWorkflow:
         self._group_size = 0
         self._signals_this_run = 0
         self._changed = True
-        # Kept so the re-sent grants are not garbage collected mid-flight.
+        # Kept so the re-sent grants and the discards are not garbage collected mid-flight.
         self._regrants: set[asyncio.Task[None]] = set()
+        self._discards: set[asyncio.Task[None]] = set()
 
     @workflow.run
     async def run(self, input: SemaphoreRun) -> None:
@@ -84,7 +99,19 @@ class DrainSemaphoreWorkflow:
         # Applied after the read: an update may have landed while it was in flight.
         group = self._config.overrides.apply(settings)
         self._config = self._config.model_copy(update={"effective": group})
+        if not self._fleet_asked:
+            self._fleet_asked = True
+            answer = await workflow.execute_activity_method(
+                BreakerOps.fleet_hold,
+                FleetHoldQuery(group=self._group),
+                summary="ask the fleet breaker whether it holds repairs",
+                start_to_close_timeout=CALL_TIMEOUT,
+                retry_policy=CALL_RETRY,
+            )
+            self._fleet_hold = self._fleet_hold or answer.held
         while True:
+            if self._reported:
+                await self._count_impairments(self._config.effective or group)
             if self._changed:
                 # Every change wakes the loop, so the details and gauges never show a released permit as held.
                 self._changed = False
@@ -103,32 +130,35 @@ class DrainSemaphoreWorkflow:
                         forged_signals=self._forged,
                         dropped_requests=self._dropped_requests,
                         config=self._config,
+                        breaker=self._breaker,
+                        fleet_hold=self._fleet_hold,
                     ),
                     memo=self._config_memo(),
                 )
             try:
                 await workflow.wait_condition(
-                    lambda: self._changed or self._time_to_continue(),
-                    # Only a group with holders needs watching: their repairs could be closed without a release.
-                    timeout=group.permit_reclaim_interval if self._holders else None,
-                    timeout_summary="check permit holders are alive",
+                    lambda: self._changed or bool(self._reported) or self._time_to_continue(),
+                    timeout=self._next_wake(self._config.effective or group),
+                    timeout_summary=self._wake_summary(),
                 )
             except TimeoutError:
-                await self._reclaim_closed_holders()
+                if self._holders:
+                    await self._reclaim_closed_holders()
+                self._changed = True  # a maintenance window may have opened
 
     async def _grant_what_fits(self, group: CapacityGroup) -> None:
-        capacity = await workflow.execute_activity_method(
-            FleetActivities.describe_group_capacity,
-            # The cap follows from the settings as they are now, with this semaphore's live overrides applied.
-            GroupCapacityRequest(group=self._group, overrides=self._config.overrides),
-            summary=f"count instances in {self._group}",
-            start_to_close_timeout=CALL_TIMEOUT,
-            retry_policy=CALL_RETRY,
-        )
-        self._capacity = capacity.max_draining
-        self._group_size = capacity.instance_count
+        await self._measure()
         while self._waiters and len(self._holders) < self._capacity:
-            batch = self._waiters[: self._capacity - len(self._holders)]
+            if self._reported:
+                # Impairments that arrived while we looked count before any grant: never a grant past the rule.
+                await self._count_impairments(group)
+            if self._holding() or await self._trip_if_over(group, budget=True):
+                return  # held: the waiters wait for an operator's resume
+            batch = [w for w in self._waiters if self._may_run_now(w, group)][: self._capacity - len(self._holders)]
+            if not batch:
+                return  # only repairs that wait for a maintenance window
+            if group.max_repairs_per_day is not None:
+                batch = batch[: max(1, group.max_repairs_per_day - len(self._breaker.grants))]
             genuine = await self._running_repairs_of_group(batch)
             for request in batch:
                 if request not in self._waiters:
@@ -148,6 +178,7 @@ class DrainSemaphoreWorkflow:
                     token=request.token,
                 )
                 self._holders.append(permit)
+                self._breaker.granted(workflow.now())
                 self._max_holders_seen = max(self._max_holders_seen, len(self._holders))
                 await self._send_grant(permit)
 
@@ -204,26 +235,19 @@ class DrainSemaphoreWorkflow:
     @workflow.signal(dynamic=True)
     def on_signal(self, name: str, payloads: Sequence[RawValue]) -> None:
         self._signals_this_run += 1
-        try:
-            self._dispatch(name, payloads)
-        except Exception as err:  # a handler's own failure is bad input too: it must never fail the task
-            self._reject(Rejected(f"signal {name!r} failed in its handler: {type(err).__name__}: {err}"[:500]))
+        routes: dict[str, Route[Any]] = {
+            names.SIGNAL_REQUEST: Route(PermitRequest, self._on_request),
+            names.SIGNAL_RELEASE: Route(PermitRelease, self._on_release),
+            names.SIGNAL_IMPAIRED: Route(ImpairmentReport, self._on_impaired),
+            names.SIGNAL_FLEET_HOLD: Route(HoldNotice, self._on_fleet_hold),
+        }
+        dispatch(name, payloads, routes, self._reject)
 
-    def _dispatch(self, name: str, payloads: Sequence[RawValue]) -> None:
-        if name == names.SIGNAL_REQUEST:
-            request = decode(name, payloads, PermitRequest)
-            if isinstance(request, Rejected):
-                self._reject(request)
-            else:
-                self._on_request(request)
-        elif name == names.SIGNAL_RELEASE:
-            release = decode(name, payloads, PermitRelease)
-            if isinstance(release, Rejected):
-                self._reject(release)
-            else:
-                self._on_release(release)
-        else:
-            self._reject(Rejected(f"unknown signal {name!r}"))
+    def _on_impaired(self, report: ImpairmentReport) -> None:
+        if report.group != self._group:
+            self._reject(Rejected(f"impairment of {report.instance_id} in group {report.group!r}"))
+        elif len(self._reported) < MAX_REPORTS_PENDING:
+            self._reported.append(report)
 
     def _on_request(self, request: PermitRequest) -> None:
         if not request.token or request.holder_workflow_id != repair_workflow_id(request.instance_id or "?"):
@@ -277,8 +301,13 @@ class DrainSemaphoreWorkflow:
 
     @workflow.update(name=names.UPDATE_GROUP)
     async def update_group(self, update: GroupConfigUpdate) -> GroupConfigState:
-        """Change the group's configuration now; the change stays in this history and goes out as an event."""
+        """Change the group's configuration now, or resume held repairs; each stays in this history and goes out as
+        an event."""
         self._signals_this_run += 1
+        if update.resume:
+            await self._resume(update.requested_by, update.discard_held)
+            if not update.reset and update.changes() == GroupConfigOverrides():
+                return self._config
         async with self._config_lock:
             await self._take_over_previous_config()
             try:
@@ -288,7 +317,7 @@ class DrainSemaphoreWorkflow:
                 )
             except ActivityError as err:
                 raise ApplicationError(
-                    f"cannot change capacity group {self._group}: {_cause(err)}",
+                    f"cannot change capacity group {self._group}: {activity_cause(err)}",
                     type="GroupConfigUnavailable",
                     non_retryable=True,
                 ) from err
@@ -315,10 +344,19 @@ class DrainSemaphoreWorkflow:
             if "heartbeat_loss_threshold" in changed:
                 await self._tell_liveness_trackers(new)
             if changed:
-                await self._publish_config_change(
-                    update.requested_by,
-                    old.model_dump(mode="json", include=changed),
-                    new.model_dump(mode="json", include=changed),
+                old_values = old.model_dump(mode="json", include=changed)
+                new_values = new.model_dump(mode="json", include=changed)
+                await publish_group_event(
+                    self._group,
+                    semaphore_workflow_id(self._group),
+                    EventType.GROUP_CONFIG_CHANGED,
+                    {
+                        "requested_by": update.requested_by,
+                        "revision": self._config.revision,
+                        "changes": {k: {"old": old_values[k], "new": new_values[k]} for k in sorted(new_values)},
+                        "old": old_values,
+                        "new": new_values,
+                    },
                 )
             return self._config
 
@@ -361,40 +399,17 @@ class DrainSemaphoreWorkflow:
     def _validate_update_group(self, update: GroupConfigUpdate) -> None:
         # A rejected update leaves no trace in history; the caller gets this message.
         problems = update.problems(self._config.effective)
+        if update.resume and self._breaker.held is None:
+            if self._fleet_hold is not None:
+                problems.append("repairs are held by the fleet-wide breaker, not the group's: autorepair fleet resume")
+            else:
+                problems.append(f"repairs of {self._group} are not held: nothing to resume")
         if problems:
             raise ApplicationError(
                 f"invalid update of capacity group {self._group}: {'; '.join(problems)}",
                 type="InvalidGroupConfigUpdate",
                 non_retryable=True,
             )
-
-    async def _publish_config_change(self, requested_by: str, old: dict[str, object], new: dict[str, object]) -> None:
-        event = FleetEvent(
-            event_id=str(workflow.uuid4()),
-            time=workflow.now(),
-            type=EventType.GROUP_CONFIG_CHANGED,
-            group=self._group,
-            instance_id="",
-            workflow_id=semaphore_workflow_id(self._group),
-            fields={
-                "requested_by": requested_by,
-                "revision": self._config.revision,
-                "changes": {name: {"old": old[name], "new": new[name]} for name in sorted(new)},
-                "old": old,
-                "new": new,
-            },
-        )
-        try:
-            await workflow.execute_activity_method(
-                EventActivities.publish_event,
-                event,
-                summary=f"event {EventType.GROUP_CONFIG_CHANGED.value}",
-                start_to_close_timeout=CALL_TIMEOUT,
-                retry_policy=CALL_RETRY,
-            )
-        except ActivityError as err:
-            # The change is in effect and recorded in this history; a lost event must not fail it.
-            workflow.logger.warning("GroupConfigChanged for %s not published: %s", self._group, _cause(err))
 
     @workflow.query(name=names.QUERY_GROUP_CONFIG)
     def group_config(self) -> GroupConfigState:
@@ -413,6 +428,7 @@ class DrainSemaphoreWorkflow:
             rejected_signals=self._rejected,
             forged_signals=self._forged,
             dropped_requests=self._dropped_requests,
+            breaker=self._breaker_view(),
         )
 
     def _time_to_continue(self) -> bool:
@@ -432,6 +448,9 @@ class DrainSemaphoreWorkflow:
             f"({self._group_size} instances), {len(self._waiters)} waiting",
             "",
         ]
+        for hold in (self._breaker.held, self._fleet_hold):
+            if hold is not None:
+                lines += [f"**HELD since {iso(hold.tripped_at)}**: {hold.message}", ""]
         lines += [f"- draining: `{p.instance_id}` ({p.holder_workflow_id})" for p in self._holders]
         lines += [f"- waiting: `{w.instance_id}` ({w.holder_workflow_id})" for w in self._waiters[:DETAILS_WAITERS]]
         if len(self._waiters) > DETAILS_WAITERS:
@@ -451,8 +470,3 @@ class DrainSemaphoreWorkflow:
             by = f" by {self._config.updated_by}" if self._config.updated_by else ""
             lines += ["", f"Live configuration (revision {self._config.revision}{by}): {pairs}"]
         return "\n".join(lines)
-
-
-def _cause(err: ActivityError) -> str:
-    cause = err.cause
-    return cause.message if isinstance(cause, ApplicationError) else str(cause or err)

@@ -13,6 +13,8 @@ Runbook it automates:
      and look at the group again once per threshold: an instance left impaired is repaired once it is ENABLED.
   7. Game days: `inject_heartbeat_loss` makes the tracker (and this workflow) ignore heartbeats for a while, as if
      the probe were silent.
+  8. Operators' controls of one instance are updates (workflows/health_controls.py): exclude from repair, include,
+     repair now, clear a false finding.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from datetime import datetime, timedelta
+from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RawValue
@@ -31,10 +34,14 @@ from contract.formats import iso
 from contract.groups import AutoRepair, CapacityGroup
 from contract.health import SEVERITY, CheckType, HealthState, HeartbeatLossInjection
 from contract.ids import health_workflow_id, liveness_workflow_id
+from contract.instances import FindingsClear, InstanceControlResult, InstanceExclude, InstanceInclude, InstanceRepairNow
 from contract.liveness import IgnoreHeartbeats, LivenessChange, shard_of
 from contract.probe import GpuFinding, Heartbeat
 from contract.repair import RepairInput, RepairPhase
+from workflows import health_breaker as breaker
+from workflows import health_controls as controls
 from workflows.group_config import read_group_config
+from workflows.group_events import PUBLISH_RETRY, PUBLISH_TIMEOUT, activity_cause
 from workflows.models import (
     ContainerInstanceHealthStatus,
     HealthCarry,
@@ -74,6 +81,7 @@ class InstanceHealthWorkflow:
         self._retired = False
         self._tell_tracker_now = False
         self._tracker_id: str | None = None
+        self._control_in_progress: str | None = None  # an operator control waiting on a repair (health_controls)
         # Here, not in run(): with signal-with-start the first signal is handled before run() starts.
         if self._state.started_at is None:
             now = workflow.now()
@@ -105,6 +113,7 @@ class InstanceHealthWorkflow:
                     lambda: (
                         bool(self._outbox)
                         or self._tell_tracker_now
+                        or self._state.recheck_loss
                         or self._repair_due()
                         or self._retired
                         or self._time_to_continue()
@@ -112,19 +121,28 @@ class InstanceHealthWorkflow:
                     timeout=self._next_wake(group, config_read_at),
                     timeout_summary=self._wake_summary(),
                 )
-            if self._state.repair_withheld and workflow.now() - config_read_at >= group.heartbeat_loss_threshold:
+            if (
+                controls.withheld_for_group(self._state)
+                and workflow.now() - config_read_at >= group.heartbeat_loss_threshold
+            ):
                 group = await self._reread_group_config(group)
                 config_read_at = workflow.now()
             while self._outbox:
-                await workflow.execute_activity_method(
-                    EventActivities.publish_event,
-                    self._outbox.pop(0),
-                    summary="publish health change",
-                    start_to_close_timeout=CALL_TIMEOUT,
-                    retry_policy=CALL_RETRY,
-                )
+                event = self._outbox.pop(0)
+                try:
+                    await workflow.execute_activity_method(
+                        EventActivities.publish_event,
+                        event,
+                        summary="publish health change",
+                        start_to_close_timeout=PUBLISH_TIMEOUT,
+                        retry_policy=PUBLISH_RETRY,
+                    )
+                except ActivityError as err:  # the change is in effect and in this history: an event never fails it
+                    workflow.logger.warning("%s not published: %s", event.type.value, activity_cause(err))
             if self._state.game_day_to_tell is not None:
                 await self._tell_tracker(self._state.game_day_to_tell)
+            if self._state.recheck_loss:
+                await breaker.recheck_loss(self._state, self._instance_id, self._tracker_id)
             if self._repair_due() and not self._retired:
                 await self._start_repair()
             workflow.set_current_details(self._details_markdown())
@@ -138,7 +156,7 @@ class InstanceHealthWorkflow:
         """A healthy instance sets no timer. One whose repair is withheld looks at its group once per threshold;
         a game day not yet passed to the tracker (it may not exist yet) is tried again shortly."""
         waits = []
-        if self._state.repair_withheld:
+        if controls.withheld_for_group(self._state):
             waits.append(max(config_read_at + group.heartbeat_loss_threshold - workflow.now(), timedelta(0)))
         if self._state.game_day_to_tell is not None:
             waits.append(GAME_DAY_RETRY)
@@ -172,7 +190,7 @@ class InstanceHealthWorkflow:
             # E.g. the group was removed from the settings: keep what we had.
             workflow.logger.warning("group %s not re-read (%s)", self._group, err.cause)
             return group
-        if self._state.repair_withheld is not None and group.auto_repair is AutoRepair.ENABLED:
+        if controls.withheld_for_group(self._state) and group.auto_repair is AutoRepair.ENABLED:
             workflow.logger.info("auto repair ENABLED again for group %s", self._group)
             self._state.repair_withheld = None
             self._state.repair_requested = False
@@ -185,11 +203,16 @@ class InstanceHealthWorkflow:
         # The switch is read at the moment of the decision, so turning repair off takes effect at once.
         group = await self._group_config()
         self._state.repair_requested = True
-        if group.auto_repair is AutoRepair.DISABLED:
+        if self._is_impaired() and not self._state.impairment_reported:
+            await breaker.report_impairment(self._state, self._instance_id, self._group, self._impairment()[0])
+        if group.auto_repair is AutoRepair.DISABLED and self._state.operator_repair is None:
             workflow.logger.info("instance impaired; auto repair DISABLED for group %s, monitoring only", self._group)
             self._state.repair_withheld = f"auto repair DISABLED for group {self._group} at {iso(workflow.now())}"
             return
-        reason, finding = self._impairment()
+        if self._state.excluded is not None:  # an operator's: watched, never repaired until `include`
+            self._state.repair_withheld = controls.excluded_text(self._state.excluded)
+            return
+        reason, finding = controls.repair_reason(self._state, self._impairment())
         gpu = f" on GPU {finding.gpu.pci}" if finding is not None and finding.gpu.pci else ""
         repair = RepairInput(
             instance_id=self._instance_id,
@@ -197,10 +220,15 @@ class InstanceHealthWorkflow:
             reason=reason,
             finding=finding,
             progress_token=str(workflow.uuid4()),
+            critical=breaker.critical(self._state),
         )
         started = await workflow.execute_activity_method(
             WorkflowOps.start_repair,
-            StartRepairRequest(repair=repair, summary=f"repair {self._instance_id}: {reason}{gpu}"),
+            StartRepairRequest(
+                repair=repair,
+                summary=f"repair {self._instance_id}: {reason}{gpu}",
+                replaces_token=controls.replaced_token(self._state),
+            ),
             summary=f"start repair of {self._instance_id} ({reason})",
             start_to_close_timeout=CALL_TIMEOUT,
             retry_policy=CALL_RETRY,
@@ -213,6 +241,7 @@ class InstanceHealthWorkflow:
             reason=reason,
             started_at=workflow.now(),
         )
+        self._state.operator_repair = None
 
     # --- signals and query --------------------------------------------------------------------------------------
 
@@ -248,6 +277,40 @@ class InstanceHealthWorkflow:
     @workflow.query(name=names.QUERY_HEALTH)
     def health(self) -> InstanceHealthView:
         return self._view()
+
+    # --- operator controls: validators refuse without a trace (workflows/health_controls.py) ----------------------
+
+    @workflow.update(name=names.UPDATE_EXCLUDE_INSTANCE)
+    async def exclude_instance(self, request: InstanceExclude) -> InstanceControlResult:
+        return await controls.exclude(self, request)
+
+    @exclude_instance.validator
+    def _validate_exclude(self, request: InstanceExclude) -> None:
+        controls.refuse_exclude(self, request)
+
+    @workflow.update(name=names.UPDATE_INCLUDE_INSTANCE)
+    async def include_instance(self, request: InstanceInclude) -> InstanceControlResult:
+        return await controls.include(self, request)
+
+    @include_instance.validator
+    def _validate_include(self, request: InstanceInclude) -> None:
+        controls.refuse_include(self, request)
+
+    @workflow.update(name=names.UPDATE_REPAIR_INSTANCE)
+    async def repair_instance(self, request: InstanceRepairNow) -> InstanceControlResult:
+        return await controls.repair_now(self, request)
+
+    @repair_instance.validator
+    def _validate_repair(self, request: InstanceRepairNow) -> None:
+        controls.refuse_repair(self, request)
+
+    @workflow.update(name=names.UPDATE_CLEAR_FINDINGS)
+    async def clear_findings(self, request: FindingsClear) -> InstanceControlResult:
+        return await controls.clear(self, request)
+
+    @clear_findings.validator
+    def _validate_clear(self, request: FindingsClear) -> None:
+        controls.refuse_clear(self, request)
 
     def _accept(self, value: object, handler: object) -> None:
         if isinstance(value, Rejected):
@@ -321,6 +384,9 @@ class InstanceHealthWorkflow:
             return
         self._state.last_heartbeat = now
         self._state.probe_sources = beat.sources
+        if self._state.dormant:
+            self._wake_if_dormant()
+            self._set_check(CheckType.AGENT_CONNECTIVITY, HealthState.OK, None, now)
         if self._state.checks[CheckType.AGENT_CONNECTIVITY].status is HealthState.INITIALIZING:
             # The first heartbeat: connected. After that, connectivity is the liveness tracker's call.
             self._set_check(CheckType.AGENT_CONNECTIVITY, HealthState.OK, None, now)
@@ -343,8 +409,12 @@ class InstanceHealthWorkflow:
             self._reject(Rejected(f"liveness of {change.instance_id} sent to {self._instance_id}"))
             return
         now = workflow.now()
-        if change.gone and self._state.repair is None:
-            self._retire(change.gone)
+        repair = self._state.repair
+        if change.gone and (repair is None or repair.phase in controls.FINISHED):
+            if change.for_good:
+                self._retire(change.gone)
+            else:
+                self._go_dormant(change.gone, now)
             return
         if change.lost:
             since = iso(change.last_heard) if change.last_heard else "its start"
@@ -353,24 +423,45 @@ class InstanceHealthWorkflow:
             return
         # The tracker knows the game day too (it ignores receipts until it ends): heard again is heard again.
         self._state.last_heartbeat = max(self._state.last_heartbeat or now, change.last_heard or now)
+        self._wake_if_dormant()
         self._set_check(CheckType.AGENT_CONNECTIVITY, HealthState.OK, None, now)
+
+    def _go_dormant(self, why: str, now: datetime) -> None:
+        """It left on purpose but may come back (stopped, in standby, detached, deregistered): not a fault, never
+        repaired, and this workflow stays, costing nothing (no timer), until the instance is heard from again."""
+        self._state.retired_reason = why
+        self._state.dormant = True
+        self._set_check(CheckType.AGENT_CONNECTIVITY, HealthState.INSUFFICIENT_DATA, f"left on purpose: {why}", now)
+        workflow.logger.info("%s left on purpose (%s): dormant until heard from again", self._instance_id, why)
+        self._instance_event(EventType.INSTANCE_RETIRED, reason=why, may_return=True)
+
+    def _wake_if_dormant(self) -> None:
+        if not self._state.dormant:
+            return
+        self._state.dormant = False
+        workflow.logger.info("%s is back (it had left on purpose: %s)", self._instance_id, self._state.retired_reason)
+        self._instance_event(EventType.INSTANCE_RETURNED, left_because=self._state.retired_reason)
+        self._state.retired_reason = None
+
+    def _instance_event(self, type: EventType, **fields: Any) -> None:
+        self._outbox.append(
+            FleetEvent(
+                event_id=str(workflow.uuid4()),
+                time=workflow.now(),
+                type=type,
+                group=self._group,
+                instance_id=self._instance_id,
+                workflow_id=health_workflow_id(self._instance_id),
+                fields=fields,
+            )
+        )
 
     def _retire(self, why: str) -> None:
         """It left on purpose (terminated by someone other than a repair): no fault, nothing to repair, done."""
         self._retired = True
         self._state.retired_reason = why
         workflow.logger.info("%s left on purpose (%s): retired, not repaired", self._instance_id, why)
-        self._outbox.append(
-            FleetEvent(
-                event_id=str(workflow.uuid4()),
-                time=workflow.now(),
-                type=EventType.INSTANCE_RETIRED,
-                group=self._group,
-                instance_id=self._instance_id,
-                workflow_id=health_workflow_id(self._instance_id),
-                fields={"reason": why},
-            )
-        )
+        self._instance_event(EventType.INSTANCE_RETIRED, reason=why, may_return=False)
 
     def _on_heartbeat_loss_injection(self, injection: HeartbeatLossInjection) -> None:
         until = workflow.now() + injection.duration
@@ -399,6 +490,8 @@ class InstanceHealthWorkflow:
         repair.error = progress.error
         if progress.finished and progress.phase is RepairPhase.COMPLETED:
             self._retired = True
+        elif progress.finished and progress.phase is RepairPhase.DISCARDED:
+            breaker.prove_again(self._state, progress.error or "held repair discarded")
 
     # --- status bookkeeping -------------------------------------------------------------------------------------
 
@@ -418,23 +511,16 @@ class InstanceHealthWorkflow:
         """One HealthChanged event per change, however many checks one signal moved."""
         if self._status_key() == before:
             return
+        if not self._is_impaired():
+            self._state.impairment_reported = False  # the next impairment is a new one for the breaker
         self._sync_status_attribute()
         health = self._health_status()
         _, finding = self._impairment()
-        self._outbox.append(
-            FleetEvent(
-                event_id=str(workflow.uuid4()),
-                time=workflow.now(),
-                type=EventType.HEALTH_CHANGED,
-                group=self._group,
-                instance_id=self._instance_id,
-                workflow_id=health_workflow_id(self._instance_id),
-                fields={
-                    "overall_status": health.overallStatus.value,
-                    "details": [d.model_dump(mode="json") for d in health.details],
-                    "finding": finding.model_dump(mode="json") if finding else None,
-                },
-            )
+        self._instance_event(
+            EventType.HEALTH_CHANGED,
+            overall_status=health.overallStatus.value,
+            details=[d.model_dump(mode="json") for d in health.details],
+            finding=finding.model_dump(mode="json") if finding else None,
         )
 
     def _sync_status_attribute(self) -> None:
@@ -462,7 +548,7 @@ class InstanceHealthWorkflow:
         return self._health_status().overallStatus is HealthState.IMPAIRED
 
     def _repair_due(self) -> bool:
-        return not self._state.repair_requested and self._is_impaired()
+        return not self._state.repair_requested and (self._is_impaired() or self._state.operator_repair is not None)
 
     def _time_to_continue(self) -> bool:
         return workflow.info().is_continue_as_new_suggested() or self._signals_this_run >= SIGNALS_PER_RUN
@@ -485,6 +571,8 @@ class InstanceHealthWorkflow:
             heartbeats_ignored_until=self._state.heartbeats_ignored_until,
             probe_sources=self._state.probe_sources,
             liveness_workflow_id=self._tracker_id,
+            excluded=self._state.excluded,
+            cleared_findings=self._state.cleared_findings,
         )
 
     def _details_markdown(self) -> str:
@@ -507,4 +595,5 @@ class InstanceHealthWorkflow:
             lines += ["", f"**{self._state.forged_signals} forged signals dropped** (not from who may send them)"]
         if self._state.dropped_entries:
             lines += ["", f"{self._state.dropped_entries} warning kinds or daemons not kept (state is bounded)"]
+        lines += controls.details_lines(self._state)
         return "\n".join(lines)

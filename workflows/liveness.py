@@ -22,6 +22,7 @@ import asyncio
 import math
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RawValue, RetryPolicy
@@ -36,16 +37,17 @@ from contract.liveness import (
     IgnoreHeartbeats,
     LivenessChange,
     LivenessReport,
+    RecheckLoss,
     loss_grace,
 )
 from workflows.group_config import read_group_config
 from workflows.models import LivenessCarry, LivenessRun, LivenessView, ReporterSeen
 from workflows.options import CALL_TIMEOUT
-from workflows.signal_input import Rejected, decode, worth_logging
+from workflows.signal_input import Rejected, Route, dispatch, worth_logging
 
 with workflow.unsafe.imports_passed_through():
     from activities.fleet import FleetActivities
-    from activities.models import GoneInstance, InstancesGoneRequest
+    from activities.models import GoneCause, GoneInstance, InstancesGoneRequest
 
 SIGNALS_PER_RUN = 2_000
 # Health workflows told at once: bounded so a mass loss does not put thousands of commands in one task.
@@ -219,6 +221,7 @@ class LivenessTrackerWorkflow:
                     last_heard=datetime.fromtimestamp(self._state.heard[instance_id], tz=UTC),
                     threshold=self._threshold(),
                     gone=f"{left.state} in EC2: {left.reason or 'no reason given'}" if left else None,
+                    for_good=left is None or _for_good(left),
                 )
             )
 
@@ -252,23 +255,13 @@ class LivenessTrackerWorkflow:
     @workflow.signal(dynamic=True)
     def on_signal(self, name: str, payloads: Sequence[RawValue]) -> None:
         self._signals_this_run += 1
-        try:
-            if name == names.SIGNAL_LIVENESS_REPORT:
-                self._accept(decode(name, payloads, LivenessReport), self._on_report)
-            elif name == names.SIGNAL_IGNORE_HEARTBEATS:
-                self._accept(decode(name, payloads, IgnoreHeartbeats), self._on_ignore)
-            elif name == names.SIGNAL_GROUP_CHANGED:
-                self._accept(decode(name, payloads, CapacityGroup), self._on_group_changed)
-            else:
-                self._reject(Rejected(f"unknown signal {name!r}"))
-        except Exception as err:  # a handler's own failure is bad input too: it must never fail the task
-            self._reject(Rejected(f"signal {name!r} failed in its handler: {type(err).__name__}: {err}"[:500]))
-
-    def _accept(self, value: object, handler: object) -> None:
-        if isinstance(value, Rejected):
-            self._reject(value)
-        else:
-            handler(value)  # type: ignore[operator]
+        routes: dict[str, Route[Any]] = {
+            names.SIGNAL_LIVENESS_REPORT: Route(LivenessReport, self._on_report),
+            names.SIGNAL_IGNORE_HEARTBEATS: Route(IgnoreHeartbeats, self._on_ignore),
+            names.SIGNAL_GROUP_CHANGED: Route(CapacityGroup, self._on_group_changed),
+            names.SIGNAL_RECHECK_LOSS: Route(RecheckLoss, self._on_recheck),
+        }
+        dispatch(name, payloads, routes, self._reject)
 
     def _reject(self, why: Rejected) -> None:
         self._state.rejected_signals += 1
@@ -366,6 +359,14 @@ class LivenessTrackerWorkflow:
             since = min(max(ignore.since, now - FORGET_LOST_AFTER), now + MAX_CLOCK_AHEAD)
             self._state.heard[instance_id] = max(self._state.heard[instance_id], _epoch(since))
 
+    def _on_recheck(self, recheck: RecheckLoss) -> None:
+        instance_id = recheck.instance_id
+        if instance_id not in self._lost:
+            return  # heard again meanwhile, or never lost: nothing to judge afresh
+        self._lost.discard(instance_id)
+        self._state.heard[instance_id] = max(self._state.heard.get(instance_id, 0), _epoch(workflow.now()))
+        self._wake_if_due_sooner()
+
     def _on_group_changed(self, group: CapacityGroup) -> None:
         if group.name != self._group:
             self._reject(Rejected(f"configuration of group {group.name} sent to {self._group}'s tracker"))
@@ -435,3 +436,10 @@ class LivenessTrackerWorkflow:
         if view.dropped_instances:
             lines += ["", f"**{view.dropped_instances} instances not tracked: shard full, raise liveness_shards**"]
         return "\n".join(lines)
+
+
+def _for_good(left: GoneInstance) -> bool:
+    return left.state in ("shutting-down", "terminated") or left.cause in (
+        GoneCause.SPOT_INTERRUPTION,
+        GoneCause.CAPACITY_BLOCK_ENDING,
+    )

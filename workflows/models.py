@@ -10,13 +10,16 @@ from datetime import datetime
 
 from pydantic import BaseModel, Field
 
+from contract.breaker import BreakerHold, BreakerView, FleetBreakerInput
 from contract.groups import CapacityGroup, GroupConfigState
 from contract.health import CheckType, HealthInput, HealthState
+from contract.instances import ClearedFinding, Exclusion
 from contract.limits import Id, OptionalId, Text, Token
 from contract.liveness import IgnoreHeartbeats, LivenessInput
 from contract.probe import GpuFinding, ProbeSourceHealth
 from contract.repair import PhaseStep, RepairPhase
 from contract.semaphore import PermitRequest, SemaphoreInput
+from workflows.breaker import BreakerBook
 
 
 class RepairProgress(BaseModel):
@@ -83,6 +86,17 @@ class HealthCarry(BaseModel):
     probe_sources: list[ProbeSourceHealth] = Field(default_factory=list)  # as the last heartbeat reported them
     # Reasons (DAEMON_<unit>) of critical daemons reported down and not yet back, oldest first.
     daemons_down: list[str] = Field(default_factory=list)
+    # Operator controls (workflows/health_controls.py): who excluded it from repair and why; the reason of a repair
+    # an operator asked for and the run loop has not started yet; impairments operators cleared as false (bounded).
+    excluded: Exclusion | None = None
+    operator_repair: str | None = None
+    cleared_findings: list[ClearedFinding] = Field(default_factory=list)
+    # The breaker: this impairment was told to the group's semaphore (once per impairment, until back to OK); a
+    # heartbeat loss to be judged afresh by the tracker (an operator cleared it, or its held repair was discarded).
+    impairment_reported: bool = False
+    # Left on purpose but may come back (retired_reason says why): nothing watched until heard from again.
+    dormant: bool = False
+    recheck_loss: bool = False
 
 
 class HealthRun(HealthInput):
@@ -109,6 +123,8 @@ class InstanceHealthView(BaseModel):
     probe_sources: list[ProbeSourceHealth] = Field(default_factory=list)
     # The tracker that knows when this instance was last heard (its `last_heard` query); None before the group is read.
     liveness_workflow_id: str | None = None
+    excluded: Exclusion | None = None
+    cleared_findings: list[ClearedFinding] = Field(default_factory=list)
 
 
 # --- Drain semaphore -------------------------------------------------------------------------------------------
@@ -144,6 +160,8 @@ class SemaphoreRun(SemaphoreInput):
     forged_signals: int = 0
     dropped_requests: int = 0
     config: GroupConfigState | None = None
+    breaker: BreakerBook | None = None
+    fleet_hold: BreakerHold | None = None
 
 
 class SemaphoreView(BaseModel):
@@ -156,6 +174,7 @@ class SemaphoreView(BaseModel):
     rejected_signals: int
     forged_signals: int = 0
     dropped_requests: int = 0
+    breaker: BreakerView = Field(default_factory=BreakerView)
 
 
 # --- Liveness tracker ------------------------------------------------------------------------------------------
@@ -243,3 +262,11 @@ class RepairResult(BaseModel):
     tasks_stopped: int
     tasks_forced: int
     timeline: list[PhaseStep] = Field(default_factory=list)
+
+
+class FleetBreakerRun(FleetBreakerInput):
+    """The fleet breaker's input: what an earlier run carried over (continue-as-new)."""
+
+    book: BreakerBook | None = None
+    group_sizes: dict[str, int] = Field(default_factory=dict)
+    rejected_signals: int = 0

@@ -4,7 +4,9 @@ Runbook:
   1. Acquire a drain permit from the group's semaphore.
   2. Set the container instance DRAINING, so no new task lands on it.
   3. Launch a replacement in the same group and availability zone (retried with backoff; never skipped).
-  4. Wait until the replacement is registered and ACTIVE.
+  4. Wait until the replacement is registered and ACTIVE. One that is not within replacement_ready_timeout is
+     terminated and another launched (3-4 again), at most max_replacement_attempts; then the repair fails, leaving
+     the instance DRAINING (workflows/repair_replacement.py).
   5. Let the instance's tasks stop, each within its own stop timeout (durable timers); stop what is left.
   6. Terminate the impaired instance. Only now: its replacement is already serving.
   7. Release the permit, whatever happened above.
@@ -18,7 +20,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from temporalio import workflow
-from temporalio.common import RawValue, RetryPolicy
+from temporalio.common import RawValue
 from temporalio.exceptions import ActivityError, ApplicationError, FailureError
 
 from contract import names
@@ -26,10 +28,15 @@ from contract import search_attributes as sa
 from contract.formats import iso
 from contract.groups import CapacityGroup
 from contract.ids import health_workflow_id, semaphore_workflow_id
+from contract.instances import RepairWithdrawal, RepairWithdrawalResult
 from contract.repair import PhaseStep, RepairInput, RepairPhase
+from contract.semaphore import PermitDenial
 from workflows.group_config import read_group_config
+from workflows.group_events import PUBLISH_RETRY, PUBLISH_TIMEOUT, activity_cause
 from workflows.models import PermitGrant, PermitRelease, RepairProgress, RepairResult, RepairStatus
 from workflows.options import CALL_RETRY, CALL_TIMEOUT
+from workflows.repair_replacement import ReplacementsExhausted, replace
+from workflows.repair_replacement import describe_error as _describe
 from workflows.signal_input import Rejected, decode, worth_logging
 
 with workflow.unsafe.imports_passed_through():
@@ -40,7 +47,6 @@ with workflow.unsafe.imports_passed_through():
         EventType,
         FleetEvent,
         InstanceRef,
-        LaunchRequest,
         PermitRequestOrder,
         StopTasksRequest,
     )
@@ -48,8 +54,6 @@ with workflow.unsafe.imports_passed_through():
 
 # Re-ask for the permit now and then: a semaphore that was reset by an operator forgets its waiters.
 PERMIT_REQUEST_REFRESH = timedelta(minutes=5)
-LAUNCH_BACKOFF_FIRST = timedelta(seconds=5)
-LAUNCH_BACKOFF_MAX = timedelta(minutes=10)
 
 
 RUNBOOK = [
@@ -76,6 +80,10 @@ class InstanceRepairWorkflow:
         self._error: str | None = None
         self._rejected = 0
         self._forged = 0
+        # Why its health workflow took it back before it got its permit (an operator's exclude or clear), if it did.
+        self._withdrawn: str | None = None
+        # Why the semaphore let it go while it was held by the breaker (`--resume --discard-held`), if it did.
+        self._discarded: str | None = None
         # Put in our permit request; the semaphore's grant must carry it back, and our release shows it.
         self._permit_token = str(workflow.uuid4())
         self._timeline = [PhaseStep(phase=RepairPhase.WAITING_FOR_PERMIT, started_at=workflow.now())]
@@ -99,21 +107,7 @@ class InstanceRepairWorkflow:
             self._notes[RepairPhase.DRAINING] = drained.container_instance_arn.rsplit("/", 1)[-1]
             await self._event(EventType.DRAINING)
 
-            await self._enter(RepairPhase.LAUNCHING_REPLACEMENT)
-            self._replacement = await self._launch_replacement(drained)
-            self._notes[RepairPhase.LAUNCHING_REPLACEMENT] = self._replacement
-            await self._event(EventType.REPLACEMENT_LAUNCHED, replacement_instance_id=self._replacement)
-
-            await self._enter(RepairPhase.WAITING_FOR_REPLACEMENT)
-            await workflow.execute_activity_method(
-                FleetActivities.await_container_instance_active,
-                InstanceRef(group=input.group, instance_id=self._replacement),
-                summary=f"wait for replacement {self._replacement} to be ACTIVE in ECS",
-                start_to_close_timeout=group.replacement_ready_timeout,
-                heartbeat_timeout=timedelta(seconds=10),
-                retry_policy=CALL_RETRY,
-            )
-            await self._event(EventType.REPLACEMENT_READY, replacement_instance_id=self._replacement)
+            self._replacement = await replace(self, group, drained)
 
             await self._enter(RepairPhase.STOPPING_TASKS)
             stopped, forced = await self._let_tasks_stop(group)
@@ -144,12 +138,30 @@ class InstanceRepairWorkflow:
                 tasks_forced=forced,
                 timeline=self._timeline,
             )
+        except _Withdrawn as withdrawn:
+            self._error = f"withdrawn before draining: {withdrawn}"
+            await self._enter(RepairPhase.CANCELLED, finished=True)
+            await self._event(EventType.REPAIR_FAILED, error=self._error, reason=input.reason, timeline=self._steps())
+            # Failed, not completed: the instance was not replaced, and a later repair may run under this id.
+            raise ApplicationError(
+                f"repair of {input.instance_id} {self._error}", type="RepairWithdrawn", non_retryable=True
+            ) from None
+        except _Discarded as discarded:
+            self._error = f"discarded: {discarded}"
+            await self._enter(RepairPhase.DISCARDED, finished=True)
+            await self._event(
+                EventType.REPAIR_DISCARDED, error=self._error, reason=input.reason, timeline=self._steps()
+            )
+            # Its instance was never touched; its health workflow puts it back to proving its fault.
+            raise ApplicationError(
+                f"repair of {input.instance_id} {self._error}", type="RepairDiscarded", non_retryable=True
+            ) from None
         except asyncio.CancelledError:
             self._error = "cancelled by an operator"
             await self._enter(RepairPhase.CANCELLED, finished=True)
             await self._event(EventType.REPAIR_FAILED, error=self._error, reason=input.reason, timeline=self._steps())
             raise
-        except ActivityError as err:
+        except (ActivityError, ReplacementsExhausted) as err:
             self._error = _describe(err)
             await self._enter(RepairPhase.FAILED, finished=True)
             await self._event(EventType.REPAIR_FAILED, error=self._error, reason=input.reason, timeline=self._steps())
@@ -171,8 +183,9 @@ class InstanceRepairWorkflow:
             holder_run_id=info.run_id,
             instance_id=self._input.instance_id,
             token=self._permit_token,
+            critical=self._input.critical,
         )
-        while not self._granted:
+        while not self._granted and self._withdrawn is None and self._discarded is None:
             await workflow.execute_activity_method(
                 WorkflowOps.request_drain_permit,
                 order,
@@ -183,55 +196,18 @@ class InstanceRepairWorkflow:
             self._permit_requested = True
             try:
                 await workflow.wait_condition(
-                    lambda: self._granted,
+                    lambda: self._granted or self._withdrawn is not None or self._discarded is not None,
                     timeout=PERMIT_REQUEST_REFRESH,
                     timeout_summary="waiting for a drain permit",
                 )
             except TimeoutError:
                 continue
-
-    async def _launch_replacement(self, drained: DrainResult) -> str:
-        request = LaunchRequest(
-            group=self._input.group,
-            impaired_instance_id=self._input.instance_id,
-            availability_zone=drained.availability_zone,
-            subnet_id=drained.subnet_id,
-            client_token=f"autorepair-{self._input.instance_id}"[:64],
-        )
-        backoff = LAUNCH_BACKOFF_FIRST
-        attempt = 1
-        while True:
-            try:
-                launched = await workflow.execute_activity_method(
-                    FleetActivities.launch_replacement,
-                    request,
-                    summary=f"launch replacement for {self._input.instance_id} in {drained.availability_zone}"
-                    + (f" (attempt {attempt})" if attempt > 1 else ""),
-                    start_to_close_timeout=timedelta(seconds=60),
-                    retry_policy=RetryPolicy(
-                        initial_interval=timedelta(seconds=2),
-                        maximum_interval=timedelta(seconds=30),
-                        maximum_attempts=3,
-                    ),
-                )
-                return launched.replacement_instance_id
-            except ActivityError as err:
-                if _permanent(err):
-                    raise
-                # Capacity shortages last minutes to hours: keep the instance draining, keep trying, and say so.
-                self._error = _describe(err)
-                self._notes[RepairPhase.LAUNCHING_REPLACEMENT] = f"attempt {attempt} failed: {self._error}"
-                await self._notify_health()
-                await self._event(
-                    EventType.REPLACEMENT_LAUNCH_FAILED,
-                    error=self._error,
-                    attempt=attempt,
-                    retry_in_seconds=int(backoff.total_seconds()),
-                )
-                await workflow.sleep(backoff, summary=f"back off before launch attempt {attempt + 1}")
-                backoff = min(backoff * 2, LAUNCH_BACKOFF_MAX)
-                attempt += 1
-                self._error = None
+        if self._withdrawn is not None:
+            # Taken back before the permit, or in the same moment: nothing was done to the instance; the permit, if
+            # it came, goes back in the `finally` of run().
+            raise _Withdrawn(self._withdrawn)
+        if self._discarded is not None and not self._granted:
+            raise _Discarded(self._discarded)
 
     async def _let_tasks_stop(self, group: CapacityGroup) -> tuple[int, int]:
         """Give every task its own stop timeout, counted from the start of this step, then stop what is left."""
@@ -328,13 +304,17 @@ class InstanceRepairWorkflow:
             workflow_id=workflow.info().workflow_id,
             fields=fields,
         )
-        await workflow.execute_activity_method(
-            EventActivities.publish_event,
-            event,
-            summary=f"event {type.value}",
-            start_to_close_timeout=CALL_TIMEOUT,
-            retry_policy=CALL_RETRY,
-        )
+        try:
+            await workflow.execute_activity_method(
+                EventActivities.publish_event,
+                event,
+                summary=f"event {type.value}",
+                start_to_close_timeout=PUBLISH_TIMEOUT,
+                retry_policy=PUBLISH_RETRY,
+            )
+        except ActivityError as err:
+            # The step is done and recorded in this history: a lost event must not fail (or undo) the repair.
+            workflow.logger.warning("%s for %s not published: %s", type.value, event.instance_id, activity_cause(err))
 
     @workflow.signal(dynamic=True)
     def on_signal(self, name: str, payloads: Sequence[RawValue]) -> None:
@@ -344,6 +324,9 @@ class InstanceRepairWorkflow:
             self._reject(Rejected(f"signal {name!r} failed in its handler: {type(err).__name__}: {err}"[:500]))
 
     def _on_signal(self, name: str, payloads: Sequence[RawValue]) -> None:
+        if name == names.SIGNAL_PERMIT_DENIED:
+            self._on_denial(decode(name, payloads, PermitDenial))
+            return
         if name != names.SIGNAL_PERMIT_GRANTED:
             self._reject(Rejected(f"unknown signal {name!r}"))
             return
@@ -361,11 +344,45 @@ class InstanceRepairWorkflow:
             self._granted = True
             self._notes[RepairPhase.WAITING_FOR_PERMIT] = f"granted at {iso(grant.granted_at, 'seconds')}"
 
+    def _on_denial(self, denial: PermitDenial | Rejected) -> None:
+        if isinstance(denial, Rejected):
+            self._reject(denial)
+        elif denial.token != self._permit_token or self._granted:
+            self._forged += 1
+            if worth_logging(self._forged):
+                workflow.logger.warning("dropped a permit denial without this repair's request token")
+        elif self._discarded is None:
+            self._discarded = denial.reason or "let go by its drain semaphore"
+
     def _reject(self, why: Rejected) -> None:
         self._rejected += 1
         if worth_logging(self._rejected):
             workflow.logger.warning("dropped signal: %s", why)
         workflow.set_current_details(self._runbook_markdown())
+
+    @workflow.update(name=names.UPDATE_WITHDRAW_REPAIR)
+    def withdraw(self, withdrawal: RepairWithdrawal) -> RepairWithdrawalResult:
+        """Its health workflow takes it back (an operator excluded the instance, or cleared its finding)."""
+        if self._withdrawn is None:
+            self._withdrawn = withdrawal.reason or "withdrawn by its health workflow"
+        return RepairWithdrawalResult(withdrawn_at=workflow.now())
+
+    @withdraw.validator
+    def _validate_withdraw(self, withdrawal: RepairWithdrawal) -> None:
+        # A refused withdrawal leaves no trace in this history; the health workflow gets the message.
+        if not self._input.progress_token or withdrawal.token != self._input.progress_token:
+            raise ApplicationError(
+                "only the health workflow that started this repair may withdraw it",
+                type="ForgedWithdrawal",
+                non_retryable=True,
+            )
+        if self._granted and self._withdrawn is None:
+            raise ApplicationError(
+                f"{workflow.info().workflow_id} holds its drain permit already ({self._phase.value}): "
+                "it is left to finish",
+                type="RepairPastPermit",
+                non_retryable=True,
+            )
 
     @workflow.query(name=names.QUERY_STATUS)
     def status(self) -> RepairStatus:
@@ -393,7 +410,7 @@ class InstanceRepairWorkflow:
             mark = "done" if index < current else ("**now**" if index == current else "next")
             note = self._notes.get(phase)
             lines.append(f"{index + 1}. [{mark}] {text}" + (f" — {note}" if note else ""))
-        if self._phase in (RepairPhase.COMPLETED, RepairPhase.FAILED, RepairPhase.CANCELLED):
+        if self._phase in (RepairPhase.COMPLETED, RepairPhase.FAILED, RepairPhase.CANCELLED, RepairPhase.DISCARDED):
             lines += ["", f"Outcome: **{self._phase.value}**" + (f" — {self._error}" if self._error else "")]
         if self._rejected:
             lines += ["", f"{self._rejected} malformed signals dropped"]
@@ -402,12 +419,9 @@ class InstanceRepairWorkflow:
         return "\n".join(lines)
 
 
-def _permanent(err: ActivityError) -> bool:
-    return isinstance(err.cause, ApplicationError) and err.cause.non_retryable
+class _Discarded(Exception):
+    """Raised and caught inside run(): the semaphore let the held repair go before it got its permit."""
 
 
-def _describe(err: ActivityError) -> str:
-    cause = err.cause
-    if isinstance(cause, ApplicationError):
-        return f"{cause.type}: {cause.message}" if cause.type else cause.message
-    return str(cause or err)
+class _Withdrawn(Exception):
+    """Raised and caught inside run(): the repair was withdrawn before it got its permit."""

@@ -7,8 +7,8 @@ lets the workflow count every rejected signal and expose the count in its query.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel
 from temporalio import workflow
@@ -38,3 +38,33 @@ def worth_logging(dropped: int) -> bool:
     """Log the first drops and then one in a hundred: a flood of bad signals must not flood the worker's log (nor
     keep the logging lock busy across workflow threads), and the count in the query says the rest."""
     return dropped <= 10 or dropped % 100 == 0
+
+
+class Route(Generic[M]):
+    """One signal a workflow takes: the model its payload must be, and the handler that gets it."""
+
+    def __init__(self, model: type[M], handler: Callable[[M], None]) -> None:
+        self.model = model
+        self.handler = handler
+
+    def take(self, name: str, payloads: Sequence[RawValue], reject: Callable[[Rejected], None]) -> None:
+        value = decode(name, payloads, self.model)
+        if isinstance(value, Rejected):
+            reject(value)
+        else:
+            self.handler(value)
+
+
+def dispatch(
+    name: str, payloads: Sequence[RawValue], routes: dict[str, Route[Any]], reject: Callable[[Rejected], None]
+) -> None:
+    """Hand a signal to its route's handler; a bad payload, an unknown name or a handler's own failure is counted
+    by `reject` and dropped, never a failed workflow task."""
+    route = routes.get(name)
+    if route is None:
+        reject(Rejected(f"unknown signal {name!r}"))
+        return
+    try:
+        route.take(name, payloads, reject)
+    except Exception as err:  # a handler's own failure is bad input too
+        reject(Rejected(f"signal {name!r} failed in its handler: {type(err).__name__}: {err}"[:500]))

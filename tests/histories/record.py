@@ -15,7 +15,13 @@ from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 
 from contract import names
-from contract.ids import health_workflow_id, liveness_workflow_id, repair_workflow_id, semaphore_workflow_id
+from contract.ids import (
+    fleet_breaker_workflow_id,
+    health_workflow_id,
+    liveness_workflow_id,
+    repair_workflow_id,
+    semaphore_workflow_id,
+)
 from simulator.events import read_events
 from simulator.servers import MotoServer, TemporalDevServer, free_port
 from tests.fleet import simulated_fleet
@@ -53,6 +59,8 @@ async def record() -> None:
             ("health", health_workflow_id(faulty)),
             ("semaphore", semaphore_workflow_id(group)),
             ("liveness", liveness_workflow_id(group)),
+            # It counted the one impairment its semaphore passed on; nothing tripped.
+            ("fleet_breaker", fleet_breaker_workflow_id(fleet.settings.temporal.task_queue)),
         ):
             history = await client.get_workflow_handle(workflow_id).fetch_history()
             (HERE / f"{name}.json").write_text(history.to_json())

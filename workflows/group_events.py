@@ -1,0 +1,50 @@
+"""Publishing a group-level event (no instance of its own) from the semaphore or the fleet breaker."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError, ApplicationError
+
+with workflow.unsafe.imports_passed_through():
+    from activities.events import EventActivities
+    from activities.models import EventType, FleetEvent
+
+# publish_event tries each sink once for a second or two and keeps what a sink refuses on the worker's disk, so it
+# fails only when the worker cannot keep the event (a broken disk) or dies. A few quick attempts, then the event is
+# given up on with a log line: a sink must never hold up a health change or a repair step for long.
+PUBLISH_TIMEOUT = timedelta(seconds=10)
+PUBLISH_RETRY = RetryPolicy(
+    initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=5), maximum_attempts=3
+)
+
+
+async def publish_group_event(group: str, workflow_id: str, type: EventType, fields: dict[str, Any]) -> None:
+    """The change is in effect and recorded in this history already: a lost event is logged, never a failure."""
+    event = FleetEvent(
+        event_id=str(workflow.uuid4()),
+        time=workflow.now(),
+        type=type,
+        group=group,
+        instance_id="",
+        workflow_id=workflow_id,
+        fields=fields,
+    )
+    try:
+        await workflow.execute_activity_method(
+            EventActivities.publish_event,
+            event,
+            summary=f"event {type.value}",
+            start_to_close_timeout=PUBLISH_TIMEOUT,
+            retry_policy=PUBLISH_RETRY,
+        )
+    except ActivityError as err:
+        workflow.logger.warning("%s for %s not published: %s", type.value, group, activity_cause(err))
+
+
+def activity_cause(err: ActivityError) -> str:
+    cause = err.cause
+    return cause.message if isinstance(cause, ApplicationError) else str(cause or err)

@@ -1,0 +1,76 @@
+"""A health workflow's part in the breaker (workflows/breaker.py): it tells its group's semaphore of each impairment,
+says whether its repair is critical (maintenance windows), and, when its held repair is discarded, goes back to
+proving its fault."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from temporalio import workflow
+
+from contract import names
+from contract.breaker import ImpairmentReport
+from contract.health import CheckType, HealthState
+from contract.liveness import RecheckLoss
+from workflows import health_controls as controls
+from workflows.models import HealthCarry
+from workflows.options import CALL_RETRY, CALL_TIMEOUT
+
+with workflow.unsafe.imports_passed_through():
+    from activities.breaker_ops import BreakerOps
+
+
+def _impaired(state: HealthCarry, check: CheckType) -> bool:
+    current = state.checks.get(check)
+    return current is not None and current.status is HealthState.IMPAIRED
+
+
+async def report_impairment(state: HealthCarry, instance_id: str, group: str, reason: str) -> None:
+    """Tell the group's semaphore, whose breaker counts impairments whether repair is ENABLED or not."""
+    since: list[datetime] = [c.lastStatusChange for c in state.checks.values() if c.status is HealthState.IMPAIRED]
+    silent = _impaired(state, CheckType.AGENT_CONNECTIVITY)
+    report = ImpairmentReport(
+        instance_id=instance_id,
+        group=group,
+        at=min(since, default=workflow.now()),
+        reason=reason[:128],
+        # When the silence began: heartbeat losses that began together are one outage, not many faults.
+        silent_since=(state.last_heartbeat or state.started_at) if silent else None,
+    )
+    await workflow.execute_activity_method(
+        BreakerOps.report_impairment,
+        report,
+        summary=f"tell the breaker of {group} that {instance_id} is IMPAIRED",
+        start_to_close_timeout=CALL_TIMEOUT,
+        retry_policy=CALL_RETRY,
+    )
+    state.impairment_reported = True
+
+
+def critical(state: HealthCarry) -> bool:
+    """A GPU fault or a lost agent: repaired outside maintenance windows too. A DAEMON-only impairment, or an
+    operator's repair of a healthy instance, waits for a window."""
+    return _impaired(state, CheckType.ACCELERATED_COMPUTE) or _impaired(state, CheckType.AGENT_CONNECTIVITY)
+
+
+async def recheck_loss(state: HealthCarry, instance_id: str, tracker_id: str | None) -> None:
+    """Ask the tracker to judge the silence afresh: a loss it declared is forgotten, and told again only if the
+    instance stays silent a full window from now."""
+    state.recheck_loss = False
+    if tracker_id is None:
+        return
+    try:
+        recheck = RecheckLoss(instance_id=instance_id)
+        await workflow.get_external_workflow_handle(tracker_id).signal(names.SIGNAL_RECHECK_LOSS, recheck)
+    except Exception as err:  # no tracker running: one that starts judges every instance afresh anyway
+        workflow.logger.info("tracker %s not asked to recheck %s: %s", tracker_id, instance_id, err)
+
+
+def prove_again(state: HealthCarry, why: str) -> None:
+    """Its held repair was discarded: back to OK until the fault is seen again (a fresh finding, or a heartbeat loss
+    that lasts a full threshold from now). The findings stay, listed as cleared by the breaker."""
+    state.recheck_loss = _impaired(state, CheckType.AGENT_CONNECTIVITY)
+    cleared = controls.clear_impaired_checks(state, "the breaker", why, workflow.now())
+    state.cleared_findings = [*state.cleared_findings, *cleared][-controls.MAX_CLEARED :]
+    state.repair_withheld = None
+    state.repair_requested = False

@@ -1,0 +1,197 @@
+"""Steps 3 and 4 of a repair: launch a replacement and wait until it is ACTIVE, one attempt after another.
+
+A replacement that is not ACTIVE in ECS within the group's `replacement_ready_timeout` (a bad AMI, an agent that
+cannot reach ECS, an instance that died while booting) is terminated, and the next attempt launches another with a
+client token of its own: EC2 answers a repeated token with the first launch, dead or not. After
+`max_replacement_attempts` the repair fails and leaves the impaired instance DRAINING: start-before-stop never
+terminates an instance without a ready replacement.
+
+A launch call that fails (no capacity) is not an attempt: each attempt retries its launch with backoff for as long as
+it takes, as before. Attempts count replacements that launched and never became ready.
+
+Run inside InstanceRepairWorkflow.run(), on its state (the notes of its runbook, its events, its phase timeline).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import TimeoutError as ActivityTimeoutError
+
+from contract.config import format_seconds
+from contract.groups import CapacityGroup
+from contract.repair import RepairPhase
+from workflows.options import CALL_RETRY, CALL_TIMEOUT
+
+with workflow.unsafe.imports_passed_through():
+    from activities.fleet import FleetActivities
+    from activities.models import DrainResult, EventType, LaunchRequest, ReplacementRef, ReplacementWait
+
+if TYPE_CHECKING:
+    from workflows.repair import InstanceRepairWorkflow
+
+LAUNCH_BACKOFF_FIRST = timedelta(seconds=5)
+LAUNCH_BACKOFF_MAX = timedelta(minutes=10)
+# The wait's activity gives up by itself at the deadline, with a message that says why; Temporal's own timeout, this
+# much later, only ends a wait whose worker was lost at the deadline.
+READY_TIMEOUT_MARGIN = timedelta(minutes=1)
+READY_HEARTBEAT_TIMEOUT = timedelta(seconds=10)
+# Within the schedule-to-close timeout: a lost worker or a throttled ECS API must not end the wait early.
+READY_RETRY = RetryPolicy(initial_interval=timedelta(seconds=2), maximum_interval=timedelta(seconds=30))
+CLIENT_TOKEN_MAX = 64  # RunInstances' limit
+
+
+class ReplacementsExhausted(Exception):
+    """Raised out of replace(): no attempt's replacement became ACTIVE; each one was terminated."""
+
+
+def client_token(instance_id: str, attempt: int) -> str:
+    """One attempt's RunInstances token: the same on every retry of the attempt, another for the next attempt."""
+    suffix = f"-{attempt}"
+    return f"autorepair-{instance_id}"[: CLIENT_TOKEN_MAX - len(suffix)] + suffix
+
+
+async def replace(wf: InstanceRepairWorkflow, group: CapacityGroup, drained: DrainResult) -> str:
+    """Launch replacements until one is ACTIVE in ECS, at most `max_replacement_attempts`; returns its id."""
+    limit = group.max_replacement_attempts
+    given_up: list[str] = []
+    for attempt in range(1, limit + 1):
+        await wf._enter(RepairPhase.LAUNCHING_REPLACEMENT)
+        replacement = await _launch(wf, drained, attempt, limit)
+        wf._replacement = replacement
+        wf._notes[RepairPhase.LAUNCHING_REPLACEMENT] = replacement + _of(attempt, limit)
+        await wf._event(EventType.REPLACEMENT_LAUNCHED, replacement_instance_id=replacement, attempt=attempt)
+
+        # Shown from the next step on: which replacement is awaited, and those given up on before it.
+        wf._notes[RepairPhase.WAITING_FOR_REPLACEMENT] = "; ".join([replacement + _of(attempt, limit), *given_up])
+        await wf._enter(RepairPhase.WAITING_FOR_REPLACEMENT)
+        failure = await _wait_until_active(wf, group, replacement, attempt, limit)
+        if failure is None:
+            await wf._event(EventType.REPLACEMENT_READY, replacement_instance_id=replacement, attempt=attempt)
+            return replacement
+        why, error = failure
+        await _abandon(wf, replacement, attempt, limit, why, error)
+        given_up.append(f"attempt {attempt}: {replacement} {why}, terminated")
+        wf._notes[RepairPhase.WAITING_FOR_REPLACEMENT] = "; ".join(given_up)
+    raise ReplacementsExhausted(
+        f"no replacement became ACTIVE in ECS in {limit} attempt{'s' if limit > 1 else ''} "
+        f"(max_replacement_attempts of capacity group {group.name}): {'; '.join(given_up)}. "
+        f"{wf._input.instance_id} is left DRAINING and running, not terminated: a repair never terminates an "
+        "instance without a ready replacement"
+    )
+
+
+def _of(attempt: int, limit: int) -> str:
+    return f" (attempt {attempt} of {limit})" if limit > 1 else ""
+
+
+async def _launch(wf: InstanceRepairWorkflow, drained: DrainResult, attempt: int, limit: int) -> str:
+    instance_id = wf._input.instance_id
+    request = LaunchRequest(
+        group=wf._input.group,
+        impaired_instance_id=instance_id,
+        availability_zone=drained.availability_zone,
+        subnet_id=drained.subnet_id,
+        client_token=client_token(instance_id, attempt),
+    )
+    summary = f"launch replacement for {instance_id} in {drained.availability_zone}"
+    if attempt > 1:
+        summary += f", replacement {attempt} of {limit}"
+    backoff = LAUNCH_BACKOFF_FIRST
+    tries = 1
+    while True:
+        try:
+            launched = await workflow.execute_activity_method(
+                FleetActivities.launch_replacement,
+                request,
+                summary=summary + (f" (attempt {tries})" if tries > 1 else ""),
+                start_to_close_timeout=timedelta(seconds=60),
+                retry_policy=RetryPolicy(
+                    initial_interval=timedelta(seconds=2),
+                    maximum_interval=timedelta(seconds=30),
+                    maximum_attempts=3,
+                ),
+            )
+            return launched.replacement_instance_id
+        except ActivityError as err:
+            if permanent_error(err):
+                raise
+            # Capacity shortages last minutes to hours: keep the instance draining, keep trying, and say so.
+            wf._error = describe_error(err)
+            wf._notes[RepairPhase.LAUNCHING_REPLACEMENT] = f"attempt {tries} failed: {wf._error}"
+            await wf._notify_health()
+            await wf._event(
+                EventType.REPLACEMENT_LAUNCH_FAILED,
+                error=wf._error,
+                attempt=tries,
+                retry_in_seconds=int(backoff.total_seconds()),
+            )
+            await workflow.sleep(backoff, summary=f"back off before launch attempt {tries + 1}")
+            backoff = min(backoff * 2, LAUNCH_BACKOFF_MAX)
+            tries += 1
+            wf._error = None
+
+
+async def _wait_until_active(
+    wf: InstanceRepairWorkflow, group: CapacityGroup, replacement: str, attempt: int, limit: int
+) -> tuple[str, str] | None:
+    """None once the replacement is ACTIVE; else why it never will be, in short and in the activity's words. Any
+    other failure fails the repair: another replacement would meet it too."""
+    timeout = group.replacement_ready_timeout
+    wait = ReplacementWait(group=wf._input.group, instance_id=replacement, ready_by=workflow.now() + timeout)
+    try:
+        await workflow.execute_activity_method(
+            FleetActivities.await_container_instance_active,
+            wait,
+            summary=f"wait for replacement {replacement} to be ACTIVE in ECS" + _of(attempt, limit),
+            schedule_to_close_timeout=timeout + READY_TIMEOUT_MARGIN,
+            heartbeat_timeout=READY_HEARTBEAT_TIMEOUT,
+            retry_policy=READY_RETRY,
+        )
+        return None
+    except ActivityError as err:
+        cause = err.cause
+        if isinstance(cause, ApplicationError) and cause.type == "InstanceTerminated":
+            return "left EC2 before it was ACTIVE", describe_error(err)
+        if (isinstance(cause, ApplicationError) and cause.type == "ReplacementNotReady") or isinstance(
+            cause, ActivityTimeoutError
+        ):
+            return f"not ACTIVE in ECS within {format_seconds(timeout)}", describe_error(err)
+        raise
+
+
+async def _abandon(
+    wf: InstanceRepairWorkflow, replacement: str, attempt: int, limit: int, why: str, error: str
+) -> None:
+    """Terminate the replacement before the next is launched: a late one must never serve next to its successor."""
+    await workflow.execute_activity_method(
+        FleetActivities.terminate_replacement,
+        ReplacementRef(group=wf._input.group, instance_id=replacement, impaired_instance_id=wf._input.instance_id),
+        summary=f"terminate replacement {replacement}: {why}",
+        start_to_close_timeout=CALL_TIMEOUT,
+        retry_policy=CALL_RETRY,
+    )
+    wf._replacement = None
+    await wf._event(
+        EventType.REPLACEMENT_ABANDONED,
+        attempt=attempt,
+        replacement_instance_id=replacement,
+        why=why,
+        error=error,
+        attempts_left=limit - attempt,
+    )
+
+
+def permanent_error(err: ActivityError) -> bool:
+    return isinstance(err.cause, ApplicationError) and err.cause.non_retryable
+
+
+def describe_error(err: BaseException) -> str:
+    cause = err.cause if isinstance(err, ActivityError) else None
+    if isinstance(cause, ApplicationError):
+        return f"{cause.type}: {cause.message}" if cause.type else cause.message
+    return str(cause or err)
