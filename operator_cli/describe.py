@@ -159,6 +159,8 @@ def health_entry(view: InstanceHealthView, url: str | None = None) -> dict[str, 
         "warningCounts": view.warning_counts,
         "repair": view.repair.model_dump(mode="json") if view.repair is not None else None,
         "repairWithheld": view.repair_withheld,
+        # An activity that failed and is tried again (the health workflow never fails on one): what it said.
+        "lastActivityError": view.last_activity_error,
         # `autorepair instance`: excluded from repair (who, why, since), and impairments cleared as false.
         "excluded": None
         if view.excluded is None

@@ -1,4 +1,4 @@
-"""Publishing a group-level event (no instance of its own) from the semaphore or the fleet breaker."""
+"""Publishing events from workflows: off the critical path, never a failure of the step that publishes."""
 
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ PUBLISH_RETRY = RetryPolicy(
 
 
 async def publish_group_event(group: str, workflow_id: str, type: EventType, fields: dict[str, Any]) -> None:
-    """The change is in effect and recorded in this history already: a lost event is logged, never a failure."""
     event = FleetEvent(
         event_id=str(workflow.uuid4()),
         time=workflow.now(),
@@ -33,16 +32,22 @@ async def publish_group_event(group: str, workflow_id: str, type: EventType, fie
         workflow_id=workflow_id,
         fields=fields,
     )
+    await publish(event, f"event {type.value}")
+
+
+async def publish(event: FleetEvent, summary: str) -> None:
+    """The change is in effect and recorded in this history already: a lost event is logged, never a failure."""
     try:
         await workflow.execute_activity_method(
             EventActivities.publish_event,
             event,
-            summary=f"event {type.value}",
+            summary=summary,
             start_to_close_timeout=PUBLISH_TIMEOUT,
             retry_policy=PUBLISH_RETRY,
         )
     except ActivityError as err:
-        workflow.logger.warning("%s for %s not published: %s", type.value, group, activity_cause(err))
+        where = event.instance_id or event.group
+        workflow.logger.warning("%s for %s not published: %s", event.type.value, where, activity_cause(err))
 
 
 def activity_cause(err: ActivityError) -> str:

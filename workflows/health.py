@@ -40,8 +40,9 @@ from contract.probe import GpuFinding, Heartbeat
 from contract.repair import RepairInput, RepairPhase
 from workflows import health_breaker as breaker
 from workflows import health_controls as controls
+from workflows import health_retry as retry
 from workflows.group_config import read_group_config
-from workflows.group_events import PUBLISH_RETRY, PUBLISH_TIMEOUT, activity_cause
+from workflows.group_events import publish
 from workflows.models import (
     ContainerInstanceHealthStatus,
     HealthCarry,
@@ -55,7 +56,6 @@ from workflows.options import CALL_RETRY, CALL_TIMEOUT
 from workflows.signal_input import Rejected, decode, worth_logging
 
 with workflow.unsafe.imports_passed_through():
-    from activities.events import EventActivities
     from activities.models import EventType, FleetEvent, StartRepairRequest
     from activities.workflow_ops import WorkflowOps
 
@@ -100,7 +100,7 @@ class InstanceHealthWorkflow:
                 [sa.INSTANCE_ID.value_set(self._instance_id), sa.CAPACITY_GROUP.value_set(self._group)]
             )
         self._sync_status_attribute()
-        group = await self._group_config()
+        group = await retry.group_config(self._state, self._instance_id, self._group)
         self._tracker_id = liveness_workflow_id(
             self._group, shard_of(self._instance_id, group.liveness_shards), group.liveness_shards
         )
@@ -128,23 +128,18 @@ class InstanceHealthWorkflow:
                 group = await self._reread_group_config(group)
                 config_read_at = workflow.now()
             while self._outbox:
-                event = self._outbox.pop(0)
-                try:
-                    await workflow.execute_activity_method(
-                        EventActivities.publish_event,
-                        event,
-                        summary="publish health change",
-                        start_to_close_timeout=PUBLISH_TIMEOUT,
-                        retry_policy=PUBLISH_RETRY,
-                    )
-                except ActivityError as err:  # the change is in effect and in this history: an event never fails it
-                    workflow.logger.warning("%s not published: %s", event.type.value, activity_cause(err))
+                await publish(self._outbox.pop(0), "publish health change")
             if self._state.game_day_to_tell is not None:
                 await self._tell_tracker(self._state.game_day_to_tell)
             if self._state.recheck_loss:
                 await breaker.recheck_loss(self._state, self._instance_id, self._tracker_id)
             if self._repair_due() and not self._retired:
-                await self._start_repair()
+                try:
+                    await self._start_repair()
+                    retry.succeeded(self._state)
+                except ActivityError as err:  # never a failed workflow: the impairment stays, tried again later
+                    self._state.repair_requested = False
+                    retry.failed(self._state, self._instance_id, "starting the repair", err)
             workflow.set_current_details(self._details_markdown())
             if self._retired:
                 return self._view()
@@ -160,9 +155,13 @@ class InstanceHealthWorkflow:
             waits.append(max(config_read_at + group.heartbeat_loss_threshold - workflow.now(), timedelta(0)))
         if self._state.game_day_to_tell is not None:
             waits.append(GAME_DAY_RETRY)
+        if self._state.retry_at is not None and not self._state.repair_requested:
+            waits.append(max(self._state.retry_at - workflow.now(), timedelta(0)))
         return min(waits, default=None)
 
     def _wake_summary(self) -> str:
+        if self._state.retry_at is not None and not self._state.repair_requested:
+            return "try starting the repair again"
         if self._state.game_day_to_tell is not None:
             return "game day: pass it to the liveness tracker again"
         return "repair withheld: look at the group's configuration again"
@@ -548,7 +547,8 @@ class InstanceHealthWorkflow:
         return self._health_status().overallStatus is HealthState.IMPAIRED
 
     def _repair_due(self) -> bool:
-        return not self._state.repair_requested and (self._is_impaired() or self._state.operator_repair is not None)
+        wanted = self._is_impaired() or self._state.operator_repair is not None
+        return wanted and not self._state.repair_requested and retry.may_try_now(self._state)
 
     def _time_to_continue(self) -> bool:
         return workflow.info().is_continue_as_new_suggested() or self._signals_this_run >= SIGNALS_PER_RUN
@@ -571,6 +571,7 @@ class InstanceHealthWorkflow:
             heartbeats_ignored_until=self._state.heartbeats_ignored_until,
             probe_sources=self._state.probe_sources,
             liveness_workflow_id=self._tracker_id,
+            last_activity_error=self._state.last_activity_error,
             excluded=self._state.excluded,
             cleared_findings=self._state.cleared_findings,
         )

@@ -96,6 +96,10 @@ class HealthCarry(BaseModel):
     impairment_reported: bool = False
     # Left on purpose but may come back (retired_reason says why): nothing watched until heard from again.
     dormant: bool = False
+    # An activity that failed (workflows/health_retry.py): how often in a row, what it said, when to try again.
+    activity_failures: int = 0
+    last_activity_error: Text | None = None
+    retry_at: datetime | None = None
     recheck_loss: bool = False
 
 
@@ -123,6 +127,7 @@ class InstanceHealthView(BaseModel):
     probe_sources: list[ProbeSourceHealth] = Field(default_factory=list)
     # The tracker that knows when this instance was last heard (its `last_heard` query); None before the group is read.
     liveness_workflow_id: str | None = None
+    last_activity_error: str | None = None
     excluded: Exclusion | None = None
     cleared_findings: list[ClearedFinding] = Field(default_factory=list)
 

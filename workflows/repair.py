@@ -32,7 +32,7 @@ from contract.instances import RepairWithdrawal, RepairWithdrawalResult
 from contract.repair import PhaseStep, RepairInput, RepairPhase
 from contract.semaphore import PermitDenial
 from workflows.group_config import read_group_config
-from workflows.group_events import PUBLISH_RETRY, PUBLISH_TIMEOUT, activity_cause
+from workflows.group_events import publish
 from workflows.models import PermitGrant, PermitRelease, RepairProgress, RepairResult, RepairStatus
 from workflows.options import CALL_RETRY, CALL_TIMEOUT
 from workflows.repair_replacement import ReplacementsExhausted, replace
@@ -40,7 +40,6 @@ from workflows.repair_replacement import describe_error as _describe
 from workflows.signal_input import Rejected, decode, worth_logging
 
 with workflow.unsafe.imports_passed_through():
-    from activities.events import EventActivities
     from activities.fleet import FleetActivities
     from activities.models import (
         DrainResult,
@@ -304,17 +303,8 @@ class InstanceRepairWorkflow:
             workflow_id=workflow.info().workflow_id,
             fields=fields,
         )
-        try:
-            await workflow.execute_activity_method(
-                EventActivities.publish_event,
-                event,
-                summary=f"event {type.value}",
-                start_to_close_timeout=PUBLISH_TIMEOUT,
-                retry_policy=PUBLISH_RETRY,
-            )
-        except ActivityError as err:
-            # The step is done and recorded in this history: a lost event must not fail (or undo) the repair.
-            workflow.logger.warning("%s for %s not published: %s", type.value, event.instance_id, activity_cause(err))
+        # The step is done and recorded in this history: a lost event must not fail (or undo) the repair.
+        await publish(event, f"event {type.value}")
 
     @workflow.signal(dynamic=True)
     def on_signal(self, name: str, payloads: Sequence[RawValue]) -> None:
