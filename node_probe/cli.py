@@ -13,7 +13,7 @@ import os
 import shutil
 import signal
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, TextIO
@@ -29,6 +29,7 @@ from contract.config import ConfigError, ConfigSources, TemporalSettings
 from contract.groups import HEARTBEATS_PER_THRESHOLD, MAX_HEARTBEAT_LOSS_THRESHOLD
 from contract.ingest import FINDINGS_PATH
 from contract.temporal_client import connect
+from node_probe.classify.collapse import SentFinding, sent_findings
 from node_probe.classify.kernel_log import parse_lines
 from node_probe.classify.manual import DEFAULT_PCI, manual_findings, pci_address, records_from_text, xid_line
 from node_probe.classify.policy import POLICY_ECS, POLICY_NAMES, Policy, PolicyConfig, Verdict
@@ -99,6 +100,12 @@ def add_classify_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", nargs="?", default=None, metavar="FILE", help="kernel log text (default: stdin)")
     add_policy_arguments(parser)
     parser.add_argument("--format", choices=("json", "table"), default="table", help="output (default: table)")
+    parser.add_argument(
+        "--collapse",
+        action="store_true",
+        help="print what the probe would send for this log instead of every record: the first record of each "
+        "burst, then one roll-up per burst with the count of the records it folded (repeat rules applied)",
+    )
 
 
 @contextlib.contextmanager
@@ -133,21 +140,59 @@ def classification_row(record: FaultRecord, verdict: Verdict) -> dict[str, Any]:
     return row
 
 
+def sent_row(sent: SentFinding) -> dict[str, Any]:
+    finding = sent.finding
+    row: dict[str, Any] = {
+        "line": sent.line,
+        "kind": finding.kind,
+        "code": finding.code,
+        "pci": finding.gpu.pci,
+        "impairs": finding.impairs,
+        "reason": finding.reason,
+        "rule": finding.rule,
+        "count": finding.count,
+        "rollup": sent.first_line is not None,
+        "message": finding.message,
+    }
+    if sent.first_line is not None:
+        row["first_line"] = sent.first_line
+    gpu = finding.gpu.model_dump(exclude={"pci"}, exclude_none=True)
+    row.update(gpu)
+    row["raw"] = finding.raw
+    return row
+
+
 def run_classify(args: argparse.Namespace) -> int:
-    """Print one line per fault record, in input order, without de-duplication (a burst shows in full)."""
+    """Print one line per fault record, in input order, without de-duplication (a burst shows in full); with
+    `--collapse`, the findings the probe would send instead."""
     try:
         policy = Policy(getattr(args, "policy", POLICY_ECS), load_policy_config(getattr(args, "policy_config", None)))
+        as_json = getattr(args, "format", "table") == "json"
         with _open_input(getattr(args, "file", None)) as handle:
             now = datetime.now(UTC)
+            if getattr(args, "collapse", False):
+                # The probe's default window; with one `now` for the whole log, no burst closes before the end.
+                window: timedelta = ProbeConfig.model_fields["dedupe_window"].default
+                sent = (sent_row(s) for s in sent_findings(handle, policy, now, window))
+                if as_json:
+                    _write_json(sent)
+                else:
+                    _print_sent_table(list(sent))
+                return 0
             rows = (classification_row(r, policy.classify(r, now)) for r in parse_lines(handle))
-            if getattr(args, "format", "table") == "json":
-                for row in rows:
-                    sys.stdout.write(json.dumps(row) + "\n")
+            if as_json:
+                _write_json(rows)
             else:
                 _print_table(list(rows))
     except CliError as exc:
         return _fail("classify", exc)
     return 0
+
+
+def _write_json(rows: Iterable[dict[str, Any]]) -> None:
+    write = sys.stdout.write
+    for row in rows:
+        write(json.dumps(row) + "\n")
 
 
 def _print_table(rows: list[dict[str, Any]]) -> None:
@@ -168,6 +213,33 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
     impairing = sum(1 for row in rows if row["impairs"])
     table.caption = f"{len(rows)} records, {impairing} impairing"
     # Created here, not at import, so it writes to whatever sys.stdout is now (tests capture it).
+    Console(file=sys.stdout).print(table)
+
+
+def _print_sent_table(rows: list[dict[str, Any]]) -> None:
+    table = Table(title="GPU findings the probe would send", show_lines=False)
+    for column in ("line", "kind", "code", "pci", "impairs", "reason", "rule", "count", "message"):
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        # A roll-up names the lines it spans: its count is of the records after the burst's first.
+        line = f"{row['first_line']}..{row['line']}" if row["rollup"] else str(row["line"])
+        table.add_row(
+            line,
+            *("" if row[c] is None else str(row[c]) for c in ("kind", "code", "pci")),
+            "yes" if row["impairs"] else "no",
+            row["reason"],
+            row["rule"],
+            f"+{row['count']} (roll-up)" if row["rollup"] else str(row["count"]),
+            row["message"],
+            style="bold red" if row["impairs"] else None,
+        )
+    rollups = [row for row in rows if row["rollup"]]
+    records = len(rows) - len(rollups) + sum(row["count"] for row in rollups)
+    impairing = sum(1 for row in rows if row["impairs"] and not row["rollup"])
+    table.caption = (
+        f"{len(rows)} findings for {records} records: {len(rows) - len(rollups)} first of a burst "
+        f"({impairing} impairing), {len(rollups)} roll-up{'' if len(rollups) == 1 else 's'}"
+    )
     Console(file=sys.stdout).print(table)
 
 

@@ -358,3 +358,32 @@ def test_policy_config_from_json() -> None:
 def test_unknown_policy_name_is_rejected() -> None:
     with pytest.raises(ValueError, match="unknown policy"):
         Policy("eks")
+
+
+def test_remembered_verdicts_are_the_verdicts() -> None:
+    """Records no repeat rule counts are decided once per distinct content; the answers must not change."""
+    lines = [
+        "NVRM: Xid (PCI:0000:3b:00): 13, pid=1, name=x, Graphics Exception",
+        "NVRM: Xid (PCI:0000:3b:00): 45, pid=9, name=x, Ch 00000010, caused by previous Xid 48",
+        "NVRM: Xid (PCI:0000:3b:00): 45, pid=9, name=x, Ch 00000010, caused by previous Xid 13",
+        "NVRM: Xid (PCI:0018:01:00): 154, GPU recovery action changed from 0x0 (None) to 0x1 (GPU Reset Required)",
+        "NVRM: Xid (PCI:0018:01:00): 154, GPU recovery action changed from 0x1 (GPU Reset Required) to 0x0 (None)",
+        "NVRM: Xid (PCI:0018:01:00): 145, RLW_REMAP Nonfatal XC0 i0 Link 03",
+        "NVRM: Xid (PCI:0018:01:00): 145, RLW_REMAP Fatal XC0 i0 Link 03",
+        "nvidia-nvswitch3: SXid (PCI:0000:c5:00.0): 20034, Fatal, Link 30 LTSSM Fault Up",
+        "NVRM: GPU 0000:09:00.0: RmInitAdapter failed! (0x26:0x65:1239)",
+    ]
+    records = list(parse_lines(lines * 3))
+    nvml = FaultRecord(line=0, raw="", kind="nvml", code=None, pci=None, message="", reason="NVML_REMAP_FAILURE")
+    for name in ("ecs", "nvidia-catalog"):
+        shared = Policy(name, PolicyConfig(add_sxids={20034}))
+        for item in [*records, nvml, nvml._replace(reason="NVML_GPU_UNAVAILABLE")]:
+            assert shared.classify(item, NOW) == Policy(name, PolicyConfig(add_sxids={20034})).classify(item, NOW)
+
+
+def test_same_verdict_for_repeats_only_where_nothing_counts_or_dates_them() -> None:
+    rules = PolicyConfig(repeat=[RepeatRule(code=13, count=3, within=timedelta(minutes=10))])
+    assert Policy(config=rules).same_verdict_for_repeats(xid(79))
+    assert not Policy(config=rules).same_verdict_for_repeats(xid(13))
+    assert Policy().same_verdict_for_repeats(xid(13))
+    assert not Policy(booted_at=NOW.timestamp()).same_verdict_for_repeats(xid(79))

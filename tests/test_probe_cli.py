@@ -128,6 +128,68 @@ def test_classify_tolerates_invalid_utf8(tmp_path: Path, capsys: pytest.CaptureF
     assert [r["code"] for r in json_lines(capsys.readouterr().out)] == [79]
 
 
+def test_classify_collapse_prints_what_the_probe_would_send(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    storm = [
+        f"[{2000 + n / 1000:12.6f}] NVRM: Xid (PCI:0000:c1:00): 95, pid='<unknown>', name=<unknown>, "
+        "Uncontained: FBHUB. RST: Yes, D-RST: No"
+        for n in range(1, 1001)
+    ]
+    log = tmp_path / "kern.log"
+    log.write_text(LOG + "\n" + "\n".join(storm) + "\n")
+    assert cli.run_classify(classify_args(str(log), "--collapse", "--format", "json")) == 0
+    rows = json_lines(capsys.readouterr().out)
+    assert [(r["line"], r["kind"], r["code"], r["impairs"], r["count"], r["rollup"]) for r in rows] == [
+        (2, "xid", 79, True, 1, False),
+        (3, "gpu_fallen_off_bus", None, True, 1, False),
+        (4, "xid", 13, False, 1, False),
+        (5, "xid", 95, True, 1, False),
+        (7, "sxid", 20034, False, 1, False),
+        (9, "xid", 154, False, 1, False),
+        (1009, "xid", 95, True, 1001, True),  # line 6 and the storm, after line 5 went out on its own
+    ]
+    rollup = rows[-1]
+    assert rollup["first_line"] == 5 and rollup["raw"] == storm[-1] and rollup["reason"] == "XID_95"
+    assert rows[0]["raw"] == LOG.splitlines()[1] and rows[0]["pci"] == "0000:3b:00"
+
+
+def test_classify_collapse_applies_repeat_rules(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The third Xid 13 within the window impairs: it goes out on its own (impairs is part of the burst key)."""
+    log = tmp_path / "kern.log"
+    log.write_text(
+        "".join(f"[{100 + n}.000000] NVRM: Xid (PCI:0000:17:00): 13, pid=1, name=x, Graphics\n" for n in range(6))
+    )
+    rules = tmp_path / "policy.json"
+    rules.write_text(json.dumps({"repeat": [{"code": 13, "count": 3, "within": 600}]}))
+    args = classify_args(str(log), "--collapse", "--format", "json", "--policy-config", str(rules))
+    assert cli.run_classify(args) == 0
+    rows = json_lines(capsys.readouterr().out)
+    assert [(r["line"], r["impairs"], r["count"], r["rollup"], r["rule"]) for r in rows] == [
+        (1, False, 1, False, "ecs:not-in-xid-list"),
+        (3, True, 1, False, "override:repeat xid13 3/600s"),
+        (2, False, 1, True, "ecs:not-in-xid-list"),
+        (6, True, 3, True, "override:repeat xid13 3/600s"),
+    ]
+
+
+def test_classify_collapse_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("COLUMNS", "200")
+    log = tmp_path / "kern.log"
+    log.write_text(LOG)
+    assert cli.run_classify(classify_args(str(log), "--collapse")) == 0
+    out = capsys.readouterr().out
+    assert "5..6" in out and "+1 (roll-up)" in out
+    assert "7 findings for 7 records: 6 first of a burst (3 impairing), 1 roll-up" in out
+
+
+def test_classify_collapse_through_the_autorepair_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    log = tmp_path / "kern.log"
+    log.write_text(LOG)
+    assert main(["classify", "--collapse", "--format", "json", str(log)]) == 0
+    assert len(json_lines(capsys.readouterr().out)) == 7
+
+
 # --- probe arguments --------------------------------------------------------------------------------
 
 

@@ -6,6 +6,7 @@ import tracemalloc
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import pytest
 from temporalio.common import WorkflowIDConflictPolicy
 
 from contract.health import HealthInput, HealthState
@@ -100,6 +101,32 @@ def test_burst_collapser_is_bounded_in_keys() -> None:
         bursts.offer(key, key, NOW)
     assert len(bursts) == 100
     assert len(bursts.flush()) <= 200
+
+
+def test_offering_a_run_is_offering_each_item_in_turn() -> None:
+    for opened_before in (False, True):
+        one: BurstCollapser[str, int] = BurstCollapser(timedelta(minutes=5))
+        run: BurstCollapser[str, int] = BurstCollapser(timedelta(minutes=5))
+        if opened_before:
+            one.offer("a", 0, NOW)
+            run.offer("a", 0, NOW)
+        opened = [one.offer("a", item, NOW + timedelta(minutes=1)) for item in range(1, 6)]
+        assert run.offer_run("a", 1, 5, 5, NOW + timedelta(minutes=1)) == opened[0]
+        assert [(b.first, b.last, b.count) for b in run.flush()] == [(b.first, b.last, b.count) for b in one.flush()]
+
+
+def test_a_run_needs_a_window() -> None:
+    with pytest.raises(ValueError, match="window"):
+        BurstCollapser[str, int](timedelta(0)).offer_run("a", 1, 2, 2, NOW)
+
+
+def test_a_burst_closes_exactly_at_its_window_end_even_next_to_the_calendars_end() -> None:
+    bursts: BurstCollapser[str, int] = BurstCollapser(timedelta(seconds=10))
+    bursts.offer("a", 1, NOW)
+    assert not bursts.offer("a", 2, NOW + timedelta(seconds=9, microseconds=999_999))
+    assert bursts.offer("a", 3, NOW + timedelta(seconds=10))
+    late = datetime.max.replace(tzinfo=UTC) - timedelta(seconds=1)
+    assert bursts.offer("b", 1, late) and not bursts.offer("b", 2, late)  # no close time there: subtraction instead
 
 
 def test_flood_of_800k_identical_xid95_lines_is_one_burst_with_flat_memory() -> None:

@@ -89,8 +89,8 @@ async def test_search_attribute_filters_find_the_repair_with_the_cli_and_every_w
     async with simulated_fleet(client, aws_env, tmp_path, instances=3) as fleet:
         faulty = await repair_one_instance(fleet, 3)
         repair = client.get_workflow_handle(repair_workflow_id(faulty))
-        described = await repair.describe()
-        assert described.status == WorkflowExecutionStatus.COMPLETED
+        # Its last event is published before it returns: the close follows a moment later.
+        described = await eventually(repair.describe, lambda d: d.status == WorkflowExecutionStatus.COMPLETED)
         assert described.run_id is not None
         the_repair = [(repair_workflow_id(faulty), described.run_id)]
 

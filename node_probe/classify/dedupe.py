@@ -24,6 +24,8 @@ class Burst(Generic[T]):
     last: T
     started: datetime
     count: int = 1  # including the first, which was already emitted
+    # started + window, kept so that a storm's every item costs one comparison, not a subtraction and a comparison.
+    closes: datetime | None = None
 
     @property
     def suppressed(self) -> int:
@@ -47,16 +49,36 @@ class BurstCollapser(Generic[K, T]):
     def offer(self, key: K, item: T, now: datetime) -> bool:
         """True when `item` opens a burst (emit it now); False when it only adds to an open one."""
         burst = self._open.get(key)
-        if burst is not None and now - burst.started < self._window:
+        closes = None if burst is None else burst.closes
+        if burst is not None and (now < closes if closes is not None else now - burst.started < self._window):
             burst.count += 1
             burst.last = item
             return False
         if burst is not None:
             self._close(key)
-        self._open[key] = Burst(first=item, last=item, started=now)
+        self._open[key] = Burst(first=item, last=item, started=now, closes=self._closes(now))
         if len(self._open) > self._max_keys:
             self._close(next(iter(self._open)))
         return True
+
+    def offer_run(self, key: K, first: T, last: T, count: int, now: datetime) -> bool:
+        """`count` items that share `key`, from `first` to `last`, all at `now`: exactly what offering each in turn
+        would do, in one step. True when `first` opens a burst. Needs a window and room for a key: without them
+        each item would be a burst of its own."""
+        if not self._window or self._max_keys < 1:
+            raise ValueError("offer_run needs a window longer than zero and max_keys of at least 1")
+        opened = self.offer(key, first, now)
+        if count > 1:  # the burst `first` opened or joined is open at `now`: the others only count
+            burst = self._open[key]
+            burst.count += count - 1
+            burst.last = last
+        return opened
+
+    def _closes(self, now: datetime) -> datetime | None:
+        try:
+            return now + self._window
+        except OverflowError:  # near datetime.max: compare by subtraction instead
+            return None
 
     def expire(self, now: datetime) -> list[Burst[T]]:
         """Bursts whose window closed and that suppressed at least one item (lone items need no roll-up)."""

@@ -4,8 +4,15 @@ The kernel log is the one GPU signal that survives a hung NVML, and it keeps his
 the parser must accept every shape the driver and the log tools have produced. Formats follow the open driver
 (kernel_rc.c, gpu.c, osinit.c, osapi.c); see docs in the shared reference `gpu-fault-signals.md`.
 
-Speed matters (an Xid storm is hundreds of thousands of lines): regexes are compiled once and a substring
-prefilter rejects almost every line before any regex runs.
+Where the record sits on the line does not matter: the parser finds its body (`NVRM: ...`, `nvidia-nvswitchN: ...`)
+wherever it is, then accepts the line only when everything before the body is a stack of prefixes that log tools
+write (log_prefix.py), so an application quoting an NVRM message is not a record.
+
+Speed matters (an Xid storm is hundreds of thousands of lines): a substring prefilter rejects almost every other
+line, and a repeated body (a storm repeats a handful behind changing timestamps) is looked up in a bounded cache
+before any regex runs; only a new body is parsed. A reader that needs only what a storm adds up to (`classify
+--collapse`) takes records as runs (`parse_runs`): a line that repeats the latest record but for where it is costs a
+text compare and its prefix, and no record is built for it.
 
 One printk can hold several lines (the "fallen off the bus" banner is one). Each log tool shows that its own way:
 /dev/kmsg escapes the newlines (`\x0a`, kept by rsyslog's imkmsg), rsyslog writes a real newline as `#012`, dmesg
@@ -25,80 +32,26 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final, NamedTuple
 
+from node_probe.classify.bodies import FUNC, PCI, parse_body
+from node_probe.classify.log_prefix import NO_PREFIX, Prefix, PrefixReader, unwrap_docker_json, wall_time
 from node_probe.classify.record import FaultRecord
 from node_probe.classify.wall_clock import WallClock
 
-# Prefixes that log tools put before the kernel's own text. They can stack (syslog's header, then dmesg's
-# uptime stamp), so they are stripped in a loop. Each alternative is anchored so that an application line
-# that merely quotes an NVRM message is not mistaken for a kernel record.
-_ISO_TIME = r"(?P<isom>\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}):(?P<isos>\d{2}(?:[.,]\d+)?)(?P<isoz>Z|[+-]\d{2}:?\d{2})?"
-# One regex per leading character: trying a single big alternation on every line costs several times more.
-_PREFIX_KMSG: Final = re.compile(r"<?\d+>?,(?P<seq>\d+),(?P<usec>\d+),[^;]*;")  # prio,seq,usec,flags;message
-# The groups that hold a wall-clock time (the minute, the seconds, the year or the UTC offset) are read only for a
-# line that is a fault record, and in order (Match.groups() is several times cheaper than named groups).
-_PREFIX_BRACKET: Final = re.compile(  # dmesg's [ 1843.308145], dmesg -T's [Fri Aug 30 11:43:09 2024]
-    r"\[\s*(?:(?P<uptime>\d+\.\d+)|"
-    r"(?P<ctm>[A-Z][a-z]{2} [A-Z][a-z]{2} {1,2}\d{1,2} \d{2}:\d{2}):(?P<cts>\d{2}) (?P<cty>\d{4}))\]\s?"
-)
-_PREFIX_SYSLOG: Final = re.compile(  # Nov 22 15:39:14 host kernel: (or an ISO time, as journalctl -o short-iso)
-    r"(?:(?P<bsdm>[A-Z][a-z]{2} {1,2}\d{1,2} \d{2}:\d{2}):(?P<bsds>\d{2}(?:\.\d+)?)|" + _ISO_TIME + r") \S+ kernel: "
-)
-_PREFIX_WORD: Final = re.compile(  # kernel: , or dmesg -x's "kern  :warn  : " with an optional ISO time
-    r"kernel: |[a-z]+ *:[a-z]+ *: (?:" + _ISO_TIME + r" ?)?"
-)
-# journalctl -o short-monotonic: "[ 1843.308145] host kernel: ", the host after the uptime stamp.
-_PREFIX_HOST_KERNEL: Final = re.compile(r"\S+ kernel: ")
-_BODY_STARTS = ("NVRM", "nvidia-nvswitch")
 _KERNEL_BODIES = ("NVRM: ", "nvidia-nvswitch")
 # A body holding several lines of one printk: /dev/kmsg's escapes (`\x0a` a newline, `\x5c` a backslash) or
 # rsyslog's escaped newline.
 _KMSG_ESCAPE: Final = re.compile(r"\\x([0-9a-fA-F]{2})")
 _SYSLOG_NEWLINE = "#012"
 
-_PCI = r"[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}"
-_FUNC = r"(?:\.[0-9a-fA-F])?"
-
-_XID: Final = re.compile(r"NVRM: Xid \((?P<loc>[^)]*)\): (?P<code>\d+)(?:,\s?(?P<rest>.*))?$")
-# Inside the parentheses: `PCI:dddd:bb:dd`, old drivers' bare `dddd:bb:dd`, then MIG instance ids; an elided
-# address (`PCI:...`) simply does not match and leaves pci unset.
-_XID_LOC: Final = re.compile(r"(?:PCI:)?(?P<pci>" + _PCI + r")" + _FUNC + r"(?=$|\s)")
-_MIG_GI: Final = re.compile(r"GPU-I:(\d+)")
-_MIG_CI: Final = re.compile(r"GPU-CI:(\d+)")
-# `pid=1234, name=python, msg`, or older drivers' `pid='<unknown>', name=<unknown>, msg`.
-_PROC: Final = re.compile(r"pid=(?P<pid>[^,]*), name=(?P<name>[^,]*)(?:,\s?(?P<msg>.*))?$")
-_CAUSED_BY: Final = re.compile(r"caused by previous Xid (\d+)")
-_RECOVERY: Final = re.compile(
-    r"GPU recovery action changed from (?P<from_code>0x[0-9a-fA-F]+) \((?P<from>[^)]*)\) "
-    r"to (?P<to_code>0x[0-9a-fA-F]+) \((?P<to>[^)]*)\)"
-)
-_RST: Final = re.compile(r"RST: (?P<rst>Yes|No), D-RST: (?P<drst>Yes|No)")
-_NVLINK5: Final = re.compile(
-    r"(?P<unit>[A-Z][A-Z0-9_]*(?:/[A-Z0-9_]+)?)\s+(?P<sev>Fatal|Nonfatal)\s+XC\d+\s+i\d+\s+Link\s+(?P<link>-?\d+)"
-)
-_FALLEN: Final = re.compile(
-    r"NVRM: GPU (?:at )?(?:PCI:)?(?P<pci>"
-    + _PCI
-    + r")"
-    + _FUNC
-    + r":? (?:GPU )?has fallen off the bus\.?\s*(?P<rest>.*)$"
-)
-_INIT_FAILED: Final = re.compile(
-    r"NVRM: (?:GPU (?:at )?(?:PCI:)?(?P<pci>" + _PCI + r")" + _FUNC + r":? )?RmInitAdapter failed!\s*(?P<rest>.*)$"
-)
-_BANNER_1: Final = re.compile(r"NVRM: The NVIDIA GPU (?P<pci>" + _PCI + r")" + _FUNC + r"\s*$")
+_BANNER_1: Final = re.compile(r"NVRM: The NVIDIA GPU (?P<pci>" + PCI + r")" + FUNC + r"\s*$")
 _BANNER_2: Final = re.compile(r"NVRM: (?:\(PCI ID: [0-9a-fA-F]{4}:[0-9a-fA-F]{4}\) )?installed in this system has\s*$")
 _BANNER_3: Final = re.compile(r"NVRM: fallen off the bus and is not responding to commands\.?\s*$")
-_SXID: Final = re.compile(
-    r"nvidia-nvswitch(?P<switch>\d+): SXid \((?:PCI:)?(?P<pci>[0-9a-fA-F:.]+)\): "
-    r"(?P<code>\d+),?\s?(?P<rest>.*)$"
-)
-_SXID_PCI: Final = re.compile(_PCI + r"\.[0-9a-fA-F]")  # the whole address, function included; `...` is elided
 # Printed once per GPU before its first Xid (kernel_rc.c); then `NVRM: GPU Board Serial Number: ...`.
 _GPU_UUID: Final = re.compile(
     r"NVRM: GPU at (?:PCI:)?(?P<pci>"
-    + _PCI
+    + PCI
     + r")"
-    + _FUNC
+    + FUNC
     + r": (?P<uuid>GPU-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12})\s*$"
 )
 
@@ -106,26 +59,15 @@ _GPU_UUID: Final = re.compile(
 BANNER_MAX_GAP = 8
 # GPUs whose UUID the parser remembers (a host has at most 16); the oldest is forgotten first.
 UUID_MEMORY = 64
-_UNKNOWN_VALUES = frozenset({"", "<unknown>", "'<unknown>'", "...", "'...'"})
 
 
+_new_tuple: Final = tuple.__new__
 # The parts of a cached template that _place copies around each line's own values: the fields after (line, raw),
 # those after (kmsg_seq, uptime_s, wall_s) up to uuid, and those after uuid.
 _BODY_FIELDS = slice(2, FaultRecord._fields.index("kmsg_seq"))
 _UUID_FIELD = FaultRecord._fields.index("uuid")
 _DETAIL_FIELDS = slice(FaultRecord._fields.index("wall_s") + 1, _UUID_FIELD)
 _AFTER_UUID_FIELDS = slice(_UUID_FIELD + 1, None)
-
-
-class _Prefix(NamedTuple):
-    end: int
-    kmsg_seq: int | None
-    uptime_s: float | None
-    # The outermost prefix match that holds a wall-clock time, parsed only when the line is a record.
-    clock: re.Match[str] | None = None
-
-
-_NO_PREFIX: Final = _Prefix(0, None, None)
 
 
 @dataclass(slots=True)
@@ -140,207 +82,45 @@ class _Banner:
     uptime_s: float | None = None
     clock: re.Match[str] | None = None
 
-    def add(self, line: int, raw: str, body: str, prefix: _Prefix) -> None:
+    def add(self, line: int, raw: str, body: str, prefix: Prefix) -> None:
         if line != self.last_line:  # the pieces of one escaped record share its line and raw text
             self.raws.append(raw)
             self.last_line = line
         self.bodies.append(body[6:])
-        if prefix.kmsg_seq is not None:
-            self.kmsg_seq = prefix.kmsg_seq
-        if prefix.uptime_s is not None:
-            self.uptime_s = prefix.uptime_s
-        if prefix.clock is not None:
-            self.clock = prefix.clock
-
-
-def _strip_prefixes(line: str) -> _Prefix:
-    pos = 0
-    kmsg_seq: int | None = None
-    uptime_s: float | None = None
-    clock: re.Match[str] | None = None
-    # Bounded: at most one of each stacked prefix kind appears in practice.
-    for _ in range(4):
-        if pos >= len(line) or line.startswith(_BODY_STARTS, pos):
-            break
-        first = line[pos]
-        match: re.Match[str] | None
-        if first == "[":
-            match = _PREFIX_BRACKET.match(line, pos)
-            if match is not None:
-                if match.group("uptime") is not None:
-                    uptime_s = float(match.group("uptime"))
-                elif clock is None:
-                    clock = match
-        elif first == "<" or first.isdigit():
-            match = _PREFIX_KMSG.match(line, pos)
-            if match is not None:
-                kmsg_seq = int(match.group("seq"))
-                uptime_s = int(match.group("usec")) / 1_000_000
-            else:
-                match = _PREFIX_SYSLOG.match(line, pos)
-                if clock is None:
-                    clock = match
-        elif first.isupper():
-            match = _PREFIX_SYSLOG.match(line, pos)
-            if clock is None:
-                clock = match
-        else:
-            match = _PREFIX_WORD.match(line, pos)
-            if clock is None and match is not None and match.lastindex is not None:  # its ISO time matched
-                clock = match
-        if match is None:
-            match = _PREFIX_HOST_KERNEL.match(line, pos)
-        if match is None or match.end() == pos:
-            break
-        pos = match.end()
-    return _Prefix(pos, kmsg_seq, uptime_s, clock)
-
-
-def _optional_int(text: str | None) -> int | None:
-    if text is None:
-        return None
-    text = text.strip().strip("'")
-    return int(text) if text.isdigit() else None
-
-
-def _optional_name(text: str | None) -> str | None:
-    if text is None:
-        return None
-    text = text.strip()
-    return None if text in _UNKNOWN_VALUES else text
-
-
-def _yes_no(text: str) -> bool:
-    return text == "Yes"
-
-
-def _parse_xid(body: str) -> FaultRecord | None:
-    match = _XID.match(body)
-    if match is None:
-        return None
-    loc = match.group("loc")
-    loc_match = _XID_LOC.match(loc)
-    gi = _MIG_GI.search(loc) if "GPU-I" in loc else None
-    ci = _MIG_CI.search(loc) if "GPU-CI" in loc else None
-    code = int(match.group("code"))
-    message = match.group("rest") or ""
-    pid: int | None = None
-    name: str | None = None
-    if message.startswith("pid="):
-        proc = _PROC.match(message)
-        if proc is not None:
-            pid = _optional_int(proc.group("pid"))
-            name = _optional_name(proc.group("name"))
-            message = proc.group("msg") or ""
-    extras: dict[str, Any] = {}
-    if code == 45:
-        caused = _CAUSED_BY.search(message)
-        if caused is not None:
-            extras["caused_by_xid"] = int(caused.group(1))
-    elif code == 154:
-        recovery = _RECOVERY.search(message)
-        if recovery is not None:
-            extras.update(
-                recovery_action_from=recovery.group("from"),
-                recovery_action_to=recovery.group("to"),
-                recovery_action_from_code=int(recovery.group("from_code"), 16),
-                recovery_action_to_code=int(recovery.group("to_code"), 16),
-            )
-    elif code in (94, 95):
-        rst = _RST.search(message)
-        if rst is not None:
-            extras.update(rst=_yes_no(rst.group("rst")), d_rst=_yes_no(rst.group("drst")))
-    elif 144 <= code <= 150:
-        nvlink = _NVLINK5.match(message)
-        if nvlink is not None:
-            extras.update(
-                nvlink_unit=nvlink.group("unit"),
-                nvlink_fatal=nvlink.group("sev") == "Fatal",
-                nvlink_link=int(nvlink.group("link")),
-            )
-    return FaultRecord(
-        line=0,
-        raw="",
-        kind="xid",
-        code=code,
-        pci=loc_match.group("pci").lower() if loc_match is not None else None,
-        message=message.strip(),
-        mig_gpu_instance=int(gi.group(1)) if gi is not None else None,
-        mig_compute_instance=int(ci.group(1)) if ci is not None else None,
-        pid=pid,
-        process_name=name,
-        **extras,
-    )
-
-
-def _parse_sxid(body: str) -> FaultRecord | None:
-    match = _SXID.match(body)
-    if match is None:
-        return None
-    pci = match.group("pci")
-    return FaultRecord(
-        line=0,
-        raw="",
-        kind="sxid",
-        code=int(match.group("code")),
-        pci=pci if _SXID_PCI.fullmatch(pci) is not None else None,
-        message=match.group("rest").strip(),
-        nvswitch=int(match.group("switch")),
-    )
-
-
-def _parse_other_nvrm(body: str) -> FaultRecord | None:
-    if "fallen off the bus" in body:
-        match = _FALLEN.match(body)
-        if match is not None:
-            return FaultRecord(
-                line=0,
-                raw="",
-                kind="gpu_fallen_off_bus",
-                code=None,
-                pci=match.group("pci").lower(),
-                message=("GPU has fallen off the bus. " + match.group("rest")).strip(),
-            )
-    if "RmInitAdapter" in body:
-        match = _INIT_FAILED.match(body)
-        if match is not None:
-            pci = match.group("pci")
-            return FaultRecord(
-                line=0,
-                raw="",
-                kind="gpu_init_failed",
-                code=None,
-                pci=pci.lower() if pci else None,
-                message=("RmInitAdapter failed! " + match.group("rest")).strip(),
-            )
-    return None
-
-
-def _parse_body(body: str) -> FaultRecord | None:
-    """The stateless part: what one line's text (after the prefixes) says, at line 0 with no raw text."""
-    if body.startswith("NVRM: Xid"):
-        return _parse_xid(body)
-    if body.startswith("NVRM: "):
-        return _parse_other_nvrm(body)
-    return _parse_sxid(body)
+        kmsg_seq, uptime_s, clock = prefix
+        if kmsg_seq is not None:
+            self.kmsg_seq = kmsg_seq
+        if uptime_s is not None:
+            self.uptime_s = uptime_s
+        if clock is not None:
+            self.clock = clock
 
 
 def _place(
-    template: FaultRecord, line: int, raw: str, prefix: _Prefix, wall: float | None, uuid: str | None
+    template: FaultRecord,
+    line: int,
+    raw: str,
+    kmsg_seq: int | None,
+    uptime_s: float | None,
+    wall: float | None,
+    uuid: str | None,
 ) -> FaultRecord:
     fields: tuple[Any, ...] = template
-    return FaultRecord._make(
+    # tuple.__new__ rather than _make: the same record without a Python-level call and length check, for every line
+    # of a storm (test_template_field_slices_match_the_record_fields holds the field count).
+    return _new_tuple(
+        FaultRecord,
         (
             line,
             raw,
             *fields[_BODY_FIELDS],
-            prefix[1],
-            prefix[2],
+            kmsg_seq,
+            uptime_s,
             wall,
             *fields[_DETAIL_FIELDS],
             uuid,
             *fields[_AFTER_UUID_FIELDS],
-        )
+        ),
     )
 
 
@@ -368,7 +148,7 @@ _DRIVER_LOAD: Final = FaultRecord(line=-4, raw="", kind="xid", code=None, pci=No
 
 def _template(body: str) -> FaultRecord | None:
     """What the cache keeps for a body without escapes: its record at line 0, a marker, or None."""
-    record = _parse_body(body)
+    record = parse_body(body)
     if record is None:
         if body.startswith("NVRM: loading NVIDIA "):
             return _DRIVER_LOAD
@@ -387,7 +167,12 @@ class KernelLogParser:
         self._banner: _Banner | None = None
         self._templates: dict[str, FaultRecord | None] = {}
         self._uuids: dict[str, str] = {}  # PCI address (dddd:bb:dd, lower case) -> GPU UUID, oldest first
+        self._prefixes = PrefixReader()
         self._clock = WallClock(now)
+        # The latest record, when a line may repeat it (see `take_repeats`): its body, template and GPU UUID; and the
+        # latest line that did repeat one: its number, raw text, prefix and template.
+        self._last: tuple[str, FaultRecord, str | None] | None = None
+        self._repeat: tuple[int, str, Prefix, FaultRecord, str | None] | None = None
 
     @property
     def lines_seen(self) -> int:
@@ -407,67 +192,131 @@ class KernelLogParser:
         if "NVRM" not in line and "SXid" not in line:
             return []
         line = line.rstrip("\r\n")
-        first = line[0]  # not empty: it holds "NVRM" or "SXid"
-        if first == " " or first == "\t":
-            # dmesg and journalctl indent the later lines of a multi-line record, with no prefix: those that
-            # are NVIDIA's are bodies. /dev/kmsg's continuation lines (` SUBSYSTEM=pci`) carry metadata of the
-            # record above, never a fault.
-            body = line.lstrip()
-            if not body.startswith("NVRM: "):
+        text = line
+        outer: re.Match[str] | None = None
+        if line[0] == "{":  # not empty: it holds "NVRM" or "SXid"
+            unwrapped = unwrap_docker_json(line)
+            if unwrapped is None:
                 return []
-            prefix = _NO_PREFIX
-        else:
-            prefix = _strip_prefixes(line)
-            body = line[prefix.end :]
-            if not body.startswith(_KERNEL_BODIES):
-                return []
+            text, outer = unwrapped
+        start = text.find("NVRM: ")
+        if "SXid" in text:
+            switch = text.find("nvidia-nvswitch")
+            if switch >= 0 and (start < 0 or switch < start):
+                start = switch
+        if start < 0:
+            return []
+        body = text[start:] if start else text
         template = self._templates.get(body, _MISS)
         if template is _MISS:
             template = _ESCAPED if "\\x" in body or _SYSLOG_NEWLINE in body else _template(body)
             self._remember(body, template)
-        if template is None or template is _DRIVER_LOAD:  # most NVRM lines that are no record
+        if template is None and self._banner is None:
+            return []  # most NVRM lines that are no record: whatever their prefix, nothing changes
+        prefix = self._prefix(text, start, body)
+        if prefix is None:
+            return []
+        if outer is not None:
+            prefix = (prefix[0], prefix[1], outer)  # the outermost time wins, as in a stack of prefixes
+        if template is None or template is _DRIVER_LOAD:
             if self._banner is not None:
-                return self._feed_other(line, body, prefix, template)
+                return self._forget_last(self._feed_other(line, body, prefix, template))
             if template is not None:
                 self._forget_gpus()
             return []
         if template is _ESCAPED:
-            return self._feed_pieces(line, body, prefix)
+            return self._forget_last(self._feed_pieces(line, body, prefix))
         if template is _STATEFUL or self._banner is not None:
-            return self._feed_other(line, body, prefix, template)
-        # self._record, inlined: this is the path of every line of a storm.
-        clock = prefix[3]
+            return self._forget_last(self._feed_other(line, body, prefix, template))
+        # self._record, inlined: this is the path of every line of a storm that is read record by record.
+        kmsg_seq, uptime_s, clock = prefix
         uuids = self._uuids
-        return [
-            _place(
-                template,
-                self._line_no,
-                line,
-                prefix,
-                None if clock is None else self._wall(clock),
-                uuids.get(template[4] or "") if uuids else None,
-            )
-        ]
+        uuid = uuids.get(template[4] or "") if uuids else None
+        wall = None if clock is None else wall_time(clock, self._clock)
+        self._last = (body, template, uuid)
+        return [_place(template, self._line_no, line, kmsg_seq, uptime_s, wall, uuid)]
+
+    def take_repeats(self, lines: Iterator[str]) -> tuple[int, str | None]:
+        """Read lines from `lines` while each is a record just like the latest one but for where it is (line
+        number, raw text, prefix values): they count as read (`lines_seen`), the last of them as the latest repeat
+        (`last_repeat`), and no record is built for them. Returns how many it took and the first line it did not
+        take (None: `lines` ran out); the parser did nothing with that line: `feed` it. A storm's lines take this
+        path: a text compare and the prefix, no cache lookup and no record."""
+        last = self._last
+        if last is None or self._banner is not None or self._uuid_of(last[1]) != last[2]:
+            return 0, next(lines, None)  # nothing a line could repeat (a pending banner takes every NVRM line)
+        body, template, uuid = last
+        size, prefix_of, read = len(body), self._prefix, self._prefixes.read
+        taken, text, prefix = 0, "", NO_PREFIX
+        for line in lines:
+            candidate = line.rstrip("\r\n")
+            at = len(candidate) - size
+            if at < 0 or not candidate.endswith(body) or candidate[0] == "{":
+                break
+            first = candidate.find("NVRM: ")  # where feed would find the body
+            if "SXid" in candidate:
+                switch = candidate.find("nvidia-nvswitch")
+                if switch >= 0 and (first < 0 or switch < first):
+                    first = switch
+            if first != at:
+                break
+            # What _prefix does, with one call fewer for the common case: a prefix that is no indentation.
+            found = read(candidate[:at]) if at and candidate[0] not in " \t" else prefix_of(candidate, at, body)
+            if found is None:
+                break
+            taken, text, prefix = taken + 1, candidate, found
+        else:
+            line = None
+        if taken:
+            self._line_no += taken
+            self._repeat = (self._line_no, text, prefix, template, uuid)
+        return taken, line
+
+    def last_repeat(self) -> FaultRecord | None:
+        """The record of the latest line that `take_repeats` took, as `feed` would have returned it; lines fed since
+        do not change it."""
+        repeat = self._repeat
+        if repeat is None:
+            return None
+        line_no, raw, prefix, template, uuid = repeat
+        return self._place(template, raw, prefix, line_no, uuid)
+
+    def _forget_last(self, records: list[FaultRecord]) -> list[FaultRecord]:
+        if records:
+            self._last = None  # a banner's or a piece's record: no line repeats it
+        return records
+
+    def _prefix(self, text: str, start: int, body: str) -> Prefix | None:
+        """What the text before the body says; None when it is no log tool's prefix (the line is not the kernel's)."""
+        if not start:
+            return NO_PREFIX
+        first = text[0]
+        if first == " " or first == "\t":
+            # dmesg and journalctl indent the later lines of a multi-line record, with no prefix: those that are
+            # NVIDIA's are bodies. /dev/kmsg's continuation lines (` SUBSYSTEM=pci`) carry metadata of the record
+            # above, never a fault.
+            return NO_PREFIX if body.startswith("NVRM: ") and text[:start].isspace() else None
+        return self._prefixes.read(text[:start])
 
     def _remember(self, body: str, template: FaultRecord | None) -> None:
         if len(self._templates) >= _TEMPLATE_CACHE_SIZE:
             self._templates.clear()
         self._templates[body] = template
 
-    def _record(self, template: FaultRecord, raw: str, prefix: _Prefix) -> FaultRecord:
-        """The record of this line: the template with the line's own values, its wall time and its GPU's UUID."""
-        clock = prefix[3]
-        uuids = self._uuids
-        return _place(
-            template,
-            self._line_no,
-            raw,
-            prefix,
-            self._wall(clock) if clock is not None else None,
-            uuids.get(template[4] or "") if uuids else None,  # never an SXid's: the switch's address has a function
-        )
+    def _record(self, template: FaultRecord, raw: str, prefix: Prefix, line_no: int) -> FaultRecord:
+        """The record of a line: the template with the line's own values, its wall time and its GPU's UUID."""
+        return self._place(template, raw, prefix, line_no, self._uuid_of(template))
 
-    def _feed_pieces(self, raw: str, body: str, prefix: _Prefix) -> list[FaultRecord]:
+    def _uuid_of(self, template: FaultRecord) -> str | None:
+        uuids = self._uuids
+        return uuids.get(template[4] or "") if uuids else None  # never an SXid's: the switch's address has a function
+
+    def _place(self, template: FaultRecord, raw: str, prefix: Prefix, line_no: int, uuid: str | None) -> FaultRecord:
+        kmsg_seq, uptime_s, clock = prefix
+        wall = None if clock is None else wall_time(clock, self._clock)
+        return _place(template, line_no, raw, kmsg_seq, uptime_s, wall, uuid)
+
+    def _feed_pieces(self, raw: str, body: str, prefix: Prefix) -> list[FaultRecord]:
         """A body holding several lines of one printk: each line is a body with the record's prefix, at its input
         line. /dev/kmsg's `\\xNN` escapes come undone: rsyslog's imkmsg passes them on too, and dmesg, journald
         and imklog show text unescaped, where a literal `\\x` is too rare in NVIDIA's messages to matter."""
@@ -478,7 +327,7 @@ class KernelLogParser:
             if not piece.startswith(_KERNEL_BODIES):
                 continue
             if "\\x" in piece:  # a literal one (kmsg's `\\x5c`): not cached, the cache would take it for an escape
-                template = _parse_body(piece)
+                template = parse_body(piece)
             else:
                 template = self._templates.get(piece, _MISS)
                 if template is _MISS:
@@ -487,7 +336,7 @@ class KernelLogParser:
             records.extend(self._feed_other(raw, piece, prefix, template))
         return records
 
-    def _feed_other(self, raw: str, body: str, prefix: _Prefix, template: FaultRecord | None) -> list[FaultRecord]:
+    def _feed_other(self, raw: str, body: str, prefix: Prefix, template: FaultRecord | None) -> list[FaultRecord]:
         """A body while a banner is pending, or one that is no record by itself (banner lines, GPU identity)."""
         banner = self._banner
         if banner is not None:
@@ -502,7 +351,7 @@ class KernelLogParser:
         if template is _DRIVER_LOAD:
             self._forget_gpus()
         elif template is not None and template is not _STATEFUL:
-            return [self._record(template, raw, prefix)]
+            return [self._record(template, raw, prefix, self._line_no)]
         if body.startswith("NVRM: The NVIDIA GPU "):
             match = _BANNER_1.match(body)
             if match is not None:
@@ -528,7 +377,7 @@ class KernelLogParser:
             del uuids[next(iter(uuids))]
         uuids[pci] = uuid
 
-    def _continue_banner(self, banner: _Banner, raw: str, body: str, prefix: _Prefix) -> FaultRecord | None:
+    def _continue_banner(self, banner: _Banner, raw: str, body: str, prefix: Prefix) -> FaultRecord | None:
         """Advance the three-line banner; a line that does not continue it drops it (self._banner = None)."""
         expected = _BANNER_2 if len(banner.bodies) == 1 else _BANNER_3
         if self._line_no - banner.line > BANNER_MAX_GAP or expected.match(body) is None:
@@ -547,23 +396,9 @@ class KernelLogParser:
             message=" ".join(b.strip() for b in banner.bodies),
             kmsg_seq=banner.kmsg_seq,
             uptime_s=banner.uptime_s,
-            wall_s=self._wall(banner.clock) if banner.clock is not None else None,
+            wall_s=wall_time(banner.clock, self._clock) if banner.clock is not None else None,
             uuid=self._uuids.get(banner.pci),
         )
-
-    def _wall(self, clock: re.Match[str]) -> float | None:
-        """POSIX time of a prefix's wall-clock time: this module's regexes say which group holds what, the clock
-        does the calendar work."""
-        groups = clock.groups()
-        if clock.re is _PREFIX_BRACKET:  # uptime, minute, second, year
-            _, minute, second, year = groups
-            return self._clock.ctime(minute, second, year)
-        if clock.re is _PREFIX_SYSLOG:  # BSD minute, seconds, then the ISO groups
-            if groups[0] is not None:
-                return self._clock.syslog(groups[0], float(groups[1]))
-            groups = groups[2:]
-        minute, second, offset = groups  # ISO
-        return self._clock.iso(minute, second, offset)
 
 
 def parse_lines(lines: Iterable[str], now: Callable[[], float] = time.time) -> Iterator[FaultRecord]:
@@ -571,3 +406,58 @@ def parse_lines(lines: Iterable[str], now: Callable[[], float] = time.time) -> I
     parser = KernelLogParser(now)
     for line in lines:
         yield from parser.feed(line)
+
+
+class RecordRun(NamedTuple):
+    """Records in a row that differ only in where they are (line number, raw text, prefix values)."""
+
+    first: FaultRecord
+    size: int  # how many records, the first included
+    last: FaultRecord  # the first itself when size is 1
+
+
+def _never(record: FaultRecord) -> bool:
+    return False
+
+
+def parse_runs(
+    lines: Iterable[str],
+    now: Callable[[], float] = time.time,
+    one_by_one: Callable[[FaultRecord], bool] = _never,
+) -> Iterator[RecordRun]:
+    """What parse_lines yields, as runs: a storm's records come as one run each, built twice (its first and last),
+    not once per line. Records for which `one_by_one` is true never form a run (each is a run of one), e.g. those a
+    policy's repeat rule must count one by one."""
+    parser = KernelLogParser(now)
+    feed, take_repeats = parser.feed, parser.take_repeats
+    remaining = iter(lines)
+    first: FaultRecord | None = None
+    count = 0
+    while True:
+        if first is not None:
+            taken, line = take_repeats(remaining)
+            count += taken
+        else:
+            line = next(remaining, None)
+        if line is None:
+            break
+        records = feed(line)
+        if not records:
+            continue  # another line between a storm's: the run goes on
+        if first is not None:
+            yield RecordRun(first, count, _last_of(parser, first, count))
+            first = None
+        for record in records[:-1]:
+            yield RecordRun(record, 1, record)
+        record = records[-1]
+        if one_by_one(record):
+            yield RecordRun(record, 1, record)
+        else:
+            first, count = record, 1
+    if first is not None:
+        yield RecordRun(first, count, _last_of(parser, first, count))
+
+
+def _last_of(parser: KernelLogParser, first: FaultRecord, count: int) -> FaultRecord:
+    last = parser.last_repeat() if count > 1 else None
+    return first if last is None else last

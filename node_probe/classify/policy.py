@@ -59,6 +59,8 @@ _NVLINK5_XIDS = range(144, 151)
 _SOURCE_KINDS = frozenset({"nvml", "dcgm", "daemon", "daemon_recovered"})
 # Bounds the repeat-rule memory when a log names many GPUs (or garbage addresses).
 _MAX_REPEAT_KEYS = 1024
+# Bounds the verdicts remembered for records no repeat rule counts (a log naming many distinct codes).
+_MAX_VERDICTS = 1024
 # How far before this boot's start a wall-clock stamp may lie and still count as this boot's: early boot lines
 # can be stamped before the clock is stepped by NTP.
 PREVIOUS_BOOT_SLACK_S = 300.0
@@ -265,13 +267,41 @@ class Policy:
         self._catalog = catalog or default_catalog()
         self._booted_at = booted_at
         self._repeats = _RepeatTracker()
+        # (kind, code) of the records a repeat rule counts: only those need the rules' memory.
+        self._counted = frozenset((rule.kind, rule.code) for rule in self.config.repeat)
+        # Any other record's verdict follows from these fields alone (see _decide), so a storm's records, which
+        # share them, are decided once: the rest is a lookup.
+        self._verdicts: dict[tuple[object, ...], Verdict] = {}
 
     def classify(self, record: FaultRecord, now: datetime, *, source: str = "", position: str | None = None) -> Verdict:
         """`source` and `position` (where the record sits in it) let a repeat rule count each source's records
         apart and tell a record read again after a restart from a new one."""
-        reason = reason_for(record)
-        impairs, rule = self._decide(record, now, source, position)
-        return Verdict(impairs=impairs, reason=reason, rule=rule)
+        if (record.kind, record.code) in self._counted or self._before_boot(record):
+            impairs, rule = self._decide(record, now, source, position)
+            return Verdict(impairs=impairs, reason=reason_for(record), rule=rule)
+        key = (
+            record.kind,
+            record.code,
+            record.reason,
+            record.critical,
+            record.caused_by_xid,
+            record.recovery_action_to,
+            record.nvlink_fatal,
+        )
+        verdict = self._verdicts.get(key)
+        if verdict is None:
+            impairs, rule = self._decide(record, now, source, position)
+            verdict = Verdict(impairs=impairs, reason=reason_for(record), rule=rule)
+            if len(self._verdicts) >= _MAX_VERDICTS:
+                self._verdicts.clear()
+            self._verdicts[key] = verdict
+        return verdict
+
+    def same_verdict_for_repeats(self, record: FaultRecord) -> bool:
+        """Whether records that differ from `record` only in where they are (line, raw text, stamps) all get its
+        verdict, so that a run of them needs classifying once: no repeat rule counts them one by one, and no boot
+        time is there to tell their stamps apart."""
+        return self._booted_at is None and (record.kind, record.code) not in self._counted
 
     @property
     def repeat_changes(self) -> int:
@@ -288,12 +318,12 @@ class Policy:
         self._repeats.restore(memory.seen, self.config.repeat)
         return True
 
+    def _before_boot(self, record: FaultRecord) -> bool:
+        booted_at = self._booted_at
+        return booted_at is not None and record.wall_s is not None and record.wall_s < booted_at - PREVIOUS_BOOT_SLACK_S
+
     def _decide(self, record: FaultRecord, now: datetime, source: str, position: str | None) -> tuple[bool, str]:
-        if (
-            self._booted_at is not None
-            and record.wall_s is not None
-            and record.wall_s < self._booted_at - PREVIOUS_BOOT_SLACK_S
-        ):
+        if self._before_boot(record):
             return False, "history:previous-boot"
         if record.kind == "gpu_fallen_off_bus":
             return True, f"{self.name}:gpu-fallen-off-bus"
