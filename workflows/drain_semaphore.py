@@ -149,7 +149,7 @@ class DrainSemaphoreWorkflow(SemaphoreBreaker):
     async def _grant_what_fits(self, group: CapacityGroup) -> None:
         await self._measure()
         while self._waiters and len(self._holders) < self._capacity:
-            if self._reported:
+            while self._reported:
                 # Impairments that arrived while we looked count before any grant: never a grant past the rule.
                 await self._count_impairments(group)
             if self._holding() or await self._trip_if_over(group, budget=True):
@@ -160,6 +160,11 @@ class DrainSemaphoreWorkflow(SemaphoreBreaker):
             if group.max_repairs_per_day is not None:
                 batch = batch[: max(1, group.max_repairs_per_day - len(self._breaker.grants))]
             genuine = await self._running_repairs_of_group(batch)
+            # What arrived while we looked (impairments, a fleet hold) counts before this batch is granted.
+            while self._reported:
+                await self._count_impairments(group)
+            if self._holding() or await self._trip_if_over(group, budget=True):
+                return
             for request in batch:
                 if request not in self._waiters:
                     continue  # released while we looked

@@ -92,7 +92,10 @@ class SemaphoreBreaker:
             start_to_close_timeout=CALL_TIMEOUT,
             retry_policy=CALL_RETRY,
         )
-        self._capacity, self._group_size = capacity.max_draining, capacity.instance_count
+        self._group_size = capacity.instance_count
+        # An update may have changed the cap while we counted: the cap is the one in force now.
+        effective = self._config.effective
+        self._capacity = effective.max_draining(self._group_size) if effective else capacity.max_draining
 
     async def _trip_if_over(self, group: CapacityGroup, *, budget: bool = False) -> bool:
         hold = self._breaker.trip_if_over(
