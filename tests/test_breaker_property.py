@@ -674,6 +674,7 @@ class Holder:
     run_id: str
     view: HolderView | None = None
     crashed_at: datetime | None = None  # the server's time once the test had terminated it
+    crashed_step: int | None = None
     finishing: bool = False
     closed: bool = False
 
@@ -723,8 +724,9 @@ class Example:
         self.impaired: dict[str, tuple[datetime, datetime | None]] = {}
         self.reports: list[ImpairmentReport] = []
         self.last_resume_at: datetime | None = None
-        # Repairs waiting when a --discard-held resume was sent: each must be denied, never granted.
-        self.discarded: set[tuple[str, str]] = set()
+        # Repairs waiting when a --discard-held resume was sent, with the step's index: each must be denied (unless
+        # it had crashed before: the denial cannot reach it), and never granted.
+        self.discarded: dict[tuple[str, str], int] = {}
         self.cap_lowered = False
         self.fleet_held = False
         self.problems: list[str] = []
@@ -865,6 +867,7 @@ class Example:
             await holder.handle.terminate("crash in the breaker property test")
             # Only now may the stub report it closed: the semaphore cannot let its permit go any earlier.
             holder.crashed_at = await self.h.env.get_current_time()
+            holder.crashed_step = self.step_index
             holder.closed = True
             self.stub.running.pop(holder.handle.id, None)
             self.stub.closed.add((holder.handle.id, holder.run_id))
@@ -907,7 +910,7 @@ class Example:
         if record.held is not None:
             self.holds.setdefault(record.held.tripped_at, record.held)
         if step.discard:
-            self.discarded |= waiting
+            self.discarded |= dict.fromkeys(waiting, self.step_index)
             self.report.discarded += len(waiting)
             if view.waiters:
                 self.problems.append(
@@ -942,7 +945,7 @@ class Example:
         if step.discard:
             await self.settle()
             view = await self.state()
-            self.discarded |= waiting
+            self.discarded |= dict.fromkeys(waiting, self.step_index)
             self.report.discarded += len(waiting)
             if view.waiters:
                 self.problems.append(
@@ -1140,7 +1143,8 @@ class Example:
                 self.problems.append(f"{key[0]}: {view.foreign_tokens} grants or denials with another's token")
             if view.denied_after_grant or view.granted_after_denial or (view.denied and view.granted_at):
                 self.problems.append(f"{key[0]}: both granted (at {view.granted_at}) and denied")
-            if key in self.discarded and not view.denied:
+            gone = holder.crashed_step is not None and holder.crashed_step < self.discarded.get(key, -1)
+            if key in self.discarded and not view.denied and not gone:
                 self.problems.append(f"{key[0]}: waiting at a --discard-held resume, never denied")
             if key in self.discarded and view.granted_at is not None:
                 self.problems.append(f"{key[0]}: discarded, then granted at {view.granted_at}")
