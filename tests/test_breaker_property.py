@@ -39,9 +39,10 @@ Scaffolding, and why:
   the server, the relay, the clients and the workers (BreakerHarness), and runs one example at a time.
 
 `.venv/bin/pytest tests/test_breaker_property.py` runs 100 derandomized schedules and three fixed ones (about 100 s
-on two cores); the benchmark profile (`.venv/bin/python -m benchmarks.breaker_property`) runs 1,000 with the same
-code. test_what_lands_during_a_grant_pass_counts pins the races this test found in DrainSemaphoreWorkflow (a cap
-changed, a fleet hold or impairments arriving while a grant pass awaited an activity), now fixed.
+on two cores); the longer profile, `BREAKER_PROPERTY_EXAMPLES=1000 .venv/bin/pytest tests/test_breaker_property.py`,
+runs 1,000 with the same code. test_what_lands_during_a_grant_pass_counts pins the races this test found in
+DrainSemaphoreWorkflow (a cap changed, a fleet hold or impairments arriving while a grant pass awaited an activity),
+now fixed.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ import asyncio
 import contextlib
 import gc
 import math
+import os
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -1417,9 +1419,10 @@ def harness() -> Iterator[BreakerHarness]:
         yield running
 
 
-# CI: 100 schedules, the same ones every run (derandomize, no example database).
+# CI: 100 schedules, the same ones every run (derandomize, no example database). The longer profile runs more of
+# them with the same code: BREAKER_PROPERTY_EXAMPLES=1000 .venv/bin/pytest tests/test_breaker_property.py
 CI_SETTINGS = settings(
-    max_examples=100,
+    max_examples=int(os.environ.get("BREAKER_PROPERTY_EXAMPLES", "100")),
     deadline=None,
     derandomize=True,
     database=None,
