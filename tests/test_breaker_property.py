@@ -1421,8 +1421,9 @@ def harness() -> Iterator[BreakerHarness]:
 
 # CI: 100 schedules, the same ones every run (derandomize, no example database). The longer profile runs more of
 # them with the same code: BREAKER_PROPERTY_EXAMPLES=1000 .venv/bin/pytest tests/test_breaker_property.py
+EXAMPLES = int(os.environ.get("BREAKER_PROPERTY_EXAMPLES", "100"))
 CI_SETTINGS = settings(
-    max_examples=int(os.environ.get("BREAKER_PROPERTY_EXAMPLES", "100")),
+    max_examples=EXAMPLES,
     deadline=None,
     derandomize=True,
     database=None,
@@ -1470,9 +1471,10 @@ def test_what_lands_during_a_grant_pass_counts(harness: BreakerHarness, schedule
     harness.run(schedule)
 
 
-# Passing, about 100 s; failing, hypothesis shrinks for up to 5 minutes more (its own limit), which pytest-timeout's
-# 300 s would cut short in the middle of an example.
-@pytest.mark.timeout(600)
+# Passing, about 1 s a schedule (100 s in CI, 20 minutes for 1,000); failing, hypothesis shrinks for up to 5 minutes
+# more (its own limit). pytest-timeout's 300 s would cut either short in the middle of an example, and its marker
+# wins over --timeout: 3 s a schedule and the 5 minutes.
+@pytest.mark.timeout(300 + 3 * EXAMPLES)
 @CI_SETTINGS
 @example(schedule=DISCARD)
 @example(schedule=BUDGET)
