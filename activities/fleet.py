@@ -63,6 +63,9 @@ ECS_DESCRIBE_BATCH = 100
 # to stay far from the EC2 API rate limits with many repairs waiting at once).
 EC2_CHECK_EVERY_POLLS = 15
 
+# Bounds the activity result (and the semaphore's history) whatever an operator drained by hand.
+OUT_OF_SERVICE_IDS_MAX = 1_000
+
 INSTANCE_ID = re.compile(r"^i-[0-9a-f]{8,17}$")
 
 log = logging.getLogger(__name__)
@@ -146,8 +149,16 @@ class FleetActivities:
         container_instances = await self._describe_container_instances(group.cluster, arns)
         ec2_ids = {ci["ec2InstanceId"] for ci in container_instances if ci.get("ec2InstanceId")}
         members = await self._ec2.members(group, ec2_ids)
+        held = set(request.held_instance_ids)
+        draining = {ci["ec2InstanceId"] for ci in container_instances if ci.get("status") == "DRAINING"} & (
+            members - held
+        )
         return GroupCapacity(
-            group=group.name, instance_count=len(members), max_draining=group.max_draining(len(members))
+            group=group.name,
+            instance_count=len(members),
+            max_draining=group.max_draining(len(members)),
+            out_of_service=len(draining),
+            out_of_service_ids=sorted(draining)[:OUT_OF_SERVICE_IDS_MAX],
         )
 
     @activity.defn(name="get_group_config")

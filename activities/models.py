@@ -101,12 +101,17 @@ class GroupCapacityRequest(BaseModel):
     group: str
     # The drain semaphore's live overrides: the cap follows from the settings with these applied.
     overrides: GroupConfigOverrides = Field(default_factory=GroupConfigOverrides)
+    # Their DRAINING is a repair's own: counted by its permit, not again as out of service.
+    held_instance_ids: list[str] = Field(default_factory=list)
 
 
 class GroupCapacity(BaseModel):
     group: str
     instance_count: int
     max_draining: int
+    # Members DRAINING in ECS that no permit covers: a failed repair's instance, or one an operator drained.
+    out_of_service: int = 0
+    out_of_service_ids: list[str] = Field(default_factory=list)  # the first OUT_OF_SERVICE_IDS_MAX of them
 
 
 class PreviousGroupConfig(BaseModel):

@@ -105,6 +105,7 @@ async def group_describe(args: argparse.Namespace) -> int:
         else {
             "capacity": view.capacity,
             "groupSize": view.group_size,
+            "outOfService": view.out_of_service,
             "holders": [p.instance_id for p in view.holders],
             "waiting": [w.instance_id for w in view.waiters],
         },
@@ -149,6 +150,7 @@ def _print_group(document: dict[str, Any]) -> None:
     if draining is not None:
         console.print(
             f"draining {len(draining['holders'])} / {draining['capacity']} ({draining['groupSize']} instances)"
+            + (f", {draining['outOfService']} more out of service" if draining["outOfService"] else "")
             + (f", waiting: {', '.join(draining['waiting'])}" if draining["waiting"] else "")
         )
     breaker = document["breaker"]

@@ -54,6 +54,8 @@ with workflow.unsafe.imports_passed_through():
 SIGNALS_PER_RUN = 2_000
 # The waiting line is carried across continue-as-new: bounded, and far above any real group's repairs.
 MAX_WAITERS = 500
+# A patch id: histories recorded before each grant of a batch looked again at holds and impairments.
+RECHECK_EACH_GRANT = "recheck-each-grant"
 DETAILS_WAITERS = 20
 # Impairments reported and not yet counted (the loop counts them at its next turn): bounded like all state.
 MAX_REPORTS_PENDING = 10_000
@@ -84,6 +86,8 @@ class DrainSemaphoreWorkflow(SemaphoreBreaker):
         # One configuration change at a time: each reads the group, then applies on top of the previous one.
         self._config_lock = asyncio.Lock()
         self._capacity = 1
+        self._out_of_service = 0
+        self._unheld_draining: set[str] = set()
         self._group_size = 0
         self._signals_this_run = 0
         self._changed = True
@@ -148,15 +152,16 @@ class DrainSemaphoreWorkflow(SemaphoreBreaker):
 
     async def _grant_what_fits(self, group: CapacityGroup) -> None:
         await self._measure()
-        while self._waiters and len(self._holders) < self._capacity:
+        while self._waiters:
+            group = self._config.effective or group  # an update may have landed while we awaited
             while self._reported:
                 # Impairments that arrived while we looked count before any grant: never a grant past the rule.
                 await self._count_impairments(group)
             if self._holding() or await self._trip_if_over(group, budget=True):
                 return  # held: the waiters wait for an operator's resume
-            batch = [w for w in self._waiters if self._may_run_now(w, group)][: self._capacity - len(self._holders)]
+            batch = self._fitting([w for w in self._waiters if self._may_run_now(w, group)])
             if not batch:
-                return  # only repairs that wait for a maintenance window
+                return  # no room, or only repairs that wait for a maintenance window
             if group.max_repairs_per_day is not None:
                 batch = batch[: max(1, group.max_repairs_per_day - len(self._breaker.grants))]
             genuine = await self._running_repairs_of_group(batch)
@@ -168,13 +173,17 @@ class DrainSemaphoreWorkflow(SemaphoreBreaker):
             for request in batch:
                 if request not in self._waiters:
                     continue  # released while we looked
+                # Each grant awaits its signal: a hold, impairments or an update may land between two of a batch.
+                if workflow.patched(RECHECK_EACH_GRANT) and await self._held_before_grant():
+                    return
                 self._waiters.remove(request)
                 if request.holder_workflow_id not in genuine:
                     self._forged_signal(f"request for {request.holder_workflow_id}, not a running repair of the group")
                     continue
-                if len(self._holders) >= self._capacity:
+                if not self._fits(request):
                     self._waiters.insert(0, request)
                     break
+                self._take_out_of_service(request.instance_id)
                 permit = Permit(
                     holder_workflow_id=request.holder_workflow_id,
                     holder_run_id=request.holder_run_id,
@@ -186,6 +195,14 @@ class DrainSemaphoreWorkflow(SemaphoreBreaker):
                 self._breaker.granted(workflow.now())
                 self._max_holders_seen = max(self._max_holders_seen, len(self._holders))
                 await self._send_grant(permit)
+
+    async def _held_before_grant(self) -> bool:
+        group = self._config.effective
+        if group is None:
+            return self._holding()
+        while self._reported:
+            await self._count_impairments(group)
+        return self._holding() or await self._trip_if_over(group, budget=True)
 
     async def _running_repairs_of_group(self, requests: Sequence[PermitRequest]) -> set[str]:
         """The requesters that are running repair workflows of this group: a permit goes to nobody else (a
@@ -426,6 +443,7 @@ class DrainSemaphoreWorkflow(SemaphoreBreaker):
             group=self._group,
             capacity=self._capacity,
             group_size=self._group_size,
+            out_of_service=self._out_of_service,
             # Tokens stay in here: a query is no way to learn one.
             holders=[p.model_copy(update={"token": ""}) for p in self._holders],
             waiters=[w.model_copy(update={"token": ""}) for w in self._waiters],
@@ -453,6 +471,8 @@ class DrainSemaphoreWorkflow(SemaphoreBreaker):
             f"({self._group_size} instances), {len(self._waiters)} waiting",
             "",
         ]
+        if self._out_of_service:
+            lines += [f"{self._out_of_service} more DRAINING without a permit (counted against the cap)", ""]
         for hold in (self._breaker.held, self._fleet_hold):
             if hold is not None:
                 lines += [f"**HELD since {iso(hold.tripped_at)}**: {hold.message}", ""]

@@ -174,6 +174,7 @@ class SemaphoreView(BaseModel):
     capacity: int
     group_size: int
     holders: list[Permit]
+    out_of_service: int = 0  # DRAINING without a permit: counted against the cap
     waiters: list[PermitRequest]
     max_holders_seen: int
     rejected_signals: int

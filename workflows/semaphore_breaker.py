@@ -38,11 +38,35 @@ class SemaphoreBreaker:
     _reported: list[ImpairmentReport]
     _discards: set[asyncio.Task[None]]
     _capacity: int
+    _out_of_service: int
+    _unheld_draining: set[str]
     _group_size: int
     _changed: bool
 
     def _show_state(self) -> None:
         raise NotImplementedError
+
+    def _room(self) -> int:
+        """Permits left: the cap counts instances out of service (DRAINING in ECS, a failed repair's or an
+        operator's) as well as the repairs that hold permits."""
+        return self._capacity - len(self._holders) - self._out_of_service
+
+    def _fits(self, request: PermitRequest) -> bool:
+        # A repair whose instance is already out of service (a failed attempt's, retried) takes no more capacity.
+        return request.instance_id in self._unheld_draining or self._room() > 0
+
+    def _fitting(self, ready: list[PermitRequest]) -> list[PermitRequest]:
+        """The requests to grant now, in order: those whose instance is already DRAINING first, then as many others
+        as there is room for."""
+        first = [w for w in ready if w.instance_id in self._unheld_draining]
+        others = [w for w in ready if w.instance_id not in self._unheld_draining]
+        return first + others[: max(0, self._room())]
+
+    def _take_out_of_service(self, instance_id: str) -> None:
+        """Its DRAINING is now its permit's: counted once."""
+        if instance_id in self._unheld_draining:
+            self._unheld_draining.discard(instance_id)
+            self._out_of_service -= 1
 
     def _holding(self) -> bool:
         return self._breaker.held is not None or self._fleet_hold is not None
@@ -55,7 +79,8 @@ class SemaphoreBreaker:
         """Holders are watched (their repairs could close without a release); repairs that wait for a maintenance
         window wake at its start. Otherwise no timer."""
         waits = []
-        if self._holders:
+        if self._holders or (self._waiters and self._out_of_service):
+            # Out-of-service instances come back (or leave) without a signal: look again.
             waits.append(group.permit_reclaim_interval)
         if any(not self._may_run_now(w, group) for w in self._waiters) and not self._holding():
             opens = next_maintenance(group.maintenance_windows, workflow.now())
@@ -64,7 +89,11 @@ class SemaphoreBreaker:
         return min(waits, default=None)
 
     def _wake_summary(self) -> str:
-        return "check permit holders are alive" if self._holders else "wait for the next maintenance window"
+        if self._holders:
+            return "check permit holders are alive"
+        if self._waiters and self._out_of_service:
+            return "look again at instances out of service"
+        return "wait for the next maintenance window"
 
     async def _count_impairments(self, group: CapacityGroup) -> None:
         """Count what health workflows reported, pass each on to the fleet breaker, and trip if over the rule."""
@@ -87,12 +116,18 @@ class SemaphoreBreaker:
         capacity = await workflow.execute_activity_method(
             FleetActivities.describe_group_capacity,
             # The cap follows from the settings as they are now, with this semaphore's live overrides applied.
-            GroupCapacityRequest(group=self._group, overrides=self._config.overrides),
+            GroupCapacityRequest(
+                group=self._group,
+                overrides=self._config.overrides,
+                held_instance_ids=sorted(p.instance_id for p in self._holders),
+            ),
             summary=f"count instances in {self._group}",
             start_to_close_timeout=CALL_TIMEOUT,
             retry_policy=CALL_RETRY,
         )
         self._group_size = capacity.instance_count
+        self._out_of_service = capacity.out_of_service
+        self._unheld_draining = set(capacity.out_of_service_ids)
         # An update may have changed the cap while we counted: the cap is the one in force now.
         effective = self._config.effective
         self._capacity = effective.max_draining(self._group_size) if effective else capacity.max_draining
