@@ -79,6 +79,20 @@ def test_no_product_file_is_over_the_limit() -> None:
     assert not long, long
 
 
+# Being split as this check lands; drop it from here once it is under the limit.
+LONG_TESTS_FOR_NOW = {"tests/test_breaker_property.py"}
+
+
+def test_no_test_file_is_over_the_limit() -> None:
+    long = {
+        name: lines
+        for path in _sources("tests")
+        if (name := str(path.relative_to(ROOT))) not in LONG_TESTS_FOR_NOW
+        and (lines := path.read_text(encoding="utf-8").count("\n")) > MAX_LINES
+    }
+    assert not long, long
+
+
 def test_the_autorepair_command_runs_without_the_simulator() -> None:
     """A privileged probe image need not ship the demo's simulated fleet: with `simulator` unimportable, every
     other command is still there."""
