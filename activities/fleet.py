@@ -20,7 +20,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from temporalio import activity
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowUpdateFailedError
 from temporalio.exceptions import ApplicationError
 
 from activities.aws import AwsClients, aws_call
@@ -47,7 +47,10 @@ from activities.models import (
     TerminateResult,
 )
 from activities.workflow_ops import live_group_config
+from contract import names
 from contract.groups import CapacityGroup, GroupConfigOverrides
+from contract.ids import semaphore_workflow_id
+from contract.semaphore import ReplacementClaim, ReplacementClaimed
 
 if TYPE_CHECKING:
     from mypy_boto3_ecs.type_defs import ContainerInstanceTypeDef
@@ -88,7 +91,7 @@ class FleetActivities:
     ) -> None:
         self._aws = aws
         self._ec2 = Ec2(aws)
-        self._launch = Launcher(aws, self._ec2)
+        self._launch = Launcher(aws, self._ec2, self._claim_replacement)
         self._departures = Departures(aws)
         self._groups = groups
         # Reads the live overrides an operator set on the group's drain semaphore; None: settings only.
@@ -384,6 +387,29 @@ class FleetActivities:
         return TerminateResult(previous_state=previous, already_terminated=previous in GONE_EC2_STATES)
 
     # --- lookups ------------------------------------------------------------------------------------------
+
+    async def _claim_replacement(self, group: CapacityGroup, impaired: str, candidates: list[str]) -> str | None:
+        """The group's drain semaphore arbitrates; the calling repair must hold one of its permits."""
+        holder = activity.info().workflow_id
+        if self._client is None:
+            raise ApplicationError(
+                "an Auto Scaling replacement is claimed through the group's drain semaphore: this worker has no "
+                "Temporal client",
+                type="ReplacementClaimRefused",
+                non_retryable=True,
+            )
+        handle = self._client.get_workflow_handle(semaphore_workflow_id(group.name))
+        claim = ReplacementClaim(holder_workflow_id=holder, impaired_instance_id=impaired, candidates=candidates)
+        try:
+            claimed = await handle.execute_update(names.UPDATE_CLAIM_REPLACEMENT, claim, result_type=ReplacementClaimed)
+        except WorkflowUpdateFailedError as err:
+            cause = err.cause
+            raise ApplicationError(
+                cause.message if isinstance(cause, ApplicationError) else str(cause),
+                type="ReplacementClaimRefused",
+                non_retryable=True,
+            ) from err
+        return claimed.instance_id
 
     async def _live_overrides(self, group: str) -> GroupConfigOverrides:
         """The overrides of the group's drain semaphore, or those its last run left when none runs now (the next

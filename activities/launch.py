@@ -4,6 +4,7 @@ by detaching the impaired instance from the group's Auto Scaling group, which th
 from __future__ import annotations
 
 import re
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -23,14 +24,19 @@ LAUNCH_TEMPLATE_ID = re.compile(r"^lt-[0-9a-f]{17}$")
 # The launch's client token, on the replacement: tells one replacement attempt's instance from an earlier one's.
 LAUNCH_TOKEN_TAG = "gpu-autorepair:launch-token"
 
+# Asks the group's arbiter (its drain semaphore) which of these new instances, likeliest first, is this impaired
+# instance's replacement; None: all belong to other repairs.
+ClaimReplacement = Callable[[CapacityGroup, str, list[str]], Awaitable[str | None]]
+
 
 class Launcher:
     """Launches one replacement for an impaired instance; FleetActivities.launch_replacement has already checked
     that none exists yet (the `replaces` tag)."""
 
-    def __init__(self, aws: AwsClients, ec2: Ec2) -> None:
+    def __init__(self, aws: AwsClients, ec2: Ec2, claim: ClaimReplacement) -> None:
         self._aws = aws
         self._ec2 = ec2
+        self._claim = claim
 
     async def existing(self, request: LaunchRequest) -> str | None:
         """The live replacement this launch request already made (or claimed), if any: the idempotency key.
@@ -160,19 +166,19 @@ class Launcher:
                 f"Auto Scaling group {asg_name} has not yet launched an in-service replacement for {impaired}",
                 type="ReplacementNotYetLaunched",
             )
-        # The first launched after the detach is most likely the one the detach caused.
-        chosen = min(candidates, key=lambda i: (i["LaunchTime"], i["InstanceId"]))["InstanceId"]
+        # The first launched after the detach is most likely the one the detach caused. Two repairs in one group
+        # see the same new instances: the arbiter gives each its own (tags have no compare-and-set).
+        ordered = [i["InstanceId"] for i in sorted(candidates, key=lambda i: (i["LaunchTime"], i["InstanceId"]))]
+        chosen = await self._claim(group, impaired, ordered)
+        if chosen is None:
+            raise ApplicationError(
+                f"Auto Scaling group {asg_name} has not yet launched a replacement for {impaired}: its "
+                f"{len(ordered)} new instances are other repairs' replacements",
+                type="ReplacementNotYetLaunched",
+            )
         await self._ec2.tag(
             chosen, {REPLACES_TAG: impaired, LAUNCH_TOKEN_TAG: request.client_token, GROUP_TAG: group.name}
         )
-        # Two repairs in one group may pick the same new instance: the tag's last writer owns it, the
-        # other retries.
-        owner = tags_of(((await self._ec2.instance(chosen)) or {}).get("Tags")).get(REPLACES_TAG)
-        if owner != impaired:
-            raise ApplicationError(
-                f"new instance {chosen} of Auto Scaling group {asg_name} was claimed by the repair of {owner}",
-                type="ReplacementClaimConflict",
-            )
         return LaunchResult(replacement_instance_id=chosen)
 
     async def _detach(self, asg_name: str, instance_id: str, resource: str) -> datetime | None:

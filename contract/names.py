@@ -47,6 +47,7 @@ QUERY_LIVENESS: Final = "liveness"  # liveness tracker: LivenessView
 QUERY_LAST_HEARD: Final = "last_heard"  # liveness tracker: list of instance ids -> {instance id: last receipt}
 QUERY_GROUP_CONFIG: Final = "group_config"  # drain semaphore: GroupConfigState
 UPDATE_GROUP: Final = "update_group"  # drain semaphore: GroupConfigUpdate -> GroupConfigState
+UPDATE_CLAIM_REPLACEMENT: Final = "claim_replacement"  # drain semaphore: ReplacementClaim -> ReplacementClaimed
 # Per-instance operator controls, on a health workflow (contract/instances.py): request -> InstanceControlResult.
 UPDATE_EXCLUDE_INSTANCE: Final = "exclude_instance"  # InstanceExclude
 UPDATE_INCLUDE_INSTANCE: Final = "include_instance"  # InstanceInclude
@@ -63,3 +64,8 @@ GROUP_CONFIG_MEMO: Final = "group_config"
 
 # The EC2 tag that names an instance's capacity group, on replacements and on the simulated fleet.
 GROUP_TAG: Final = "gpu-autorepair:group"
+# The EC2 tag a reboot-first repair puts on the instance it rebooted (the reboot's token): a retried reboot step finds
+# it and does not reboot twice, and an operator (or the simulated fleet) sees which repair rebooted it.
+REBOOT_TAG: Final = "gpu-autorepair:reboot"
+# The comment of the SSM Run Command a repair resets a GPU with starts with this, then the reset's token.
+GPU_RESET_COMMENT: Final = "gpu-autorepair reset"

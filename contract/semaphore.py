@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from contract.limits import Id, OptionalId, Text, Token
 
@@ -29,6 +29,26 @@ class PermitDenial(BaseModel):
     holder_workflow_id: Id
     token: Token = ""
     reason: Text = ""
+
+
+# An Auto Scaling group launches a handful at a time; a longer list is a caller's bug, refused.
+MAX_CLAIM_CANDIDATES = 100
+
+
+class ReplacementClaim(BaseModel):
+    """The `claim_replacement` update: a repair holding a permit asks which of the Auto Scaling group's new
+    instances is its replacement. EC2 tags have no compare-and-set, so the group's semaphore decides: two repairs
+    never get the same one."""
+
+    holder_workflow_id: Id
+    impaired_instance_id: Id
+    # Unclaimed-looking new instances, the likeliest first (launched first after the detach).
+    candidates: list[Id] = Field(max_length=MAX_CLAIM_CANDIDATES)
+
+
+class ReplacementClaimed(BaseModel):
+    # None: every candidate belongs to another repair; the group has not launched this one's yet.
+    instance_id: str | None = None
 
 
 class SemaphoreInput(BaseModel):

@@ -284,35 +284,6 @@ def asg_fleet(aws: AwsClients) -> AsgFleet:
     return AsgFleet(fleet, asg, original)
 
 
-async def test_launch_in_auto_scaling_group_detaches_and_returns_the_new_instance(
-    asg_fleet: AsgFleet,
-) -> None:
-    fleet = asg_fleet.fleet
-    impaired, healthy = asg_fleet.original
-    for instance_id in asg_fleet.original:
-        fleet.register(instance_id)
-    request = LaunchRequest(group=fleet.group.name, impaired_instance_id=impaired, client_token="t-1")
-
-    first = await run(fleet.acts.launch_replacement, request)
-    second = await run(fleet.acts.launch_replacement, request)
-
-    assert not first.already_existed and second.already_existed
-    assert second.replacement_instance_id == first.replacement_instance_id
-    assert first.replacement_instance_id not in asg_fleet.original
-    asg = asg_fleet.members()
-    assert asg["DesiredCapacity"] == 2
-    assert sorted(i["InstanceId"] for i in asg["Instances"]) == sorted([healthy, first.replacement_instance_id])
-    [replacement] = fleet.replacements_of(impaired)
-    assert replacement["InstanceId"] == first.replacement_instance_id
-    # The detached instance is still counted (group tag) until it is terminated; the replacement is not
-    # registered in ECS yet.
-    capacity = await run(fleet.acts.describe_group_capacity, GroupCapacityRequest(group=fleet.group.name))
-    assert capacity.instance_count == 2
-    fleet.register(first.replacement_instance_id)
-    capacity = await run(fleet.acts.describe_group_capacity, GroupCapacityRequest(group=fleet.group.name))
-    assert capacity.instance_count == 3
-
-
 async def test_launch_in_auto_scaling_group_waits_for_the_group_to_launch(asg_fleet: AsgFleet) -> None:
     fleet = asg_fleet.fleet
     # An instance detached (by an earlier attempt) after every instance the group has was launched.

@@ -31,7 +31,7 @@ from contract.breaker import (
 from contract.formats import iso
 from contract.groups import CapacityGroup, GroupConfigOverrides, GroupConfigState, GroupConfigUpdate
 from contract.ids import liveness_workflow_id, repair_workflow_id, semaphore_workflow_id
-from contract.semaphore import PermitRequest
+from contract.semaphore import PermitRequest, ReplacementClaim, ReplacementClaimed
 from workflows.breaker import BreakerBook
 from workflows.group_config import read_group_config
 from workflows.group_events import activity_cause, publish_group_event
@@ -318,6 +318,34 @@ class DrainSemaphoreWorkflow(SemaphoreBreaker):
         workflow.set_current_details(self._details_markdown())
         if worth_logging(self._forged):
             workflow.logger.warning("dropped forged signal for drain semaphore %s: %s", self._group, why)
+
+    # --- the Auto Scaling replacement arbiter ------------------------------------------------------------------
+
+    @workflow.update(name=names.UPDATE_CLAIM_REPLACEMENT)
+    def claim_replacement(self, claim: ReplacementClaim) -> ReplacementClaimed:
+        """One new instance of the Auto Scaling group per repair: its earlier claim if still a candidate, else the
+        first candidate nobody holds. A claim lasts as long as its permit."""
+        self._signals_this_run += 1
+        [permit] = [p for p in self._holders if p.holder_workflow_id == claim.holder_workflow_id]
+        if permit.replacement_instance_id in claim.candidates:
+            return ReplacementClaimed(instance_id=permit.replacement_instance_id)
+        taken = {p.replacement_instance_id for p in self._holders}
+        chosen = next((c for c in claim.candidates if c not in taken), None)
+        if chosen is not None:
+            permit.replacement_instance_id = chosen
+            workflow.logger.info("replacement %s claimed by the repair of %s", chosen, claim.impaired_instance_id)
+        return ReplacementClaimed(instance_id=chosen)
+
+    @claim_replacement.validator
+    def _validate_claim(self, claim: ReplacementClaim) -> None:
+        holders = [p for p in self._holders if p.holder_workflow_id == claim.holder_workflow_id]
+        if not holders or holders[0].instance_id not in ("", claim.impaired_instance_id):
+            raise ApplicationError(
+                f"{claim.holder_workflow_id} holds no drain permit of group {self._group} for "
+                f"{claim.impaired_instance_id}: only a repair that drains may claim a replacement",
+                type="ReplacementClaimRefused",
+                non_retryable=True,
+            )
 
     # --- live group configuration --------------------------------------------------------------------------
 

@@ -153,6 +153,8 @@ class Permit(BaseModel):
     instance_id: str = ""
     since: datetime
     token: str = ""
+    # The Auto Scaling group's new instance this repair claimed as its replacement (claim_replacement).
+    replacement_instance_id: str | None = None
 
 
 class SemaphoreRun(SemaphoreInput):
