@@ -1,0 +1,443 @@
+"""What tests/test_repair_durability.py needs to kill a repair in a chosen phase and prove it still ends exactly once.
+
+- `WorkerProcess`: `autorepair worker` as a child process, so it can be SIGKILLed and started again.
+- `HoldingAws`: a loopback proxy in front of moto that forwards every call and, for one chosen call, holds moto's
+  answer back: AWS has done the work (the instance launched, the container instance DRAINING, the instance
+  terminated) and the worker has not heard so. A kill then leaves the step done in AWS and not in the history.
+- `durable_fleet`: the simulated fleet with the timings, workload and group settings a phase needs, the engine
+  behind the proxy and in its own process.
+- The checks: which phase the server recorded, whether anything but the expected calls is in flight, and the
+  exactly-once state of EC2 and of the drain semaphore afterwards.
+
+The repair's workflow id is always read from its health workflow's view or listed by search attribute, never built:
+its scheme is not this module's to know.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import os
+import signal
+import sys
+import threading
+from collections.abc import AsyncIterator, Collection, Mapping
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from temporalio.api.enums.v1 import PendingActivityState
+from temporalio.client import Client, WorkflowExecutionStatus
+
+from contract import names
+from contract import search_attributes as sa
+from contract.names import GROUP_TAG
+from contract.repair import RepairPhase
+from simulator.fleet import SimTiming, SimulatedFleet
+from simulator.fleet_aws import SimWorkload
+from tests.flaky_aws import HOP_BY_HOP, parse_request
+from tests.fleet import Fleet, assert_start_before_stop
+from tests.harness import eventually, make_settings, unique
+from worker.settings import Settings
+from workflows.models import RepairStatus
+
+# Below botocore's 60 s read timeout: a held answer must never turn into botocore's own retry of the call, which
+# moto (it ignores ClientToken) would answer with a second instance that real AWS would not launch.
+MAX_HOLD_S = 45.0
+QUERY_TIMEOUT = timedelta(seconds=5)
+
+
+# --- the worker process -----------------------------------------------------------------------------------------
+
+
+def worker_environment(settings: Settings) -> dict[str, str]:
+    """The settings, as the environment an operator gives `autorepair worker`."""
+    env = dict(os.environ)
+    env.update(
+        AUTOREPAIR_TEMPORAL__ADDRESS=settings.temporal.address,
+        AUTOREPAIR_TEMPORAL__NAMESPACE=settings.temporal.namespace,
+        AUTOREPAIR_TEMPORAL__TASK_QUEUE=settings.temporal.task_queue,
+        AUTOREPAIR_AWS__ENDPOINT_URL=settings.aws.endpoint_url or "",
+        AUTOREPAIR_AWS__REGION=settings.aws.region,
+        AUTOREPAIR_EVENTS__JSONL_PATH=str(settings.events.jsonl_path),
+        AUTOREPAIR_EVENTS__WEBHOOK_OUTBOX_DIR=str(settings.events.webhook_outbox_dir),
+        AUTOREPAIR_GROUPS=json.dumps([g.model_dump(mode="json") for g in settings.groups]),
+        AUTOREPAIR_LOG_FORMAT="json",
+    )
+    return env
+
+
+class WorkerProcess:
+    """`autorepair worker` in a child process: started, SIGKILLed and started again, its output in one log."""
+
+    def __init__(self, settings: Settings, log_path: Path) -> None:
+        self._env = worker_environment(settings)
+        self._log_path = log_path
+        self._proc: asyncio.subprocess.Process | None = None
+        self.starts = 0
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.returncode is None
+
+    async def start(self) -> None:
+        assert not self.alive, "the worker is already running"
+        with self._log_path.open("ab") as log:
+            self._proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "operator_cli.main", "worker", env=self._env, stdout=log, stderr=log
+            )
+        self.starts += 1
+
+    async def kill(self) -> None:
+        """SIGKILL: no shutdown, no activity completed, no sticky queue handed back."""
+        assert self._proc is not None and self.alive, f"the worker is not running; log:\n{self.log_tail()}"
+        self._proc.send_signal(signal.SIGKILL)
+        assert await self._proc.wait() == -signal.SIGKILL
+
+    async def stop(self) -> None:
+        if self._proc is not None and self.alive:
+            self._proc.terminate()
+            try:
+                await asyncio.wait_for(self._proc.wait(), timeout=15)
+            except TimeoutError:
+                self._proc.kill()
+                await self._proc.wait()
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self._log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+# --- the proxy that holds one answer ----------------------------------------------------------------------------
+
+
+@dataclass
+class HeldCall:
+    """The first `action` request whose body names `needle`: forwarded to moto at once, answered only on release."""
+
+    action: str
+    needle: str
+    taken: bool = False
+    arrived: threading.Event = field(default_factory=threading.Event)
+    released: threading.Event = field(default_factory=threading.Event)
+
+
+class HoldingAws:
+    """Loopback HTTP proxy to moto that holds back the answers of the calls `hold()` names (one call each)."""
+
+    def __init__(self, upstream: str) -> None:
+        parts = urlsplit(upstream)
+        assert parts.scheme == "http" and parts.hostname, upstream
+        self._upstream = (parts.hostname, parts.port or 80)
+        self._lock = threading.Lock()
+        self._holds: list[HeldCall] = []
+        self._seen: list[tuple[str, str]] = []  # (action, path and body) of every request, in arrival order
+        self._server = _QuietServer(("127.0.0.1", 0), _handler_for(self))
+        self._server.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host!s}:{port}"
+
+    def hold(self, action: str, needle: str) -> HeldCall:
+        held = HeldCall(action=action, needle=needle)
+        with self._lock:
+            self._holds.append(held)
+        return held
+
+    def release_all(self) -> None:
+        with self._lock:
+            for held in self._holds:
+                held.released.set()
+
+    def requests(self, action: str, needle: str) -> int:
+        """Requests for `action` whose path or body names `needle` (each botocore attempt counts)."""
+        with self._lock:
+            return sum(1 for seen_action, text in self._seen if seen_action == action and needle in text)
+
+    def _claim(self, action: str, text: str) -> HeldCall | None:
+        with self._lock:
+            self._seen.append((action, text))
+            for held in self._holds:
+                if not held.taken and held.action == action and held.needle in text:
+                    held.taken = True
+                    return held
+            return None
+
+    def _forward(
+        self, method: str, path: str, headers: list[tuple[str, str]], body: bytes
+    ) -> tuple[int, list[tuple[str, str]], bytes]:
+        conn = http.client.HTTPConnection(*self._upstream, timeout=60)
+        try:
+            conn.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
+            for name, value in headers:
+                conn.putheader(name, value)
+            conn.putheader("Content-Length", str(len(body)))
+            conn.endheaders(body)
+            response = conn.getresponse()
+            return response.status, response.getheaders(), response.read()
+        finally:
+            conn.close()
+
+    def __enter__(self) -> HoldingAws:
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, name="holding-aws", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release_all()
+        if self._thread is not None:
+            self._server.shutdown()
+            self._thread.join()
+        self._server.server_close()
+
+
+class _QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # a caller SIGKILLed mid-request resets its connection: expected here, not worth a traceback
+
+
+def _handler_for(proxy: HoldingAws) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def _handle(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            body = self.rfile.read(length) if length else b""
+            request = parse_request({k.lower(): v for k, v in self.headers.items()}, self.path, body)
+            held = proxy._claim(request.action, self.path + "\n" + body.decode("utf-8", "replace"))
+            forwarded = [(k, v) for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP]
+            status, upstream_headers, out_body = proxy._forward(self.command, self.path, forwarded, body)
+            if held is not None:
+                held.arrived.set()
+                held.released.wait(MAX_HOLD_S)
+            try:
+                self.send_response(status)
+                for name, value in upstream_headers:
+                    if name.lower() not in HOP_BY_HOP | {"server", "date"}:
+                        self.send_header(name, value)
+                self.send_header("Content-Length", str(len(out_body)))
+                self.end_headers()
+                self.wfile.write(out_body)
+            except OSError:
+                # The caller was SIGKILLed while its answer was held: nobody is left to tell.
+                self.close_connection = True
+
+        do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _handle
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    return Handler
+
+
+# --- the fleet --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DurableFleet:
+    """The simulated fleet (moto direct), the engine in `worker` (AWS through `aws`), and the module's server."""
+
+    fleet: Fleet
+    worker: WorkerProcess
+    aws: HoldingAws
+    instances: int
+
+    @property
+    def client(self) -> Client:
+        return self.fleet.client
+
+    @property
+    def sim(self) -> SimulatedFleet:
+        return self.fleet.sim
+
+
+@asynccontextmanager
+async def durable_fleet(
+    client: Client,
+    moto_endpoint: str,
+    tmp_path: Path,
+    *,
+    instances: int = 5,
+    timing: Mapping[str, Any] | None = None,
+    workload: SimWorkload | None = None,
+    group_settings: Mapping[str, Any] | None = None,
+) -> AsyncIterator[DurableFleet]:
+    """`instances` healthy simulated instances of a new group, repaired by a worker process that talks to AWS through
+    a `HoldingAws`. `timing` overrides the compressed simulation timings, `group_settings` the group's settings."""
+    group = unique("gpu")
+    sim_timing = SimTiming.compressed().model_copy(update=dict(timing or {}))
+    events_path = tmp_path / "events.jsonl"
+    with HoldingAws(moto_endpoint) as aws:
+        settings = make_settings(
+            client,
+            aws.url,
+            events_path,
+            group=group,
+            cluster=group,
+            launch_template=f"{group}-lt",
+            heartbeat_loss_threshold=sim_timing.heartbeat_loss_threshold,
+            heartbeat_interval=sim_timing.heartbeat_interval,
+        )
+        # A dead permit holder is not what these tests make: its check may wait, and so fires less often mid-kill.
+        changes = {"permit_reclaim_interval": timedelta(seconds=30), **(group_settings or {})}
+        settings = settings.model_copy(update={"groups": [settings.groups[0].model_copy(update=changes)]})
+        sim = SimulatedFleet(
+            group=group,
+            cluster=group,
+            state_dir=tmp_path / "fleet",
+            instances=instances,
+            seed=13,
+            launch_template=f"{group}-lt",
+            endpoint_url=moto_endpoint,
+            client=client,
+            task_queue=settings.temporal.task_queue,
+            timing=sim_timing,
+            workload=workload,
+        )
+        worker = WorkerProcess(settings, tmp_path / "worker.log")
+        async with AsyncExitStack() as stack:
+            stack.push_async_callback(worker.stop)
+            await worker.start()
+            await sim.setup()
+            stack.push_async_callback(sim.close)
+            fleet = Fleet(
+                sim=sim, settings=settings, events_path=events_path, client=client, moto_endpoint=moto_endpoint
+            )
+            durable = DurableFleet(fleet=fleet, worker=worker, aws=aws, instances=instances)
+            await fleet.all_healthy(instances)
+            yield durable
+
+
+# --- looking at repairs -----------------------------------------------------------------------------------------
+
+
+async def repair_id(fleet: DurableFleet, instance_id: str) -> str:
+    """The id of the instance's repair, as its health workflow reports it."""
+    view = await eventually(
+        lambda: fleet.sim.health(instance_id), lambda v: v is not None and v.repair is not None, within=60, every=0.2
+    )
+    assert view is not None and view.repair is not None
+    return view.repair.workflow_id
+
+
+async def repair_status(client: Client, workflow_id: str) -> RepairStatus:
+    handle = client.get_workflow_handle(workflow_id)
+    return await handle.query(names.QUERY_STATUS, result_type=RepairStatus, rpc_timeout=QUERY_TIMEOUT)
+
+
+async def in_phase(client: Client, workflow_id: str, phase: RepairPhase, *, within: float = 60) -> RepairStatus:
+    return await eventually(
+        lambda: repair_status(client, workflow_id), lambda s: s.phase is phase, within=within, every=0.2
+    )
+
+
+async def recorded_phase(client: Client, workflow_id: str) -> str | None:
+    """The phase the server has on record (the RepairPhase search attribute): with no worker, it cannot move."""
+    described = await client.get_workflow_handle(workflow_id).describe(rpc_timeout=QUERY_TIMEOUT)
+    return described.typed_search_attributes.get(sa.REPAIR_PHASE)
+
+
+async def in_flight(client: Client, task_queue: str) -> dict[str, list[tuple[str, str]]]:
+    """Every pending activity of the running workflows on the task queue: workflow id -> [(activity, state)]."""
+    found: dict[str, list[tuple[str, str]]] = {}
+    query = f"TaskQueue = {sa.quoted(task_queue)} AND ExecutionStatus = 'Running'"
+    async for execution in client.list_workflows(query, rpc_timeout=QUERY_TIMEOUT):
+        described = await client.get_workflow_handle(execution.id).describe(rpc_timeout=QUERY_TIMEOUT)
+        pending = described.raw_description.pending_activities
+        if pending:
+            found[execution.id] = [(p.activity_type.name, PendingActivityState.Name(p.state)) for p in pending]
+    return found
+
+
+async def quiet_but(client: Client, task_queue: str, expected: Mapping[str, str], *, within: float = 60) -> None:
+    """Wait until the calls in flight on the task queue are exactly `expected` (workflow id -> activity, started).
+
+    A kill then costs only what the test means it to: every other step either is done or has not begun, so no other
+    workflow waits out an activity timeout that has nothing to do with the phase under test."""
+    deadline = asyncio.get_running_loop().time() + within
+    want = {wf: [(activity, "PENDING_ACTIVITY_STATE_STARTED")] for wf, activity in expected.items()}
+    # Twice in a row: one look takes a describe per workflow, and a workflow described early in it may have started
+    # a call by the end (a grant pass, a published event); two in a row mean every workflow is at rest.
+    looks = [await in_flight(client, task_queue)]
+    while looks[-2:] != [want, want]:
+        assert asyncio.get_running_loop().time() < deadline, f"in flight on {task_queue}: {looks[-1]}, not {want}"
+        await asyncio.sleep(0.2)
+        looks = [*looks[-1:], await in_flight(client, task_queue)]
+
+
+async def repairs_of(client: Client, group: str) -> dict[str, list[WorkflowExecutionStatus | None]]:
+    """Every repair workflow execution of the group, by instance, listed by its search attributes."""
+    query = f"WorkflowType = {sa.quoted(names.REPAIR_WORKFLOW)} AND CapacityGroup = {sa.quoted(group)}"
+    found: dict[str, list[WorkflowExecutionStatus | None]] = {}
+    async for execution in client.list_workflows(query, rpc_timeout=QUERY_TIMEOUT):
+        instance = execution.typed_search_attributes.get(sa.INSTANCE_ID) or "?"
+        found.setdefault(instance, []).append(execution.status)
+    return found
+
+
+# --- exactly once -----------------------------------------------------------------------------------------------
+
+
+def group_ec2_states(fleet: Fleet) -> dict[str, str]:
+    """Every EC2 instance tagged with the group (initial ones and replacements): id -> state."""
+    paginator = fleet.ec2().get_paginator("describe_instances")
+    states: dict[str, str] = {}
+    for page in paginator.paginate(Filters=[{"Name": f"tag:{GROUP_TAG}", "Values": [fleet.group]}]):
+        for reservation in page["Reservations"]:
+            for instance in reservation["Instances"]:
+                states[instance["InstanceId"]] = instance["State"]["Name"]
+    return states
+
+
+async def assert_repaired_exactly_once(
+    durable: DurableFleet, impaired: Collection[str], *, tolerating: Collection[str] = ()
+) -> None:
+    """Each impaired instance repaired once (assert_instance_repaired_once), and the group whole afterwards."""
+    for instance_id in impaired:
+        await assert_instance_repaired_once(durable, instance_id, tolerating=tolerating)
+    await assert_group_whole(durable, impaired)
+
+
+async def assert_instance_repaired_once(
+    durable: DurableFleet, instance_id: str, *, tolerating: Collection[str] = ()
+) -> None:
+    """One repair execution of the instance, completed; start-before-stop in its events, each step once; one
+    replacement launched (tagged for it) and running; the instance itself terminated."""
+    fleet = durable.fleet
+    assert_start_before_stop(fleet, instance_id, tolerating=tolerating)
+    completed = WorkflowExecutionStatus.COMPLETED
+    repairs = await eventually(
+        lambda: repairs_of(durable.client, fleet.group), lambda found: found.get(instance_id) == [completed], within=30
+    )
+    assert repairs[instance_id] == [completed]
+
+
+async def assert_group_whole(durable: DurableFleet, impaired: Collection[str]) -> None:
+    """EC2 holds the group's instances plus one replacement per impaired instance, and has terminated the impaired
+    ones and nothing else; no repair but theirs ran; the drain semaphore holds no permit and has no waiter."""
+    fleet = durable.fleet
+    states = group_ec2_states(fleet)
+    terminated = sorted(i for i, state in states.items() if state == "terminated")
+    running = [i for i, state in states.items() if state == "running"]
+    assert terminated == sorted(impaired), states
+    assert len(running) == durable.instances, states
+    assert len(states) == durable.instances + len(impaired), states
+    assert sorted(await repairs_of(durable.client, fleet.group)) == sorted(impaired)
+    semaphore = await fleet.semaphore()
+    assert semaphore.holders == [] and semaphore.waiters == [], semaphore
