@@ -22,13 +22,14 @@ if TYPE_CHECKING:
     from mypy_boto3_ec2 import EC2Client
     from mypy_boto3_ecs import ECSClient
     from mypy_boto3_events import EventBridgeClient
+    from mypy_boto3_ssm import SSMClient
 
 P = ParamSpec("P")
 T = TypeVar("T")
 
 
 class AwsClients:
-    """The four clients the activities use, sharing one session and one retry configuration."""
+    """The clients the activities use, sharing one session and one retry configuration."""
 
     def __init__(self, settings: AwsSettings, session: boto3.session.Session | None = None) -> None:
         # A session of our own: boto3's default session is module-global and not safe to share across threads.
@@ -46,6 +47,8 @@ class AwsClients:
         self.ec2: EC2Client = session.client("ec2", endpoint_url=endpoint, config=config)
         self.events: EventBridgeClient = session.client("events", endpoint_url=endpoint, config=config)
         self.autoscaling: AutoScalingClient = session.client("autoscaling", endpoint_url=endpoint, config=config)
+        # Run Command: the remediation ladder's GPU reset (activities/remediation.py).
+        self.ssm: SSMClient = session.client("ssm", endpoint_url=endpoint, config=config)
 
 
 def call_name(method: Callable[..., Any]) -> str:

@@ -30,6 +30,16 @@ THROTTLING_CODES = frozenset(
     }
 )
 
+# No capacity of the type in the AZ (or the reservation) asked for: another AZ may have some.
+CAPACITY_CODES = frozenset(
+    {
+        "InsufficientInstanceCapacity",
+        "InsufficientCapacity",
+        "InsufficientHostCapacity",
+        "InsufficientReservedInstanceCapacity",
+    }
+)
+
 # AWS-side shortage or outage: capacity frees up and services recover, so a later attempt can succeed.
 TRANSIENT_CODES = frozenset(
     {

@@ -43,6 +43,8 @@ from activities.models import (
     ReplacementWait,
     StopTasksRequest,
     StopTasksResult,
+    SubnetZones,
+    SubnetZonesRequest,
     TaskInfo,
     TerminateResult,
 )
@@ -115,6 +117,7 @@ class FleetActivities:
             self.stop_tasks,
             self.terminate_instance,
             self.instances_gone,
+            self.subnet_zones,
         ]
 
     # --- activities ---------------------------------------------------------------------------------------
@@ -140,6 +143,18 @@ class FleetActivities:
         return InstancesGone(
             gone=[gone for _, instance in sorted(found.items()) if (gone := departure(instance, lookups, now))]
         )
+
+    @activity.defn(name="subnet_zones")
+    async def subnet_zones(self, request: SubnetZonesRequest) -> SubnetZones:
+        """Each subnet's AZ: a repair that may move its launch (allow_other_azs) chooses by AZ."""
+        if not request.subnet_ids:
+            return SubnetZones(zones={})
+        resp = await aws_call(
+            f"subnets {', '.join(request.subnet_ids)}",
+            self._aws.ec2.describe_subnets,
+            Filters=[{"Name": "subnet-id", "Values": request.subnet_ids}],
+        )
+        return SubnetZones(zones={s["SubnetId"]: s["AvailabilityZone"] for s in resp.get("Subnets", [])})
 
     @activity.defn(name="describe_group_capacity")
     async def describe_group_capacity(self, request: GroupCapacityRequest) -> GroupCapacity:

@@ -10,6 +10,7 @@ from pydantic import BaseModel, Field, field_validator
 
 from contract.formats import iso
 from contract.groups import GroupConfigOverrides, GroupConfigState
+from contract.probe import GpuFinding, ProbeSourceHealth
 from contract.repair import RepairInput
 
 
@@ -46,6 +47,19 @@ class EventType(StrEnum):
     # A replacement that was not ACTIVE in ECS within replacement_ready_timeout (or went away): terminated, and
     # another launched unless it was the repair's last attempt.
     REPLACEMENT_ABANDONED = "ReplacementAbandoned"
+    # The remediation ladder (workflows/repair_reboot.py): a fault handled in place, by a GPU reset or a reboot, and
+    # `Escalated` (with `from_action`, `to_action`, `why`) when a rung is skipped or did not work.
+    GPU_RESET_STARTED = "GpuResetStarted"
+    GPU_RESET_COMPLETED = "GpuResetCompleted"
+    REBOOT_STARTED = "RebootStarted"
+    REBOOT_COMPLETED = "RebootCompleted"
+    ESCALATED = "Escalated"
+    # From the health workflow: the last repair attempt the group allows (max_repair_attempts) failed too; nothing
+    # more is tried until an operator's `autorepair instance repair`.
+    REPAIRS_EXHAUSTED = "RepairsExhausted"
+    # From the health workflow: EC2 scheduled an event that takes the instance away (retirement, stop, reboot,
+    # maintenance); `deadline` is its NotBefore, `repair_at` when the repair starts (scheduled_event_lead before it).
+    SCHEDULED_EVENT_FOUND = "ScheduledEventFound"
 
 
 HEALTH_DETAIL_TYPE = "Instance Health Change"
@@ -77,7 +91,12 @@ class FleetEvent(BaseModel):
             return CONTROL_DETAIL_TYPE
         if self.type in (EventType.REPAIRS_HELD, EventType.REPAIRS_RESUMED):
             return BREAKER_DETAIL_TYPE
-        health = (EventType.HEALTH_CHANGED, EventType.INSTANCE_RETIRED, EventType.INSTANCE_RETURNED)
+        health = (
+            EventType.HEALTH_CHANGED,
+            EventType.INSTANCE_RETIRED,
+            EventType.INSTANCE_RETURNED,
+            EventType.SCHEDULED_EVENT_FOUND,
+        )
         return HEALTH_DETAIL_TYPE if self.type in health else REPAIR_DETAIL_TYPE
 
     def line(self) -> dict[str, Any]:
@@ -193,6 +212,14 @@ class LaunchRequest(BaseModel):
     client_token: str = Field(min_length=1, max_length=64)
 
 
+class SubnetZonesRequest(BaseModel):
+    subnet_ids: list[str]
+
+
+class SubnetZones(BaseModel):
+    zones: dict[str, str]  # subnet id -> its AZ; a subnet EC2 does not know is left out
+
+
 class LaunchResult(BaseModel):
     replacement_instance_id: str
     already_existed: bool = False
@@ -231,7 +258,11 @@ class StartRepairRequest(BaseModel):
     summary: str = Field(description="One line for the Web UI's list view")
     # The progress token of this instance's earlier repair, which ended without replacing it (withdrawn by an
     # operator's control, or failed): a new repair may then run under the same id. Empty: never a second repair.
+    # Only for a repair under the legacy id (RepairInput.attempt 0); an attempt has an id of its own.
     replaces_token: str = ""
+    # The instance's earlier attempt, which ended without replacing it: the new one starts once it has closed (it
+    # may still be handing its permit back), so that one instance never has two repairs running.
+    previous_workflow_id: str = ""
 
 
 class StartRepairResult(BaseModel):
@@ -297,3 +328,84 @@ class ReplacementRef(BaseModel):
     group: str
     instance_id: str
     impaired_instance_id: str
+
+
+# --- The remediation ladder's rung in place (activities/remediation.py) ----------------------------------------------
+
+
+class RebootRequest(BaseModel):
+    group: str
+    instance_id: str
+    # The same on every retry of the step: an instance already tagged with it was rebooted by this step already.
+    token: str = Field(min_length=1, max_length=64)
+
+
+class RebootResult(BaseModel):
+    already_rebooted: bool = False
+
+
+class GpuResetRequest(BaseModel):
+    group: str
+    instance_id: str
+    gpu: str  # PCI address, as the finding names it (dddd:bb:dd)
+    token: str = Field(min_length=1, max_length=64)  # in the command's comment: a retry finds the command it sent
+
+
+class GpuResetCommand(BaseModel):
+    command_id: str
+    already_sent: bool = False
+
+
+class GpuResetCheck(BaseModel):
+    group: str
+    instance_id: str
+    command_id: str
+
+
+class GpuResetStatus(BaseModel):
+    """Where the reset command is. `done` false: still running (or not yet known to SSM); then `reset` says whether
+    the GPU was reset, and `why` what the command said when it was not (the driver refused: processes hold the GPU,
+    or the system resets its GPUs only together, as NVSwitch systems do)."""
+
+    done: bool
+    reset: bool = False
+    status: str = ""
+    exit_code: int | None = None
+    why: str = ""
+
+
+class HealthViewExcerpt(BaseModel):
+    """What the rung reads of the instance's health workflow's `health` query (workflows.models.InstanceHealthView,
+    which activities may not import): the probe's boot, its sources, and the recent findings."""
+
+    boot_id: str | None = None
+    last_heartbeat: datetime | None = None
+    probe_sources: list[ProbeSourceHealth] = Field(default_factory=list)
+    recent_findings: list[GpuFinding] = Field(default_factory=list)
+
+
+class RecoveryCheck(BaseModel):
+    group: str
+    instance_id: str
+
+
+class RecoveryStatus(BaseModel):
+    """The instance as the rung sees it while it comes back: the probe's view through its health workflow, and ECS's."""
+
+    probe: HealthViewExcerpt | None = None  # None: the health workflow did not answer
+    probe_error: str = ""
+    agent_connected: bool | None = None  # None: not registered (ACTIVE or DRAINING) in the group's cluster
+    container_status: str | None = None
+
+
+class ActivateResult(BaseModel):
+    container_instance_arn: str
+    already_active: bool = False
+
+
+class AwsStatusRequest(BaseModel):
+    """Read what AWS says of one instance now (AwsStatusActivities.read_aws_status): a health workflow confirms
+    an impairment it was told of before acting on it."""
+
+    group: str
+    instance_id: str

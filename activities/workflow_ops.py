@@ -3,6 +3,7 @@ signal-with-start, look at another workflow's status)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Callable
 from datetime import datetime, timedelta
@@ -12,6 +13,7 @@ from opentelemetry import context as otel_context
 from temporalio import activity
 from temporalio.client import (
     Client,
+    WorkflowContinuedAsNewError,
     WorkflowExecutionDescription,
     WorkflowExecutionStatus,
     WorkflowFailureError,
@@ -44,13 +46,15 @@ from activities.models import (
 from contract import names
 from contract import search_attributes as sa
 from contract.groups import GroupConfigState
-from contract.ids import repair_workflow_id, semaphore_workflow_id
+from contract.ids import legacy_repair_workflow_id, repair_workflow_id, semaphore_workflow_id
 from contract.instances import RepairWithdrawal, RepairWithdrawalResult
 from contract.repair import RepairInput, RepairPhase
 from contract.semaphore import PermitRequest, SemaphoreInput
 
 # Enough closed runs to find the latest: visibility lists the most recently closed first.
 _PREVIOUS_RUNS_LOOKED_AT = 20
+# How long one start waits for the instance's previous attempt to close, well within the activity's timeout.
+PREVIOUS_CLOSE_WAIT = timedelta(seconds=20)
 
 
 async def live_group_config(
@@ -94,10 +98,13 @@ class WorkflowOps:
 
     @activity.defn
     async def start_repair(self, request: StartRepairRequest) -> StartRepairResult:
-        """Start the instance's repair workflow once: a second start while one runs (or after one completed,
-        for the same instance) is "already done", never a second repair."""
+        """Start one attempt of the instance's repair, once: a second start of the attempt while it runs (or after
+        it closed) is "already done", never a second repair. Attempt 0 is the legacy id, `repair/<instance>`."""
         repair = request.repair
-        workflow_id = repair_workflow_id(repair.instance_id)
+        if repair.attempt:
+            workflow_id = repair_workflow_id(repair.instance_id, repair.attempt)
+        else:
+            workflow_id = legacy_repair_workflow_id(repair.instance_id)
         attributes: list[SearchAttributePair[Any]] = [
             SearchAttributePair(sa.INSTANCE_ID, repair.instance_id),
             SearchAttributePair(sa.CAPACITY_GROUP, repair.group),
@@ -132,6 +139,8 @@ class WorkflowOps:
                 otel_context.detach(token)
 
         try:
+            if request.previous_workflow_id and request.previous_workflow_id != workflow_id:
+                await self._closed(request.previous_workflow_id)
             handle = await start()
             running = await self._progress_token(handle)
             if request.replaces_token and running == request.replaces_token:
@@ -147,6 +156,23 @@ class WorkflowOps:
             already_running=running != repair.progress_token,
             progress_token=running,
         )
+
+    async def _closed(self, workflow_id: str) -> None:
+        """Returns once the workflow has closed, however it ended; a retryable error while it has not (it only
+        hands its permit back and publishes its last events: seconds)."""
+        handle = self._client.get_workflow_handle(workflow_id)
+        try:
+            await asyncio.wait_for(handle.result(follow_runs=False), PREVIOUS_CLOSE_WAIT.total_seconds())
+        except (WorkflowFailureError, WorkflowContinuedAsNewError):
+            return
+        except TimeoutError:
+            raise ApplicationError(
+                f"{workflow_id} has not closed yet: the next repair attempt starts once it has",
+                type="PreviousRepairClosing",
+            ) from None
+        except RPCError as err:
+            if err.status != RPCStatusCode.NOT_FOUND:
+                raise
 
     async def _progress_token(self, handle: WorkflowHandle[Any, Any]) -> str:
         """The progress token in the start input of the run now under the repair's id: ours when this call started

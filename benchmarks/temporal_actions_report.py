@@ -15,6 +15,7 @@ from typing import Any
 from benchmarks.temporal_actions_count import Action, Execution, Growth, between, tally, tally_detail
 from benchmarks.temporal_actions_old import old_model
 from contract import names
+from contract.ids import repair_instance_of
 
 MONTH_S = 30 * 24 * 3600
 GOAL = 1_000  # actions per healthy instance-month (issue 11)
@@ -199,7 +200,8 @@ def repair_cost(measured: Measured) -> dict[str, Any]:
     group, faulty = info["group"], info["faulty"]
     start, end = datetime.fromisoformat(info["fault_at"]), datetime.fromisoformat(info["end"])
     extra = measured.queries + measured.heartbeats
-    repair_ids = {f"repair/{faulty}"}
+    # Every attempt at repairing it (repair/<instance>/<n>, or a legacy repair/<instance>): contract/ids.py.
+    repair_ids = {run.workflow_id for run in measured.executions if repair_instance_of(run.workflow_id) == faulty}
     semaphore_ids = {f"drain-semaphore/{group}"}
     health_ids = {f"health/{faulty}"}
     tracker_ids = {f"liveness/{group}"}

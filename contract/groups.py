@@ -32,6 +32,10 @@ MAX_HEARTBEAT_LOSS_THRESHOLD = timedelta(days=1)
 DEFAULT_HEARTBEAT_INTERVAL = timedelta(seconds=60)  # the probe's own default, `--heartbeat-interval 60`
 # Each attempt may hold a drain permit for a whole replacement_ready_timeout: more than a few only delays the operator.
 MAX_REPLACEMENT_ATTEMPTS = 10
+# Failed repairs of one instance, retried by its health workflow: each attempt may drain, launch and hold a permit,
+# so a few, then an operator looks. The wait before each retry doubles from repair_retry_delay, at most a day.
+MAX_REPAIR_ATTEMPTS = 10
+MAX_REPAIR_RETRY_DELAY = timedelta(days=1)
 
 
 def heartbeat_threshold_problem(threshold: timedelta, heartbeat_interval: timedelta | None) -> str | None:
@@ -52,9 +56,23 @@ def heartbeat_threshold_problem(threshold: timedelta, heartbeat_interval: timede
     return None
 
 
+# A region has at most a few dozen AZs; a group lists a subnet or two per AZ.
+MAX_SUBNETS = 50
+
+
 class AutoRepair(StrEnum):
     ENABLED = "ENABLED"
     DISABLED = "DISABLED"
+
+
+class Remediation(StrEnum):
+    """What a repair does first (docs/operations.md, "The remediation ladder")."""
+
+    # ECS's behaviour: every repair replaces the instance, start-before-stop.
+    REPLACE = "replace"
+    # A fault NVIDIA's catalog says a GPU reset or a reboot clears is first handled in place (reset where the group
+    # allows it, else reboot); a replacement only when that does not work, or the fault comes back.
+    REBOOT_FIRST = "reboot-first"
 
 
 class CapacityGroup(SettingsSection):
@@ -80,12 +98,24 @@ class CapacityGroup(SettingsSection):
     replacement_ready_timeout: timedelta = timedelta(minutes=20)
     # Replacements one repair may launch that never become ACTIVE; then the repair fails, its instance left DRAINING.
     max_replacement_attempts: int = Field(default=3, ge=1, le=MAX_REPLACEMENT_ATTEMPTS)
+    # A failed repair is tried again by the instance's health workflow after this, doubling after each failure, up
+    # to max_repair_attempts attempts in all; then RepairsExhausted, and the instance waits for an operator.
+    repair_retry_delay: timedelta = timedelta(minutes=10)
+    max_repair_attempts: int = Field(default=4, ge=1, le=MAX_REPAIR_ATTEMPTS)
     # How often the repair looks at the draining instance's tasks between stop-timeout deadlines.
     task_poll_interval: timedelta = timedelta(seconds=15)
     # How often the drain semaphore checks that its permit holders are still running.
     permit_reclaim_interval: timedelta = timedelta(minutes=1)
     # Liveness trackers for the group: one holds up to 20,000 instances; a larger group needs more (ceil(n/20,000)).
     liveness_shards: LivenessShards = 1
+    # What AWS says of the group's instances (docs/operations.md, "What AWS says"), read by each worker every
+    # aws_status_interval: an EC2 status check impaired this long, or the ECS agent disconnected this long, makes the
+    # instance IMPAIRED; a scheduled event (retirement, stop, reboot, maintenance) gets it replaced this long before
+    # the event's NotBefore.
+    aws_status_interval: timedelta = timedelta(seconds=60)
+    status_check_grace: timedelta = timedelta(minutes=3)
+    agent_disconnect_grace: timedelta = timedelta(minutes=10)
+    scheduled_event_lead: timedelta = timedelta(hours=24)
     # The breaker (docs/operations.md): no new drain permits once strictly more than max(min_impaired, n x
     # max_impaired_percent / 100) of the group's n instances became IMPAIRED within impaired_window.
     max_impaired_percent: ImpairedPercent = 30
@@ -95,11 +125,41 @@ class CapacityGroup(SettingsSection):
     max_repairs_per_day: int | None = Field(default=None, ge=1, le=MAX_REPAIRS_PER_DAY)
     # Optional: outside every window (UTC) only critical repairs run; none means any time.
     maintenance_windows: list[MaintenanceWindow] = Field(default_factory=list, max_length=50)
+    # The remediation ladder (docs/operations.md): replace at once, or reboot first where NVIDIA says that works.
+    remediation: Remediation = Remediation.REPLACE
+    # Under reboot-first, a fault NVIDIA answers with RESET_GPU is reset through SSM Run Command (`nvidia-smi -r`)
+    # instead of rebooting; off by default: the host needs the SSM agent and no process may hold the GPU.
+    gpu_reset: bool = False
+    # From the reboot (or reset) until the probe reports the new boot with every GPU source OK and the ECS agent is
+    # connected; not back by then: the repair goes on to a replacement.
+    reboot_timeout: timedelta = timedelta(minutes=20)
+    # The same GPU (the same instance, when the GPU cannot be told) faulting again this soon after a fix in place:
+    # replaced, not rebooted again.
+    escalation_window: timedelta = timedelta(hours=24)
+    # Where a replacement launches when its AZ has no capacity (docs/operations.md, "Where a replacement launches").
+    # ODCRs and Capacity Blocks are AZ-bound: by default it stays in the impaired instance's subnet and keeps trying.
+    allow_other_azs: bool = False
+    # The subnets a replacement may move to (allow_other_azs; launch template groups: an Auto Scaling group picks
+    # its own).
+    subnets: list[str] = Field(default_factory=list, max_length=MAX_SUBNETS)
+    # Capacity errors in a row in one subnet before a repair's next launch moves to another (allow_other_azs).
+    capacity_errors_before_moving: int = Field(default=3, ge=1, le=100)
+    # An AZ where a launch met a capacity error is avoided by the group's repairs this long, or until a launch there
+    # succeeds (allow_other_azs).
+    az_avoid_for: timedelta = timedelta(minutes=30)
 
     def max_draining(self, instance_count: int) -> int:
         """The drain cap, computed here only. ECS's rule: max(1, floor(n * pct / 100)); below 9 instances at 20%
         that is one at a time."""
         return max(1, instance_count * self.max_draining_percent // 100)
+
+    def repair_retry_wait(self, failed: int) -> timedelta:
+        """The wait before the next attempt once `failed` attempts in a row have failed (computed here only):
+        repair_retry_delay, doubled for each failure after the first, at most MAX_REPAIR_RETRY_DELAY."""
+        if failed < 1:
+            return timedelta(0)
+        doublings = min(failed - 1, MAX_REPAIR_ATTEMPTS)
+        return min(self.repair_retry_delay * 2**doublings, MAX_REPAIR_RETRY_DELAY)
 
     def breaker_rule(self) -> BreakerRule:
         return BreakerRule(
@@ -115,6 +175,16 @@ class CapacityGroup(SettingsSection):
             problems.append(("heartbeat_loss_threshold", problem))
         if (problem := impaired_window_problem(self.impaired_window)) is not None:
             problems.append(("impaired_window", problem))
+        if self.allow_other_azs and not self.subnets and self.launch_template:
+            problems.append(("subnets", "allow_other_azs needs the group's subnets to move a replacement to"))
+        if self.repair_retry_delay > MAX_REPAIR_RETRY_DELAY:
+            problems.append(
+                (
+                    "repair_retry_delay",
+                    f"repair_retry_delay must be at most {format_seconds(MAX_REPAIR_RETRY_DELAY)}, "
+                    f"not {format_seconds(self.repair_retry_delay)}",
+                )
+            )
         return problems
 
 
@@ -137,6 +207,7 @@ class GroupConfigOverrides(BaseModel):
     min_impaired: int | None = None
     impaired_window: timedelta | None = None
     max_repairs_per_day: int | None = None
+    remediation: Remediation | None = None
 
     def apply(self, group: CapacityGroup) -> CapacityGroup:
         return group.model_copy(update=self.model_dump(exclude_none=True))
@@ -153,6 +224,7 @@ class GroupConfigUpdate(BaseModel):
     min_impaired: int | None = None
     impaired_window: timedelta | None = None
     max_repairs_per_day: int | None = None
+    remediation: Remediation | None = None
     # Drop every live override first (back to the worker's settings), then apply the fields above, if any.
     reset: bool = False
     # Let held repairs through again (the breaker never resets by itself); with discard_held, the held repairs are
@@ -174,7 +246,7 @@ class GroupConfigUpdate(BaseModel):
         if not (self.reset or self.resume) and self.changes() == GroupConfigOverrides():
             problems.append(
                 "nothing to change: give auto_repair, max_draining_percent, heartbeat_loss_threshold, "
-                "max_impaired_percent, min_impaired, impaired_window, max_repairs_per_day, reset or resume"
+                "max_impaired_percent, min_impaired, impaired_window, max_repairs_per_day, remediation, reset or resume"
             )
         if self.discard_held and not self.resume:
             problems.append("discard_held goes with resume: --resume --discard-held")

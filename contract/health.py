@@ -26,6 +26,8 @@ class CheckType(StrEnum):
     AGENT_CONNECTIVITY = "AGENT_CONNECTIVITY"
     CONTAINER_RUNTIME = "CONTAINER_RUNTIME"
     DAEMON = "DAEMON"
+    # Ours, not ECS's: EC2's own status checks and scheduled events (workflows/health_aws_checks.py).
+    EC2_STATUS = "EC2_STATUS"
 
 
 class HealthInput(BaseModel):

@@ -58,8 +58,15 @@ class Accepted(BaseModel):
     session_expires_in_s: int | None = None
 
 
+# Refusal.kind of a report naming a group the ingest's settings do not have (a probe started with a wrong --group).
+REFUSED_UNKNOWN_GROUP: Final = "unknown_group"
+
+
 class Refusal(BaseModel):
     """The ingest's answer to a report it did not accept (4xx/5xx), for the host's log and `probe report`."""
 
     status: int
     reason: str = Field(max_length=MAX_TEXT)
+    # Which check refused it, as the ingest's metrics name it (not_member, unknown_group, ...); "" from ingests
+    # before it.
+    kind: str = Field(default="", max_length=64)

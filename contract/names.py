@@ -21,6 +21,8 @@ SIGNAL_HEARTBEAT: Final = "heartbeat"
 SIGNAL_REPAIR_PROGRESS: Final = "repair_progress"
 SIGNAL_INJECT_HEARTBEAT_LOSS: Final = "inject_heartbeat_loss"
 SIGNAL_LIVENESS: Final = "liveness"  # from the group's liveness tracker: lost or heard again
+# From the worker's per-group AWS reader, only when what it sees of the instance changed (contract/aws_status.py).
+SIGNAL_AWS_STATUS: Final = "aws_status"
 
 # Signals to a liveness tracker: reporters' batches, a game day's silence, and the group's changed configuration.
 SIGNAL_LIVENESS_REPORT: Final = "liveness_report"
@@ -32,6 +34,7 @@ SIGNAL_RECHECK_LOSS: Final = "recheck_loss"
 SIGNAL_REQUEST: Final = "request"
 SIGNAL_RELEASE: Final = "release"
 SIGNAL_PERMIT_GRANTED: Final = "permit_granted"
+SIGNAL_LAUNCH_OUTCOME: Final = "launch_outcome"  # a repair's launch in an AZ: capacity error or launched
 SIGNAL_PERMIT_DENIED: Final = "permit_denied"  # a held repair let go by `--resume --discard-held`
 
 # The breaker: health workflows tell their group's semaphore of each impairment, semaphores tell the fleet breaker,
@@ -67,5 +70,5 @@ GROUP_TAG: Final = "gpu-autorepair:group"
 # The EC2 tag a reboot-first repair puts on the instance it rebooted (the reboot's token): a retried reboot step finds
 # it and does not reboot twice, and an operator (or the simulated fleet) sees which repair rebooted it.
 REBOOT_TAG: Final = "gpu-autorepair:reboot"
-# The comment of the SSM Run Command a repair resets a GPU with starts with this, then the reset's token.
+# The comment of the SSM Run Command a repair resets a GPU with: this, the instance id, the reset's token.
 GPU_RESET_COMMENT: Final = "gpu-autorepair reset"

@@ -3,11 +3,24 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Final
 
 from pydantic import BaseModel, Field
 
 from contract.health import HealthState
 from contract.limits import MAX_COUNT, MAX_PROBE_SOURCES, Id, Name, Text
+
+# Kinds of finding about the host's services rather than its GPUs: each is a state transition (down, back up) that
+# the probe never folds into a burst, and the health workflow maps to its own check (DAEMON, CONTAINER_RUNTIME).
+KIND_DAEMON: Final = "daemon"
+KIND_DAEMON_RECOVERED: Final = "daemon_recovered"
+KIND_CONTAINER_RUNTIME: Final = "container_runtime"
+KIND_CONTAINER_RUNTIME_RECOVERED: Final = "container_runtime_recovered"
+STATE_TRANSITION_KINDS: Final = frozenset(
+    {KIND_DAEMON, KIND_DAEMON_RECOVERED, KIND_CONTAINER_RUNTIME, KIND_CONTAINER_RUNTIME_RECOVERED}
+)
+# The most sources one finding names: kernel log, kmsg, journald, NVML, DCGM, with room to spare.
+MAX_FINDING_SOURCES: Final = 8
 
 
 class GpuRef(BaseModel):
@@ -26,14 +39,22 @@ class GpuFinding(BaseModel):
     instance_id: Id
     group: Id
     kind: Name = Field(
-        min_length=1, description="xid, sxid, gpu_fallen_off_bus, gpu_init_failed, nvml, dcgm, daemon, daemon_recovered"
+        min_length=1,
+        description="xid, sxid, gpu_fallen_off_bus, gpu_init_failed, nvml, dcgm, daemon, daemon_recovered, "
+        "container_runtime, container_runtime_recovered",
     )
     code: int | None = Field(default=None, ge=0, le=2**31 - 1)
     reason: Name = Field(min_length=1, description="ECS-style status reason, e.g. XID_79")
     impairs: bool
     rule: Name = ""
     source: Name = ""
+    # Every source that saw this one fault within the probe's correlation window (the kernel log, NVML and DCGM
+    # each report a double-bit ECC error): one finding, counted once. Empty from probes before it: `source` alone.
+    sources: list[Name] = Field(default_factory=list, max_length=MAX_FINDING_SOURCES)
     gpu: GpuRef = Field(default_factory=GpuRef)
+    # NVIDIA's immediate action for it (the Xid catalog's resolution bucket: RESET_GPU, RESTART_BM, CONTACT_SUPPORT,
+    # ...), which decides whether a reboot-first group reboots or replaces; "" when the catalog names none.
+    immediate_action: Name = ""
     message: Text = ""
     raw: Text = ""
     count: int = Field(default=1, ge=1, le=MAX_COUNT)
@@ -58,3 +79,6 @@ class Heartbeat(BaseModel):
     gpu_health: HealthState = HealthState.OK
     gpu_health_reason: Text | None = None
     sources: list[ProbeSourceHealth] = Field(default_factory=list, max_length=MAX_PROBE_SOURCES)
+    # The host's boot (/proc/sys/kernel/random/boot_id): a reboot-first repair waits for a heartbeat from a new one.
+    # None from probes before it.
+    boot_id: Name | None = None

@@ -1,13 +1,13 @@
-"""A repair as others see it: its phases, and the input that starts `repair/<instance>`."""
+"""A repair as others see it: its phases, and the input that starts an attempt, `repair/<instance>/<n>`."""
 
 from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
-from contract.limits import Id, Text, Token
+from contract.limits import Id, Name, Text, Token
 from contract.probe import GpuFinding
 
 
@@ -24,11 +24,41 @@ class RepairPhase(StrEnum):
     # Held by the breaker and let go by `--resume --discard-held`: the instance was never touched, and must prove
     # its fault again before another repair.
     DISCARDED = "Discarded"
+    # The remediation ladder's rung in place (workflows/repair_reboot.py): after DRAINING and STOPPING_TASKS.
+    RESETTING_GPU = "ResettingGpu"
+    REBOOTING = "Rebooting"
+    AWAITING_RECOVERY = "AwaitingRecovery"
+    REACTIVATING = "Reactivating"
+
+
+# NVIDIA's immediate actions (the Xid catalog's resolution bucket, GpuFinding.immediate_action) that a GPU reset or
+# a reboot carries out; every other action (CONTACT_SUPPORT, WORKFLOW_XID_48, the NVLink workflows, none) goes
+# straight to a replacement.
+RESET_GPU = "RESET_GPU"
+IN_PLACE_ACTIONS = frozenset({RESET_GPU, "RESTART_VM", "RESTART_BM"})
+
+
+class RepairAction(StrEnum):
+    """How a repair handled its fault, as `autorepair history` and the events say it."""
+
+    REPLACE = "replace"
+    GPU_RESET = "gpu-reset"
+    REBOOT = "reboot"
 
 
 class PhaseStep(BaseModel):
     phase: RepairPhase
     started_at: datetime
+
+
+class InPlaceFix(BaseModel):
+    """A repair that cleared its fault without replacing the instance: what it did, to which GPU, and when."""
+
+    workflow_id: Id
+    action: RepairAction
+    reason: Name = ""
+    gpu: Name | None = None  # PCI address of the GPU the finding named; None: the instance as a whole
+    fixed_at: datetime
 
 
 class RepairInput(BaseModel):
@@ -41,3 +71,9 @@ class RepairInput(BaseModel):
     progress_token: Token = ""
     # Outside the group's maintenance windows only critical repairs get a permit (docs/operations.md).
     critical: bool = True
+    # The instance's last fix in place, as its health workflow learnt it: the same GPU faulting again within the
+    # group's escalation_window is replaced, not rebooted again.
+    last_in_place_fix: InPlaceFix | None = None
+    # Which attempt at repairing the instance this is (from 1; contract/ids.py repair_workflow_id). 0: one started
+    # before attempts had ids of their own, as `repair/<instance>`.
+    attempt: int = Field(default=0, ge=0)

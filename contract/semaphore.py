@@ -31,6 +31,16 @@ class PermitDenial(BaseModel):
     reason: Text = ""
 
 
+class LaunchOutcome(BaseModel):
+    """The `launch_outcome` signal: a permit holder tells its group's semaphore how a launch in an AZ went, so that
+    the group's repairs avoid an AZ out of capacity (allow_other_azs)."""
+
+    holder_workflow_id: Id
+    token: Token = ""
+    availability_zone: Id
+    capacity_error: bool  # False: it launched
+
+
 # An Auto Scaling group launches a handful at a time; a longer list is a caller's bug, refused.
 MAX_CLAIM_CANDIDATES = 100
 

@@ -1,6 +1,7 @@
 """Whether an instance belongs to the capacity group it names: its EC2 tag (contract.names.GROUP_TAG) says so, or it
 is registered in that group's ECS cluster. Answers, yes and no, are believed for `ingest.membership_ttl`; an AWS
-error is no answer (MembershipUnknown, the ingest says 503) and is not remembered."""
+error is no answer (MembershipUnknown, the ingest says 503) and is not remembered. A group the settings do not
+have is no member of anything, and said so (`group_known`): the probe's --group is wrong."""
 
 from __future__ import annotations
 
@@ -37,10 +38,17 @@ class MembershipUnknown(Exception):
     """AWS could not be asked just now (throttled, unreachable): neither yes nor no."""
 
 
+# Group names an unknown-group refusal lists, at most: enough to spot the typo, short enough for one log line.
+LISTED_GROUPS = 10
+
+
 @dataclass(frozen=True, slots=True)
 class Membership:
     member: bool
     how: str  # "tag", "ecs", or why not
+    # False when the group is not in the settings at all: the probe's --group is wrong (or the settings are), which
+    # no membership answer would change.
+    group_known: bool = True
 
 
 class AwsMembershipLookup:
@@ -119,13 +127,23 @@ class GroupMembership:
 
     async def check(self, instance_id: str, group: str) -> Membership:
         if group not in self._groups:
-            return Membership(False, f"unknown group {group!r}")
+            return Membership(False, self.unknown_group(group), group_known=False)
         key = (instance_id, group)
         cached = self._cache.get(key)
         if cached is not None:
             return cached
         answer = self._cache[key] = await self._ask(instance_id, self._groups[group])
         return answer
+
+    def unknown_group(self, group: str) -> str:
+        names = sorted(self._groups)
+        listed = ", ".join(names[:LISTED_GROUPS])
+        if len(names) > LISTED_GROUPS:
+            listed += f" and {len(names) - LISTED_GROUPS} more"
+        return (
+            f"unknown group {group!r}: not in settings (this ingest's groups: {listed or 'none'}); start the probe "
+            "with --group naming one of them, or add the group to the settings and restart the ingest"
+        )
 
     async def _ask(self, instance_id: str, group: CapacityGroup) -> Membership:
         self.lookups += 1

@@ -12,6 +12,7 @@ Checks, cheapest first, and what a failure answers (JSON contract.ingest.Refusal
     an ECS task's proof: the task resolved to its EC2 instance -> 403 when no configured cluster runs it (503 when
         ECS cannot say)
     a report about another instance -> 403                  over the instance's own rate -> 429 with Retry-After
+    a group not in the settings -> 403 (unknown_group: the probe's --group is wrong, no AWS call is made)
     not a member of the group it names -> 403 (503 when AWS cannot say)
     Temporal failed -> 503;  relayed -> 202 (contract.ingest.Accepted: after a proof, with a session token)
 """
@@ -33,6 +34,7 @@ from contract.ingest import (
     MAX_REPORT_BYTES,
     METRICS_PATH,
     PROOF_HEADER,
+    REFUSED_UNKNOWN_GROUP,
     SESSION_HEADER,
     Accepted,
     Refusal,
@@ -106,7 +108,7 @@ def _parse(model: type[GpuFinding] | type[Heartbeat], body: bytes) -> GpuFinding
 
 def _refusal_response(refusal: _Refuse) -> web.Response:
     headers = {"Retry-After": str(refusal.retry_after_s)} if refusal.retry_after_s is not None else None
-    body = Refusal(status=refusal.status, reason=refusal.reason[:MAX_TEXT]).model_dump_json()
+    body = Refusal(status=refusal.status, reason=refusal.reason[:MAX_TEXT], kind=refusal.kind).model_dump_json()
     return web.Response(status=refusal.status, text=body, content_type="application/json", headers=headers)
 
 
@@ -194,6 +196,8 @@ class _Reports:
             membership = await ingest.membership.check(instance_id, report.group)
         except MembershipUnknown as err:
             raise _Refuse(503, "membership_unknown", str(err), retry_after_s=5) from None
+        if not membership.group_known:
+            raise _Refuse(403, REFUSED_UNKNOWN_GROUP, membership.how)
         if not membership.member:
             raise _Refuse(403, "not_member", membership.how)
         return caller

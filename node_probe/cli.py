@@ -40,6 +40,7 @@ from node_probe.delivery.proof import MissingCredentials
 from node_probe.delivery.reporter import Reporter, ReporterProtocol
 from node_probe.imds import ImdsError, imds_instance_id
 from node_probe.probe import Probe, ProbeConfig
+from node_probe.sources.container_runtime import RuntimeSpec, default_runtimes
 from node_probe.sources.daemons import DaemonSpec, default_daemons
 from node_probe.sources.nvml import nvml_available
 
@@ -332,6 +333,12 @@ def add_probe_arguments(parser: argparse.ArgumentParser) -> None:
         "exist (critical), nvidia-persistenced and the DCGM host engine when installed)",
     )
     parser.add_argument("--no-daemons", action="store_true", help="watch no systemd units")
+    parser.add_argument(
+        "--container-runtime",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="docker and containerd, where installed: unit active and API answering (default: on where systemd is)",
+    )
     # Unset flags fall back to the shared settings (AUTOREPAIR_TEMPORAL__* or the TOML file), TLS and API key too.
     parser.add_argument("--temporal-address", default=None)
     parser.add_argument("--namespace", default=None)
@@ -401,6 +408,13 @@ def _daemon_specs(args: argparse.Namespace) -> list[DaemonSpec]:
         raise CliError(f"--daemon {exc}") from exc
 
 
+def _runtime_specs(args: argparse.Namespace) -> list[RuntimeSpec]:
+    wanted = getattr(args, "container_runtime", None)
+    if wanted is False or (wanted is None and shutil.which("systemctl") is None):
+        return []
+    return default_runtimes()
+
+
 def _ingest_url(url: str) -> str:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -443,6 +457,7 @@ async def build_probe(args: argparse.Namespace) -> Probe:
             # counting when DCGM is installed later, without a probe restart.
             dcgm=args.dcgm if getattr(args, "dcgm", None) is not None else True,
             daemons=_daemon_specs(args),
+            container_runtimes=_runtime_specs(args),
             policy=args.policy,
             policy_config=load_policy_config(args.policy_config),
             heartbeat_interval=timedelta(seconds=args.heartbeat_interval),

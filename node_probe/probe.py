@@ -19,17 +19,20 @@ from pathlib import Path
 from pydantic import BaseModel, Field, field_validator
 
 from contract.health import HealthState
-from contract.probe import GpuFinding, Heartbeat, ProbeSourceHealth
+from contract.probe import MAX_FINDING_SOURCES, STATE_TRANSITION_KINDS, GpuFinding, Heartbeat, ProbeSourceHealth
 from node_probe import host
+from node_probe.classify.correlate import Correlator, FaultKey, Release, fault_key
 from node_probe.classify.dedupe import Burst, BurstCollapser
 from node_probe.classify.findings import DedupeKey, burst_rollup, dedupe_key, make_finding
 from node_probe.classify.policy import POLICY_NAMES, Policy, PolicyConfig, RepeatMemory, Verdict
 from node_probe.delivery.cursor import CursorStore, FileCursor, KmsgCursor, cursor_path, open_cursor
+from node_probe.delivery.ingest_reporter import IngestRefused
 from node_probe.delivery.reporter import ReporterProtocol
 from node_probe.delivery.spool import DEFAULT_MAX_BYTES, open_spool
 from node_probe.sources.base import Observation, RecordSource
+from node_probe.sources.container_runtime import ContainerRuntimeSource, RuntimeSpec
 from node_probe.sources.daemons import DaemonSource, DaemonSpec
-from node_probe.sources.dcgm import DcgmHealthSource
+from node_probe.sources.dcgm_bindings import dcgm_source
 from node_probe.sources.journald import JournalCursor, JournaldSource
 from node_probe.sources.kmsg import KMSG_PATH, KmsgSource
 from node_probe.sources.log_file import KernelLogFileSource
@@ -41,7 +44,7 @@ DEFAULT_TASK_QUEUE = "gpu-autorepair"
 # A source that fails (an error it did not expect, a bug) is restarted after a pause that doubles up to this. It
 # counts as down until its new run has lasted this long: a source failing on every restart is down, not flapping.
 SOURCE_RESTART_MAX_S = 60.0
-_STATE_TRANSITIONS = frozenset({"daemon", "daemon_recovered"})
+_STATE_TRANSITIONS = STATE_TRANSITION_KINDS
 
 
 class ProbeConfig(BaseModel):
@@ -53,15 +56,20 @@ class ProbeConfig(BaseModel):
     journald: bool = False  # follow the journal's kernel entries (journalctl -k), this boot's history first
     nvml: bool = False  # NVML events and polled state (the CLI turns it on where NVML initialises)
     nvml_poll_interval: timedelta = timedelta(seconds=60)
-    dcgm: bool = False  # `dcgmi health -c -j`, polled
+    dcgm: bool = False  # health watches (and policy violations with DCGM's bindings; else `dcgmi health -c -j`)
     dcgm_poll_interval: timedelta = timedelta(seconds=60)
     daemons: list[DaemonSpec] = Field(default_factory=list)  # systemd units; a DAEMON finding when one stays down
-    daemon_down_threshold: timedelta = timedelta(seconds=60)
+    daemon_down_threshold: timedelta = timedelta(seconds=60)  # the container runtimes' threshold too
+    # docker/containerd: a CONTAINER_RUNTIME finding when one stays down or its API stays silent
+    container_runtimes: list[RuntimeSpec] = Field(default_factory=list)
     policy: str = "ecs"
     policy_config: PolicyConfig = Field(default_factory=PolicyConfig)
     heartbeat_interval: timedelta = timedelta(seconds=60)
     poll_interval: timedelta = timedelta(seconds=0.5)
     dedupe_window: timedelta = timedelta(minutes=5)
+    # Copies of one fault from several GPU sources within this become one finding (classify/correlate.py); zero:
+    # each source's copy is a finding of its own. Later copies within the dedupe window are folded, not sent.
+    correlation_window: timedelta = Field(default=timedelta(seconds=3), ge=timedelta(0), le=timedelta(minutes=1))
     task_queue: str = DEFAULT_TASK_QUEUE
     # None: findings wait in memory only (bounded), lost if the probe dies. With a dir, the log sources also keep
     # their read cursors there, so a restart resumes instead of re-reading the history, and the repeat rules keep
@@ -69,6 +77,9 @@ class ProbeConfig(BaseModel):
     spool_dir: Path | None = None
     spool_max_bytes: int = Field(default=DEFAULT_MAX_BYTES, gt=0)
     retry_max_backoff: timedelta = timedelta(seconds=30)
+    # This host's boot id, as /proc/sys/kernel/random/boot_id says; given only where one process plays many hosts
+    # (the simulated fleet), each with boots of its own.
+    boot_id: str | None = None
 
     @field_validator("policy")
     @classmethod
@@ -82,6 +93,7 @@ class ProbeConfig(BaseModel):
 class ProbeStats:
     records: int = 0
     suppressed: int = 0  # records folded into a burst
+    copies: int = 0  # records that were another source's copy of a fault (classify/correlate.py)
     delivered: int = 0
     dropped: int = 0  # warnings dropped because the spool was full
     delivery_failures: int = 0
@@ -122,9 +134,13 @@ def build_sources(config: ProbeConfig, spooled: Callable[[], bool] = lambda: Tru
     if config.dcgm:
         # DCGM names GPUs by index; NVML, when on, turns that into the PCI address and UUID.
         lookup = nvml.gpu_identity if nvml is not None else None
-        sources.append(DcgmHealthSource(poll_interval=config.dcgm_poll_interval.total_seconds(), gpu_lookup=lookup))
+        # DCGM's own Python bindings where they import (policy violations as they happen), else dcgmi.
+        sources.append(dcgm_source(poll_interval=config.dcgm_poll_interval.total_seconds(), gpu_lookup=lookup))
     if config.daemons:
         sources.append(DaemonSource(config.daemons, down_threshold=config.daemon_down_threshold.total_seconds()))
+    if config.container_runtimes:
+        threshold = config.daemon_down_threshold.total_seconds()
+        sources.append(ContainerRuntimeSource(config.container_runtimes, down_threshold=threshold))
     return sources
 
 
@@ -156,16 +172,23 @@ class Probe:
         self._reporter = reporter
         self._clock = clock
         self._spool = open_spool(config.spool_dir, config.instance_id, config.spool_max_bytes)
-        self._sources = list(sources) if sources is not None else build_sources(config, lambda: self._spool.on_disk)
+        self._sources = list(sources) if sources is not None else build_sources(config, self._all_spooled)
         # The records are this host's own: a log file's lines from before this boot are history, not faults now.
         self._policy = Policy(config.policy, config.policy_config, booted_at=host.boot_time())
         self._nvml = next((source for source in self._sources if isinstance(source, NvmlSource)), None)
         self._bursts: BurstCollapser[DedupeKey, _Seen] = BurstCollapser(config.dedupe_window)
+        # Copies need two sources that see GPU faults (the kernel log and NVML, say); with one there is nothing to
+        # correlate, and nothing is held back.
+        gpu_sources = sum(1 for source in self._sources if getattr(source, "gpu_source", True))
+        hold = config.correlation_window
+        self._correlator: Correlator[_Seen] | None = None
+        if hold and gpu_sources > 1:
+            self._correlator = Correlator(hold, max(hold, config.dedupe_window))
         # The repeat rules' memory, beside the spool: the read cursors mean a restart no longer re-reads (and so
         # re-counts) the history. Saved on the burst-expiry tick (at most a second behind, never per record: a
         # flood of a repeat rule's Xid must not cost a write each) and at shutdown; a record read again after a
         # crash is recognised by its position and not counted twice.
-        self._boot_id = host.boot_id()
+        self._boot_id = config.boot_id or host.boot_id()
         self._repeats: CursorStore[RepeatMemory] | None = None
         if config.spool_dir is not None and config.policy_config.repeat and self._boot_id:
             path = cursor_path(config.spool_dir, config.instance_id, "repeats")
@@ -173,6 +196,13 @@ class Probe:
         self._repeat_changes = 0
         self._pending = asyncio.Event()
         self._failures: dict[int, _SourceFailure] = {}  # by id() of the source
+        self._refused_for: str | None = None  # the ingest's reason while it refuses the probe's group
+
+    def _all_spooled(self) -> bool:
+        """Whether every record read so far is in the spool, on disk: the read cursors wait for it. A fault held for
+        its copies is not there yet."""
+        correlator = getattr(self, "_correlator", None)
+        return self._spool.on_disk and (correlator is None or not correlator.holding)
 
     @property
     def pending(self) -> int:
@@ -219,6 +249,7 @@ class Probe:
             gpu_health=state,
             gpu_health_reason=reason,
             sources=sources,
+            boot_id=self._boot_id or None,
         )
 
     async def run(self) -> None:
@@ -241,7 +272,9 @@ class Probe:
                 for source in self._sources:
                     tasks.create_task(self._consume(source))
         finally:
-            # Open bursts' counts would be lost on shutdown; with a file spool they are delivered next run.
+            # Held faults and open bursts' counts would be lost on shutdown; with a file spool they go out next run.
+            if self._correlator is not None:
+                self._release(self._correlator.flush())
             self._enqueue_rollups(self._bursts.flush())
             self._save_repeats()
 
@@ -273,15 +306,44 @@ class Probe:
             )
             self.stats.records += 1
             seen = _Seen(observation, verdict, now)
-            # Only the first of a burst becomes a finding here: building one per line of an 800K-line flood
-            # would cost more than parsing it. Daemon transitions are not a flood (one per episode, from the
-            # source itself), and folding "down" after "back up" into a burst would hide that it is down again.
-            if observation.record.kind in _STATE_TRANSITIONS or self._bursts.offer(
-                dedupe_key(observation.record, verdict), seen, now
-            ):
+            record = observation.record
+            # Daemon transitions are not a flood (one per episode, from the source itself), and folding "down"
+            # after "back up" into a burst would hide that it is down again.
+            if record.kind in _STATE_TRANSITIONS:
                 self._enqueue(self._finding(seen))
-            else:
+                continue
+            key = None if self._correlator is None else fault_key(record, verdict.reason)
+            if key is not None and self._is_copy(key, seen):
+                continue
+            # Only the first of a burst becomes a finding here: building one per line of an 800K-line flood
+            # would cost more than parsing it.
+            if not self._bursts.offer(dedupe_key(record, verdict), seen, now):
                 self.stats.suppressed += 1
+            elif key is not None:
+                self._hold(key, seen)
+            else:
+                self._enqueue(self._finding(seen))
+
+    def _is_copy(self, key: FaultKey, seen: _Seen) -> bool:
+        assert self._correlator is not None
+        source, verdict = seen.observation.source, seen.verdict
+        if not self._correlator.copy_of(key, seen, source, verdict.reason, verdict.impairs, seen.at):
+            return False
+        self.stats.copies += 1
+        log.debug("%s from %s is a copy of a fault seen already on GPU %s", verdict.reason, source, key.gpu)
+        return True
+
+    def _hold(self, key: FaultKey, seen: _Seen) -> None:
+        assert self._correlator is not None
+        source, verdict = seen.observation.source, seen.verdict
+        self._release(self._correlator.hold(key, seen, source, verdict.reason, verdict.impairs, seen.at))
+
+    def _release(self, faults: Sequence[Release[_Seen]]) -> None:
+        """One finding per fault: its chosen copy's, naming every source that saw it, observed when the first did."""
+        for fault in faults:
+            primary = fault.primary
+            finding = self._finding(_Seen(primary.observation, primary.verdict, fault.first_at))
+            self._enqueue(finding.model_copy(update={"sources": list(fault.sources[:MAX_FINDING_SOURCES])}))
 
     def _finding(self, seen: _Seen) -> GpuFinding:
         obs = seen.observation
@@ -313,9 +375,13 @@ class Probe:
 
     async def _expire_bursts(self) -> None:
         window = self.config.dedupe_window.total_seconds()
+        if self._correlator is not None:
+            window = min(window, self.config.correlation_window.total_seconds())
         tick = max(0.05, min(1.0, window / 4))
         while True:
             await asyncio.sleep(tick)
+            if self._correlator is not None:
+                self._release(self._correlator.due(self._clock()))
             self._enqueue_rollups(self._bursts.expire(self._clock()))
             self._save_repeats()
 
@@ -338,10 +404,17 @@ class Probe:
                 self._pending.clear()
                 await self._pending.wait()
                 continue
+            if finding.group != self.config.group:
+                # Spooled by a run started with another --group (a wrong one, refused): the group is the probe's.
+                finding = finding.model_copy(update={"group": self.config.group})
             try:
                 await self._reporter.send_finding(finding, self.config.task_queue)
             except Exception as exc:  # unreachable server, timeouts: all mean "try again later"
                 self.stats.delivery_failures += 1
+                if isinstance(exc, IngestRefused) and exc.unknown_group:
+                    # Every report is refused until the group or the settings are fixed: no point trying sooner.
+                    backoff = max(backoff, self.config.retry_max_backoff.total_seconds())
+                    self._group_refused(exc)
                 log.warning("finding %s not delivered (%s); retrying in %.1fs", finding.reason, exc, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self.config.retry_max_backoff.total_seconds())
@@ -349,6 +422,23 @@ class Probe:
             self._spool.pop()
             self.stats.delivered += 1
             backoff = initial
+            if self._refused_for is not None:
+                log.info("the ingest accepts group %r now: %d findings left to deliver", finding.group, self.pending)
+                self._refused_for = None
+
+    def _group_refused(self, refused: IngestRefused) -> None:
+        """Said once per reason, loudly: nothing gets through until someone fixes --group or the settings."""
+        if refused.reason == self._refused_for:
+            return
+        self._refused_for = refused.reason
+        log.error(
+            "the ingest refuses this probe's group %r: %s. Every finding is kept in the spool (%d now), none is "
+            "dropped; trying again every %.0fs",
+            self.config.group,
+            refused.reason,
+            self.pending,
+            self.config.retry_max_backoff.total_seconds(),
+        )
 
     async def _heartbeats(self) -> None:
         interval = self.config.heartbeat_interval.total_seconds()

@@ -159,6 +159,9 @@ def health_entry(view: InstanceHealthView, url: str | None = None) -> dict[str, 
         "warningCounts": view.warning_counts,
         "repair": view.repair.model_dump(mode="json") if view.repair is not None else None,
         "repairWithheld": view.repair_withheld,
+        # Failed repairs retried by the health workflow: "repair failed (...), next try at T (attempt n of N)" or
+        # "repairs exhausted after N attempts" (then only `autorepair instance repair` starts another).
+        "repairRetry": _retry_entry(view),
         # An activity that failed and is tried again (the health workflow never fails on one): what it said.
         "lastActivityError": view.last_activity_error,
         # `autorepair instance`: excluded from repair (who, why, since), and impairments cleared as false.
@@ -172,6 +175,21 @@ def health_entry(view: InstanceHealthView, url: str | None = None) -> dict[str, 
         "retired": view.retired,
         "probeSources": [s.model_dump(mode="json") for s in view.probe_sources],
         "workflowUrl": url,
+    }
+
+
+def _retry_entry(view: InstanceHealthView) -> dict[str, Any] | None:
+    retry = view.repair_retry
+    text = retry.text()
+    if text is None:
+        return None
+    return {
+        "text": text,
+        "failedAttempts": retry.failed,
+        "maxAttempts": retry.max_attempts,
+        "nextTryAt": iso(retry.next_at),
+        "exhausted": retry.exhausted,
+        "error": retry.error,
     }
 
 
@@ -193,6 +211,7 @@ def _print_instances(entries: list[dict[str, Any]], group: str | None) -> None:
     for column in ("instance", "control", "by", "at", "what", "reason"):
         controls.add_column(column, overflow="fold")
     problems: list[str] = []
+    retries: list[tuple[str, dict[str, Any]]] = []
     for entry in entries:
         instance = entry["ec2InstanceId"]
         if "error" in entry:
@@ -234,6 +253,8 @@ def _print_instances(entries: list[dict[str, Any]], group: str | None) -> None:
             )
         elif entry["repairWithheld"]:
             repairs.add_row(instance, "", "not repaired", entry["repairWithheld"], "", "")
+        if entry.get("repairRetry"):
+            retries.append((instance, entry["repairRetry"]))
         for source in entry["probeSources"]:
             if source["state"] != "OK":
                 sources.add_row(instance, source["name"], source["state"], source.get("reason") or "")
@@ -244,6 +265,10 @@ def _print_instances(entries: list[dict[str, Any]], group: str | None) -> None:
         console.print(findings)
     if repairs.row_count:
         console.print(repairs)
+    for instance, retry in retries:
+        # One line each, never folded: the whole sentence is what an operator greps for.
+        style = "bold red" if retry["exhausted"] else "yellow"
+        console.print(f"{instance}: {retry['text']}", style=style, markup=False, soft_wrap=True)
     if sources.row_count:
         console.print(sources)
     if controls.row_count:

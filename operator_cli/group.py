@@ -18,7 +18,14 @@ from temporalio.exceptions import ApplicationError
 
 from activities.workflow_ops import live_group_config
 from contract import names
-from contract.groups import AutoRepair, CapacityGroup, GroupConfigOverrides, GroupConfigState, GroupConfigUpdate
+from contract.groups import (
+    AutoRepair,
+    CapacityGroup,
+    GroupConfigOverrides,
+    GroupConfigState,
+    GroupConfigUpdate,
+    Remediation,
+)
 from contract.ids import semaphore_workflow_id
 from contract.semaphore import SemaphoreInput
 from operator_cli.arguments import add_common_arguments, parse_duration, safe_name
@@ -56,6 +63,11 @@ def add_group_arguments(parser: argparse.ArgumentParser) -> None:
     update.add_argument("--min-impaired", type=int, metavar="N", help="the breaker never trips at N or fewer (3)")
     update.add_argument("--impaired-window", type=parse_duration, metavar="DURATION", help="the breaker's window")
     update.add_argument("--max-repairs-per-day", type=int, metavar="N", help="hold repairs after N in 24 hours")
+    update.add_argument(
+        "--remediation",
+        choices=[r.value for r in Remediation],
+        help="replace every impaired instance, or reboot-first where NVIDIA says a reset or reboot clears the fault",
+    )
     update.add_argument("--resume", action="store_true", help="let repairs held by the group's breaker through")
     update.add_argument(
         "--discard-held",
@@ -136,7 +148,15 @@ def _print_group(document: dict[str, Any]) -> None:
     for key in (*GroupConfigOverrides.model_fields,):
         value = effective.get(key, "?")
         table.add_row(key, str(value), "yes" if key in overrides else "", style="bold" if key in overrides else None)
-    for key in ("cluster", "launch_template", "auto_scaling_group", "replacement_ready_timeout"):
+    for key in (
+        "cluster",
+        "launch_template",
+        "auto_scaling_group",
+        "replacement_ready_timeout",
+        "gpu_reset",
+        "reboot_timeout",
+        "escalation_window",
+    ):
         if effective.get(key) is not None:
             table.add_row(key, str(effective[key]), "")
     if document["effectiveSource"]:
@@ -194,6 +214,7 @@ async def group_update(args: argparse.Namespace) -> int:
         min_impaired=args.min_impaired,
         impaired_window=args.impaired_window,
         max_repairs_per_day=args.max_repairs_per_day,
+        remediation=Remediation(args.remediation) if args.remediation else None,
         reset=args.reset,
         resume=args.resume,
         discard_held=args.discard_held,

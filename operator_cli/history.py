@@ -1,7 +1,9 @@
 """`autorepair history`: past and running repairs, phase by phase, from Temporal.
 
 Repairs are found through visibility (search attributes InstanceId, CapacityGroup, Outcome); each one's phases come
-from the repair itself: its result when it completed (no worker needed), else its `status` query.
+from the repair itself: its result when it completed (no worker needed), else its `status` query. The attempts at
+repairing one instance (`repair/<instance>/<n>`, and a legacy `repair/<instance>` before them: contract/ids.py) are
+listed together, in order, the instance whose latest attempt started last first.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from temporalio.service import RPCError
 from contract import names
 from contract import search_attributes as sa
 from contract.config import TemporalSettings
+from contract.ids import repair_attempt_of
 from contract.repair import PhaseStep, RepairInput, RepairPhase
 from operator_cli.arguments import add_common_arguments, parse_since, safe_name
 from operator_cli.client import (
@@ -43,6 +46,7 @@ from operator_cli.output import iso, print_json, seconds_text, short_time, stdou
 from workflows.models import RepairResult, RepairStatus
 
 TERMINAL_PHASES = frozenset({RepairPhase.COMPLETED, RepairPhase.FAILED, RepairPhase.CANCELLED, RepairPhase.DISCARDED})
+COLUMNS = ("instance", "attempt", "reason", "action", "replacement", "outcome", "started", "took", "phases", "Web UI")
 STATUS_WORDS = {
     WorkflowExecutionStatus.RUNNING: "Running",
     WorkflowExecutionStatus.COMPLETED: "Completed",
@@ -76,7 +80,7 @@ async def repair_history(args: argparse.Namespace) -> int:
         clauses.append(f"StartTime >= '{iso(args.since)}'")
     executions = await list_workflows(client, " AND ".join(clauses), limit=args.limit)
     executions.sort(key=lambda e: e.start_time, reverse=True)
-    records = await bounded(_repair_record(client, temporal, e) for e in executions)
+    records = by_incident(await bounded(_repair_record(client, temporal, e) for e in executions))
     if args.json:
         print_json(records)
     else:
@@ -84,15 +88,34 @@ async def repair_history(args: argparse.Namespace) -> int:
     return 0
 
 
+def by_incident(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each instance's attempts together and in order (the legacy id first), instances by their latest start."""
+
+    def started(record: dict[str, Any]) -> datetime:
+        return datetime.fromisoformat(record["startTime"]) if record["startTime"] else datetime.min.replace(tzinfo=UTC)
+
+    latest: dict[str, datetime] = {}
+    for record in records:
+        latest[record["instanceId"]] = max(latest.get(record["instanceId"], started(record)), started(record))
+    ordered = sorted(records, key=lambda r: (r["attempt"] or 0, started(r)))
+    # Stable, and stable in reverse too: the attempts keep their order within an instance.
+    ordered.sort(key=lambda r: (latest[r["instanceId"]], r["instanceId"]), reverse=True)
+    return ordered
+
+
 async def _repair_record(client: Client, temporal: TemporalSettings, execution: WorkflowExecution) -> dict[str, Any]:
     attrs = execution.typed_search_attributes
+    instance_id, attempt = repair_attempt_of(execution.id) or (execution.id, 0)
     handle = client.get_workflow_handle(execution.id, run_id=execution.run_id, result_type=RepairResult)
     status, timeline, note = await _repair_progress(handle, execution)
     started = await _repair_input(client, handle) if status is None else None
     reason = status.reason if status else (started.reason if started else None)
     replacement = status.replacement_instance_id if status else None
+    action = status.action if status else None
+    escalated = status.escalated if status else None
     if status is None and isinstance(timeline, RepairResult):
         replacement = timeline.replacement_instance_id
+        action, escalated = timeline.action, timeline.escalated
     steps = timeline.timeline if isinstance(timeline, RepairResult) else timeline
     execution_status = STATUS_WORDS.get(execution.status or WorkflowExecutionStatus.RUNNING, "Unknown")
     # The repair writes its own outcome (Completed, Failed, Cancelled); one terminated by an operator or timed out
@@ -102,12 +125,16 @@ async def _repair_record(client: Client, temporal: TemporalSettings, execution: 
     return {
         "workflowId": execution.id,
         "runId": execution.run_id,
-        "instanceId": attrs.get(sa.INSTANCE_ID)
-        or (status.instance_id if status else execution.id.removeprefix("repair/")),
+        "instanceId": attrs.get(sa.INSTANCE_ID) or (status.instance_id if status else instance_id),
+        # Which attempt at repairing the instance (repair/<instance>/<n>); null for a legacy repair/<instance>.
+        "attempt": attempt or None,
         "group": attrs.get(sa.CAPACITY_GROUP) or (status.group if status else None),
         "reason": reason,
         "xid": attrs.get(sa.XID),
         "replacementInstanceId": replacement,
+        # The remediation ladder: replace, reboot or gpu-reset (None: not known yet), and why it escalated if it did.
+        "action": action.value if action is not None else None,
+        "escalated": escalated,
         "phase": status.phase.value if status else attrs.get(sa.REPAIR_PHASE),
         "outcome": outcome,
         "executionStatus": execution_status,
@@ -179,7 +206,7 @@ def phase_durations(steps: Sequence[PhaseStep], closed_at: datetime | None) -> l
 def _print_history(records: list[dict[str, Any]]) -> None:
     console = stdout_console()
     table = Table(title="Repairs")
-    for column in ("instance", "reason", "replacement", "outcome", "started", "took", "phases", "Web UI"):
+    for column in COLUMNS:
         table.add_column(column, overflow="fold")
     for record in records:
         if record["phases"] is None:
@@ -198,7 +225,9 @@ def _print_history(records: list[dict[str, Any]]) -> None:
         )
         table.add_row(
             record["instanceId"],
+            str(record["attempt"] or "-"),
             record["reason"] or "",
+            (record["action"] or "") + (f" (escalated: {record['escalated']})" if record["escalated"] else ""),
             record["replacementInstanceId"] or "",
             f"[{style}]{outcome}[/]" if style else outcome,
             short_time(datetime.fromisoformat(record["startTime"])),

@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.live import Live
 
 from contract.config import AwsSettings, EventSettings, IngestSettings, TemporalSettings
-from contract.groups import AutoRepair, CapacityGroup
+from contract.groups import AutoRepair, CapacityGroup, Remediation
 from ingest.cli import running_ingest
 from simulator.demo_env import logs_to_file, moto_credentials, quiet_runtime
 from simulator.demo_judge import Judge, Outcome
@@ -48,6 +48,7 @@ HEARTBEAT_LOSS_THRESHOLD = timedelta(seconds=8)
 HEARTBEAT_INTERVAL = timedelta(seconds=2)  # the simulated probes', and the group's setting: 3 of them fit the threshold
 WAIT_FOR_OK_S = 60.0
 NOISE_INSTANCES = 2
+REBOOT_TIMEOUT = timedelta(seconds=60)  # a simulated reboot takes the boot delay, seconds
 
 
 class DemoError(Exception):
@@ -84,6 +85,13 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         default=AutoRepair.ENABLED.value,
         help="ENABLED (default) repairs; DISABLED only reports health",
     )
+    parser.add_argument(
+        "--remediation",
+        choices=[r.value for r in Remediation],
+        default=Remediation.REPLACE.value,
+        help="replace (default, ECS's way) every impaired instance, or reboot-first: reboot where NVIDIA says that "
+        "clears the fault, replace the rest",
+    )
     parser.add_argument("--seed", type=int, default=7, help="seed of the simulated world (default 7)")
     parser.add_argument("--events", type=Path, default=None, help="event JSON lines (default <state>/events.jsonl)")
     parser.add_argument(
@@ -113,6 +121,7 @@ class DemoPlan:
     heartbeat_loss: int
     blips: int
     auto_repair: AutoRepair
+    remediation: Remediation
     seed: int
     time_limit_s: float
     state_dir: Path
@@ -145,6 +154,7 @@ class DemoPlan:
             heartbeat_loss=args.heartbeat_loss,
             blips=args.blips,
             auto_repair=AutoRepair(args.auto_repair),
+            remediation=Remediation(args.remediation),
             seed=args.seed,
             time_limit_s=args.time_limit,
             state_dir=state_dir,
@@ -196,6 +206,8 @@ def build_settings(plan: DemoPlan, temporal: TemporalDevServer, moto: MotoServer
                 task_poll_interval=timedelta(seconds=1),
                 permit_reclaim_interval=timedelta(seconds=5),
                 replacement_ready_timeout=timedelta(seconds=60),
+                remediation=plan.remediation,
+                reboot_timeout=REBOOT_TIMEOUT,
             )
         ],
     )
@@ -355,6 +367,7 @@ async def _drive(
             targets=set(faulted) | set(lost),
             blipped=set(blipped),
             group=DEMO_GROUP,
+            remediation=plan.remediation,
         )
         status = "repairing" if plan.auto_repair is AutoRepair.ENABLED else "watching (auto repair DISABLED)"
 
@@ -368,7 +381,7 @@ async def _drive(
                     error = None if worker.cancelled() else worker.exception()
                     outcome = Outcome(failed=True, message=f"the repair worker stopped: {error!r}")
                 else:
-                    outcome = judge.judge(snap, events.counts)
+                    outcome = judge.judge(snap, events.counts, events.fixed_in_place)
                 if not outcome.done and not outcome.failed and elapsed() > plan.time_limit_s:
                     outcome = Outcome(failed=True, message=f"time limit of {plan.time_limit_s:.0f}s reached")
                 if outcome.done or outcome.failed:

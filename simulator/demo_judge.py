@@ -1,7 +1,8 @@
 """When a demo run has reached its goal, or failed: judged from the fleet's snapshot and the events so far.
 
-ENABLED: every faulted instance replaced, the fleet back to N healthy instances, one RepairCompleted per fault; or,
-when the breaker tripped (too many faults at once), what drained before it replaced and the rest held.
+ENABLED: every faulted instance replaced (or, with remediation reboot-first, fixed in place by a reset or reboot where
+NVIDIA says that clears it), the fleet back to N healthy instances, one RepairCompleted per fault; or, when the
+breaker tripped (too many faults at once), what drained before it replaced and the rest held.
 DISABLED: every faulted instance IMPAIRED and nothing drained or replaced for a grace period. In both modes a
 repair or an IMPAIRED instance without a fault (a blip taken for a loss, noise taken for a fault) fails the run.
 """
@@ -12,7 +13,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-from contract.groups import AutoRepair
+from contract.groups import AutoRepair, Remediation
 from contract.health import HealthState
 from simulator.fleet import FleetSnapshot
 
@@ -33,17 +34,28 @@ class Judge:
     """Decides when the run reached its goal (or failed), from the fleet's snapshot and the event counts."""
 
     def __init__(
-        self, *, instances: int, auto_repair: AutoRepair, targets: set[str], blipped: set[str], group: str = ""
+        self,
+        *,
+        instances: int,
+        auto_repair: AutoRepair,
+        targets: set[str],
+        blipped: set[str],
+        group: str = "",
+        remediation: Remediation = Remediation.REPLACE,
     ) -> None:
         self.instances = instances
         self.group = group
         self.auto_repair = auto_repair
         self.targets = targets  # must be impaired (and, when ENABLED, replaced)
         self.blipped = blipped
+        self.remediation = remediation
         self.quiet_since: float | None = None
 
-    def judge(self, snap: FleetSnapshot, events: Counter[str]) -> Outcome:
+    def judge(self, snap: FleetSnapshot, events: Counter[str], fixed_in_place: set[str] | None = None) -> Outcome:
         terminated = set(snap.terminated)
+        in_place = fixed_in_place or set()
+        if in_place - self.targets or (in_place and self.remediation is not Remediation.REBOOT_FIRST):
+            return Outcome(failed=True, message=f"fixed in place without a fault to fix: {sorted(in_place)}")
         spurious = sorted(terminated - self.targets)
         if spurious:
             which = ", ".join(f"{i} (blip)" if i in self.blipped else i for i in spurious)
@@ -58,7 +70,7 @@ class Judge:
             return self._judge_disabled(snap)
         if events["RepairsHeld"]:
             return self._judge_held(snap, events, terminated)
-        replaced = self.targets <= terminated
+        replaced = self.targets <= terminated | in_place
         back_to_n = (
             snap.running == self.instances
             and snap.healthy == self.instances
@@ -67,10 +79,11 @@ class Judge:
         )
         repairs_done = events["RepairCompleted"] >= len(self.targets)
         if replaced and back_to_n and repairs_done:
+            how = f"repaired ({len(in_place)} by a reset or reboot)" if in_place else "replaced"
             return Outcome(
                 done=True,
                 message=(
-                    f"all {len(self.targets)} impaired instances replaced; "
+                    f"all {len(self.targets)} impaired instances {how}; "
                     f"{self.instances}/{self.instances} instances healthy"
                 ),
             )

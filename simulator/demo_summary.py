@@ -27,6 +27,8 @@ class EventLog:
     path: Path
     offset: int = 0
     counts: Counter[str] = field(default_factory=Counter)
+    # Instances whose repair completed without a replacement (a reset or reboot: the remediation ladder).
+    fixed_in_place: set[str] = field(default_factory=set)
     partial: str = ""
 
     def read_new(self) -> list[dict[str, Any]]:
@@ -50,6 +52,8 @@ class EventLog:
                 continue
             if isinstance(event, dict):
                 self.counts[str(event.get("type", "?"))] += 1
+                if event.get("type") == "RepairCompleted" and event.get("action") in ("reboot", "gpu-reset"):
+                    self.fixed_in_place.add(str(event.get("instance_id")))
                 events.append(event)
         return events
 
@@ -66,6 +70,10 @@ def describe_event(event: dict[str, Any]) -> str:
         extra = f"forced {event.get('forced')}"
     elif kind == "RepairFailed":
         extra = f"error {event.get('error')}"
+    elif kind == "Escalated":
+        extra = f"{event.get('from_action')} -> {event.get('to_action')}: {event.get('why')}"
+    elif kind == "RepairCompleted":
+        extra = str(event.get("action") or "")
     elif kind == "HealthChanged":
         extra = str(event.get("overall_status", ""))
     elif kind in ("RepairsHeld", "RepairsResumed"):

@@ -9,9 +9,16 @@ injection. The parts it drives:
 - simulator.probes: a real `node_probe` Probe per node following that file.
 
 Faults are real-format NVRM lines written into a node's kernel log, or its probe stopped for good (agent down)
-or briefly (a blip). All randomness comes from one `random.Random(seed)` owned by the fleet, so a seed replays
-the same fleet. boto3 is blocking, so every AWS call runs in a thread (`asyncio.to_thread`) and never stalls a
-worker that shares the event loop.
+or briefly (a blip). The remediation ladder's reboots and GPU resets are played here too, since moto's
+RebootInstances changes nothing and its SSM SendCommand runs nothing: a reboot (seen by the tag the engine's reboot
+step leaves) stops the node's probe, and after the boot delay starts it again on a new boot id with a fresh uptime;
+a reset (seen among the node's SSM commands) lets the GPU be. Either clears the fault unless the node's scenario says
+it persists (its fault's lines again) or the reboot hangs (the probe never comes back). moto's ECS agent is always
+connected, so the agent's drop during a reboot is the probe's silence alone.
+
+All randomness comes from one `random.Random(seed)` owned by the fleet, so a seed replays the same fleet. boto3 is
+blocking, so every AWS call runs in a thread (`asyncio.to_thread`) and never stalls a worker that shares the event
+loop.
 """
 
 from __future__ import annotations
@@ -196,6 +203,7 @@ class SimulatedFleet:
         self.unregistered_replacements: set[int] = set()
         self._replacements_seen = 0
         self._never_registers: set[str] = set()
+        self._reboots: set[asyncio.Task[None]] = set()
 
     # --- Setup ----------------------------------------------------------------------------------------------
 
@@ -292,9 +300,17 @@ class SimulatedFleet:
                 and now - node.seen_at >= self.timing.boot_delay.total_seconds()
             ):
                 await self._boot(node)
+        for instance_id, token in self.aws.reboot_tags.items():
+            node = self.nodes.get(instance_id)
+            if node is not None and node.booted and not node.terminated and token != node.reboot_token:
+                node.reboot_token = token
+                self._play_reboot(node)
         for node in self.nodes.values():
             if node.terminated or node.container_instance_arn is None:
                 continue
+            if node.container_instance_arn in draining:
+                # A reset comes only while the repair holds the node DRAINING: look for one only then.
+                await self._play_resets(node)
             if node.container_instance_arn not in draining:
                 # Back to ACTIVE (or never drained): a later drain starts its grace afresh.
                 node.draining_since, node.drained = None, False
@@ -304,6 +320,51 @@ class SimulatedFleet:
             if not node.drained and now - node.draining_since >= self.timing.drain_grace.total_seconds():
                 await asyncio.to_thread(self.aws.move_cooperative_tasks, node)
                 node.drained = True
+
+    # --- The remediation ladder, played -------------------------------------------------------------------
+
+    def _play_reboot(self, node: SimNode) -> None:
+        task = asyncio.create_task(self._reboot(node), name=f"reboot {node.instance_id}")
+        self._reboots.add(task)  # held until done: the event loop keeps only a weak reference
+        task.add_done_callback(self._reboots.discard)
+
+    async def _reboot(self, node: SimNode) -> None:
+        """The host goes down (its probe and agent with it) and boots again: a new boot id, uptime from zero, a clean
+        boot's kernel lines, then the fault's lines again when it persists, then the probe."""
+        node.rebooting = True
+        node.reboots += 1
+        await self._probes.stop(node)
+        log.info("fleet-sim: %s rebooting", node.instance_id)
+        await asyncio.sleep(self.timing.boot_delay.total_seconds())
+        if node.reboot_hangs:
+            log.info("fleet-sim: %s never comes back from its reboot", node.instance_id)
+            return
+        node.boot_id = str(uuid.uuid4())
+        node.seen_at, node.uptime_base_s = time.monotonic(), 0.0
+        kernel_lines.append(node, kernel_lines.boot_lines(node.gpu_uuids))
+        self._fault_again(node)
+        node.rebooting = False
+        self._probes.start(node)
+        log.info("fleet-sim: %s back on boot %s", node.instance_id, node.boot_id)
+
+    async def _play_resets(self, node: SimNode) -> None:
+        commands = await asyncio.to_thread(self.aws.gpu_reset_commands, node.instance_id)
+        for command_id, gpu in commands:
+            if command_id in node.resets_seen:
+                continue
+            node.resets_seen.add(command_id)
+            if node.reset_refused:
+                log.info("fleet-sim: reset of GPU %s on %s refused (processes hold it)", gpu, node.instance_id)
+                continue
+            node.resets += 1
+            log.info("fleet-sim: GPU %s of %s reset", gpu, node.instance_id)
+            self._fault_again(node)
+
+    def _fault_again(self, node: SimNode) -> None:
+        if node.fault_persists and node.last_fault is not None:
+            xid, pci = node.last_fault
+            kernel_lines.append(node, [kernel_lines.xid_line(node, self.rng, xid, pci)])
+            log.info("fleet-sim: Xid %d on %s (%s) again: the fault persists", xid, node.instance_id, pci)
 
     # --- Fault injection ------------------------------------------------------------------------------------
 
@@ -317,13 +378,15 @@ class SimulatedFleet:
         """Booted, not terminated: the instances a fault can be injected into."""
         return [n.instance_id for n in self.nodes.values() if n.booted and not n.terminated]
 
-    def inject_fault(self, instance_id: str, xid: int | None = None) -> str:
-        """A critical GPU fault (one of ECS's 18 Xids): the instance must become IMPAIRED and be repaired."""
+    def inject_fault(self, instance_id: str, xid: int | None = None, pci: str | None = None) -> str:
+        """A critical GPU fault (one of ECS's 18 Xids), on `pci` or a GPU drawn at random: the instance must become
+        IMPAIRED and be repaired."""
         node = self.node(instance_id)
         xid = self.rng.choice(COMMON_CRITICAL_XIDS) if xid is None else xid
         if xid not in CRITICAL_XIDS:
             raise ValueError(f"Xid {xid} is not one of ECS's critical Xids {CRITICAL_XIDS}")
-        pci, lines = kernel_lines.fault_lines(node, self.rng, xid)
+        pci, lines = kernel_lines.fault_lines(node, self.rng, xid, pci)
+        node.last_fault = (xid, pci)
         kernel_lines.append(node, lines)
         log.info("fleet-sim: injected Xid %d on %s (%s)", xid, instance_id, pci)
         return lines[0]
@@ -402,6 +465,7 @@ class SimulatedFleet:
     async def close(self) -> None:
         """Cancel the watch loop, every probe and pending blip restart. AWS state is left as is (moto's)."""
         tasks: list[asyncio.Task[Any]] = self._probes.close(self.nodes.values())
+        tasks += [task for task in self._reboots if not task.done()]
         if self._watch is not None and not self._watch.done():
             tasks.append(self._watch)
         # Cancel all first, then wait for all: one slow task never delays the others' cancellation.

@@ -26,12 +26,13 @@ from botocore.config import Config
 from botocore.exceptions import ClientError
 from pydantic import BaseModel, Field, model_validator
 
-from contract.names import GROUP_TAG
+from contract.names import GPU_RESET_COMMENT, GROUP_TAG, REBOOT_TAG
 from simulator.nodes import SimNode, SimTask
 
 if TYPE_CHECKING:
     from mypy_boto3_ec2 import EC2Client
     from mypy_boto3_ecs import ECSClient
+    from mypy_boto3_ssm import SSMClient
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,10 @@ class FleetAws:
         boto_config = Config(retries={"max_attempts": 3, "mode": "standard"})
         self._ec2: EC2Client = boto3.client("ec2", region_name=region, endpoint_url=endpoint_url, config=boto_config)
         self._ecs: ECSClient = boto3.client("ecs", region_name=region, endpoint_url=endpoint_url, config=boto_config)
+        self._ssm: SSMClient = boto3.client("ssm", region_name=region, endpoint_url=endpoint_url, config=boto_config)
+        # The reboot tag of each group instance as the last observe() read it (REBOOT_TAG): moto's RebootInstances
+        # changes nothing, so the tag the engine's reboot step leaves is how the fleet learns of a reboot.
+        self.reboot_tags: dict[str, str] = {}
 
     # --- Setup ----------------------------------------------------------------------------------------------
 
@@ -257,6 +262,7 @@ class FleetAws:
     def observe(self) -> tuple[dict[str, tuple[str, str]], dict[str, str]]:
         """Group instances (id -> (EC2 state, AZ)) and the cluster's container instances (ARN -> status)."""
         instances: dict[str, tuple[str, str]] = {}
+        reboot_tags: dict[str, str] = {}
         paginator = self._ec2.get_paginator("describe_instances")
         for page in paginator.paginate(Filters=[{"Name": f"tag:{GROUP_TAG}", "Values": [self.group]}]):
             for reservation in page["Reservations"]:
@@ -265,7 +271,27 @@ class FleetAws:
                         instance["State"]["Name"],
                         instance.get("Placement", {}).get("AvailabilityZone", ""),
                     )
+                    tags = {t.get("Key"): t.get("Value", "") for t in instance.get("Tags", [])}
+                    if tags.get(REBOOT_TAG):
+                        reboot_tags[instance["InstanceId"]] = tags[REBOOT_TAG]
+        self.reboot_tags = reboot_tags
         return instances, self._container_statuses()
+
+    def gpu_reset_commands(self, instance_id: str) -> list[tuple[str, str]]:
+        """The engine's GPU reset commands sent to the instance (moto records them and runs nothing): (command id,
+        the GPU's PCI address) each, oldest first. The SSM agent's part of the reset is the fleet's to play."""
+        commands = self._ssm.list_commands(InstanceId=instance_id).get("Commands", [])
+        found: list[tuple[str, str]] = []
+        # By the comment, not InstanceIds: moto adds every instance to a command sent without Targets.
+        addressed = f"{GPU_RESET_COMMENT} {instance_id} "
+        for command in sorted(commands, key=lambda c: str(c.get("RequestedDateTime", ""))):
+            if not str(command.get("Comment", "")).startswith(addressed):
+                continue
+            lines = command.get("Parameters", {}).get("commands", [])
+            words = lines[0].split() if lines else []
+            gpu = words[words.index("-i") + 1] if "-i" in words[:-1] else ""
+            found.append((command["CommandId"], gpu.removesuffix(".0")))
+        return found
 
     def _container_statuses(self) -> dict[str, str]:
         """Container instance ARN -> status, read from DescribeContainerInstances.

@@ -94,9 +94,9 @@ def xid_line(node: SimNode, rng: random.Random, xid: int, pci: str | None = None
     return f"{stamp(node)} NVRM: Xid (PCI:{pci}): {xid}, {process}, {message}"
 
 
-def fault_lines(node: SimNode, rng: random.Random, xid: int) -> tuple[str, list[str]]:
-    """The lines one GPU fault adds to the kernel log, and the GPU it hit."""
-    pci = rng.choice(P5_GPU_PCI)
+def fault_lines(node: SimNode, rng: random.Random, xid: int, pci: str | None = None) -> tuple[str, list[str]]:
+    """The lines one GPU fault adds to the kernel log, and the GPU it hit (`pci`, or one drawn from `rng`)."""
+    pci = pci or rng.choice(P5_GPU_PCI)
     lines = [xid_line(node, rng, xid, pci)]
     if xid == 79:
         # The driver repeats the news in its own words right after the Xid: a probe must not count the one fault

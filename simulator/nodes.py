@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +46,20 @@ class SimNode:
     terminated: bool = False
     draining_since: float | None = None
     drained: bool = False
+    # Its boot (/proc/sys/kernel/random/boot_id on a real host): a new one on every reboot the fleet plays.
+    boot_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    # The remediation ladder as the fleet plays it (simulator.fleet): the reboot token last acted on, the reset
+    # commands already run, and the scenario: its GPU fault comes back after a reset or reboot, its GPU reset is
+    # refused (processes hold the GPU: the fleet leaves the fault alone), a reboot never comes back.
+    reboot_token: str | None = None
+    resets_seen: set[str] = field(default_factory=set)
+    reboots: int = 0
+    resets: int = 0
+    rebooting: bool = False
+    last_fault: tuple[int, str] | None = None  # (Xid, PCI address) of the last fault injected
+    fault_persists: bool = False
+    reset_refused: bool = False
+    reboot_hangs: bool = False
 
     @property
     def registered(self) -> bool:

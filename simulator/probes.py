@@ -77,6 +77,8 @@ def _probe_config(fleet: SimulatedFleet, node: SimNode) -> ProbeConfig:
         spool_dir=fleet.state_dir / "spool",
         # Retries at the demo's time scale, not production's.
         retry_max_backoff=fleet.timing.heartbeat_interval,
+        # Each simulated node boots (and reboots) on its own, though all share this process's host.
+        boot_id=node.boot_id,
     )
 
 
@@ -90,7 +92,8 @@ class NodeProbes:
 
     def start(self, node: SimNode) -> None:
         """Start the node's probe unless it already runs or the node should be silent."""
-        if self._run is None or node.agent_down or node.terminated or node.probe_running or self._closed:
+        silent = node.agent_down or node.terminated or node.rebooting
+        if self._run is None or silent or node.probe_running or self._closed:
             return
         node.probe_error = None
         node.probe = asyncio.create_task(self._main(node), name=f"probe {node.instance_id}")

@@ -4,7 +4,10 @@ moto answers every call at once and never runs out of capacity. Real AWS throttl
 ECS `ThrottlingException`), runs out of GPU capacity (`InsufficientInstanceCapacity`) and refuses calls the role
 may not make (`UnauthorizedOperation`). `FlakyAws` listens on loopback, forwards every request to moto unchanged,
 and answers instead with AWS's own error response (same protocol, status and body shape, so botocore parses and
-retries it exactly as it would a real one) whenever a `Fault` rule matches.
+retries it exactly as it would a real one) whenever a `Fault` rule matches. A `Canned` rule answers a json-protocol
+call with a successful body of the test's choosing instead: what moto cannot say (an SSM command that failed on the
+host, with the output it printed). A `Rewrite` rule changes moto's own successful answer on its way back, in the
+service's wire format: moto says every status check is "ok", with no scheduled event, and every ECS agent connected.
 
 It serves from its own threads: the test's event loop (which runs the Temporal worker) is never blocked, and
 the engine's boto3 calls (made from worker threads) are served concurrently.
@@ -20,6 +23,7 @@ import json
 import threading
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Literal
@@ -96,6 +100,8 @@ class Fault:
     every: int = 1
     per: Literal["request", "call"] = "request"
     service: str | None = None
+    # Query protocol only: fail only requests with these parameters, e.g. {"SubnetId": "subnet-1"} (one AZ).
+    where: dict[str, str] = field(default_factory=dict)
     matched: int = 0  # requests or calls (see `per`) that matched the rule while it was active
     failed: int = 0  # requests or calls (see `per`) answered with the error
     _doomed: set[str] = field(default_factory=set, init=False, repr=False)
@@ -104,6 +110,8 @@ class Fault:
     def applies(self, request: AwsRequest) -> bool:
         """Count a matching request and say whether to fail it. Called under the proxy's lock."""
         if request.action != self.action or (self.service is not None and request.service != self.service):
+            return False
+        if any(request.params.get(key) != value for key, value in self.where.items()):
             return False
         if self.per == "call":
             # A retry of a call already decided on gets the same answer; only a new call counts.
@@ -120,6 +128,40 @@ class Fault:
         if self.per == "call" and request.invocation:
             (self._doomed if doomed else self._spared).add(request.invocation)
         return doomed
+
+
+@dataclass
+class Canned:
+    """Answer `action` (json protocol) with HTTP 200 and `body`, the first `times` times (None: always)."""
+
+    action: str
+    body: dict[str, object]
+    times: int | None = None
+    service: str | None = None
+    served: int = 0
+
+    def applies(self, request: AwsRequest) -> bool:
+        """Count a matching request and say whether to answer it. Called under the proxy's lock."""
+        if request.action != self.action or request.protocol != "json":
+            return False
+        if (self.service is not None and request.service != self.service) or (
+            self.times is not None and self.served >= self.times
+        ):
+            return False
+        self.served += 1
+        return True
+
+
+@dataclass
+class Rewrite:
+    """Change moto's successful answer to `action` (FlakyAws.rewrite)."""
+
+    action: str
+    edit: Callable[[AwsRequest, bytes], bytes]
+    service: str | None = None
+
+    def applies(self, request: AwsRequest) -> bool:
+        return request.action == self.action and self.service in (None, request.service)
 
 
 @dataclass(frozen=True)
@@ -150,6 +192,8 @@ class FlakyAws:
             raise ValueError(f"upstream must be an http:// URL, not {upstream!r}")
         self._upstream = (parts.hostname, parts.port or 80)
         self._faults: list[Fault] = []
+        self._canned: list[Canned] = []
+        self._rewrites: list[Rewrite] = []
         self._log = _Log()
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
@@ -175,6 +219,7 @@ class FlakyAws:
         status: int | None = None,
         message: str | None = None,
         service: str | None = None,
+        where: dict[str, str] | None = None,
     ) -> Fault:
         """Add a rule; the first rule (in order added) that still has calls to fail is the one applied."""
         if every < 1 or (times is not None and times < 0):
@@ -188,15 +233,37 @@ class FlakyAws:
             every=every,
             per=per,
             service=service,
+            where=dict(where or {}),
         )
         with self._lock:
             self._faults.append(fault)
         return fault
 
+    def answer(
+        self, action: str, body: dict[str, object], *, times: int | None = None, service: str | None = None
+    ) -> Canned:
+        """Add a canned answer; the first one (in order added) that still has answers to give is served."""
+        canned = Canned(action=action, body=body, times=times, service=service)
+        with self._lock:
+            self._canned.append(canned)
+        return canned
+
+    def rewrite(
+        self, action: str, edit: Callable[[AwsRequest, bytes], bytes], *, service: str | None = None
+    ) -> Rewrite:
+        """Add a rule that changes moto's successful answer to `action`: `edit(request, body)` returns the body to
+        send instead (on the proxy's threads). Rules apply in the order added, each to the one before's output."""
+        rule = Rewrite(action=action, edit=edit, service=service)
+        with self._lock:
+            self._rewrites.append(rule)
+        return rule
+
     def heal(self) -> None:
-        """Drop every rule: from now on everything is forwarded."""
+        """Drop every rule, canned answer and rewrite: from now on everything is forwarded, unchanged."""
         with self._lock:
             self._faults.clear()
+            self._canned.clear()
+            self._rewrites.clear()
 
     def calls(self, action: str) -> int:
         """Requests seen for `action` (every botocore attempt counts), failed or forwarded."""
@@ -237,9 +304,12 @@ class FlakyAws:
 
     # --- request handling (proxy threads) ------------------------------------------------------------------
 
-    def _decide(self, request: AwsRequest) -> Fault | None:
+    def _decide(self, request: AwsRequest) -> Fault | Canned | None:
         with self._lock:
             self._log.calls[request.action] += 1
+            for canned in self._canned:
+                if canned.applies(request):
+                    return canned
             for fault in self._faults:
                 if fault.applies(request):
                     self._log.injected[request.action] += 1
@@ -249,6 +319,19 @@ class FlakyAws:
     def _record(self, request: AwsRequest, status: int, fault: Fault | None) -> None:
         with self._lock:
             self._log.seen.append(Seen(request=request, status=status, fault=fault.code if fault else None))
+
+    def _rewritten(self, request: AwsRequest, status: int, body: bytes) -> bytes:
+        if not 200 <= status < 300:
+            return body
+        with self._lock:
+            rules = [r for r in self._rewrites if r.applies(request)]
+        for rule in rules:
+            body = rule.edit(request, body)
+        return body
+
+    def canned_served(self, action: str) -> int:
+        with self._lock:
+            return sum(c.served for c in self._canned if c.action == action)
 
     def _forward(
         self, method: str, path: str, headers: list[tuple[str, str]], body: bytes
@@ -332,8 +415,13 @@ def _handler_for(proxy: FlakyAws) -> type[BaseHTTPRequestHandler]:
             body = self.rfile.read(length) if length else b""
             headers = {k.lower(): v for k, v in self.headers.items()}
             request = parse_request(headers, self.path, body)
-            fault = proxy._decide(request)
-            if fault is not None:
+            decided = proxy._decide(request)
+            fault = decided if isinstance(decided, Fault) else None
+            if isinstance(decided, Canned):
+                out_body = json.dumps(decided.body).encode()
+                out_headers = [("Content-Type", "application/x-amz-json-1.1"), ("x-amzn-RequestId", str(uuid.uuid4()))]
+                status = 200
+            elif fault is not None:
                 out_headers, out_body = error_response(request, fault)
                 status = fault.status
             else:
@@ -341,6 +429,7 @@ def _handler_for(proxy: FlakyAws) -> type[BaseHTTPRequestHandler]:
                 status, upstream_headers, out_body = proxy._forward(self.command, self.path, forwarded, body)
                 # send_response() writes its own Server and Date.
                 out_headers = [(k, v) for k, v in upstream_headers if k.lower() not in HOP_BY_HOP | {"server", "date"}]
+                out_body = proxy._rewritten(request, status, out_body)
             proxy._record(request, status, fault)
             self.send_response(status)
             for name, value in out_headers:

@@ -107,6 +107,7 @@ async def simulated_fleet(
     aws_max_attempts: int | None = None,
     group: str | None = None,
     seed: int = 11,
+    group_settings: dict[str, Any] | None = None,
 ) -> AsyncIterator[Fleet]:
     """`instances` simulated instances in a new group, and the engine's settings for it.
 
@@ -125,6 +126,8 @@ async def simulated_fleet(
         heartbeat_loss_threshold=TIMING.heartbeat_loss_threshold,
         heartbeat_interval=TIMING.heartbeat_interval,
     )
+    if group_settings:
+        settings.groups = [settings.groups[0].model_copy(update=group_settings)]
     if aws_max_attempts is not None:
         settings.aws = settings.aws.model_copy(update={"max_attempts": aws_max_attempts})
     sim = SimulatedFleet(

@@ -35,6 +35,10 @@ REAL_SIGNALS = [
     names.SIGNAL_REQUEST,
     names.SIGNAL_RELEASE,
     names.SIGNAL_PERMIT_GRANTED,
+    names.SIGNAL_PERMIT_DENIED,
+    names.SIGNAL_LAUNCH_OUTCOME,
+    names.SIGNAL_AWS_STATUS,
+    names.SIGNAL_RECHECK_LOSS,
 ]
 LIVENESS_SIGNALS = {
     names.SIGNAL_LIVENESS,
@@ -421,6 +425,14 @@ class SignalFuzzer:
                 # sends: not a forgery, so never sent here.
                 grant["holder_workflow_id"] = "repair/i-forged"
             return grant
+        if name == names.SIGNAL_LAUNCH_OUTCOME:
+            # Never the holder's token: a forged outcome must change no AZ's launch health.
+            return {
+                "holder_workflow_id": self.holder(),
+                "token": pick(["", "not-the-token", self.text()]),
+                "availability_zone": pick(["us-east-1a", "", "x" * 300, self.text()]),
+                "capacity_error": pick([True, False, "yes", None]),
+            }
         if name in LIVENESS_SIGNALS:
             return self.liveness_template(name)
         return {self.text()[:30]: self.value(1) for _ in range(self.rng.randint(1, 4))}

@@ -9,8 +9,10 @@ from temporalio import activity
 from temporalio.client import Client
 
 from activities.aws import AwsClients
+from activities.aws_status import AwsStatusActivities
 from activities.events import EventActivities
 from activities.fleet import FleetActivities
+from activities.remediation import RemediationActivities
 from activities.workflow_ops import WorkflowOps
 from contract.config import AwsSettings, EventSettings
 from contract.groups import CapacityGroup
@@ -32,6 +34,8 @@ def test_each_activity_class_lists_exactly_its_declared_activities(client: Clien
         FleetActivities(aws, {"g": group}.__getitem__),
         EventActivities(aws, EventSettings(webhook_outbox_dir=tmp_path)),
         WorkflowOps(client, "tq"),
+        AwsStatusActivities(aws, {"g": group}.__getitem__),
+        RemediationActivities(aws, {"g": group}.__getitem__, client),
     ]
     for instance in instances:
         registered = _registered(instance)

@@ -30,8 +30,8 @@ TOML_FILES = sorted(DEPLOY.rglob("*.toml"))
 UNITS = sorted((DEPLOY / "systemd").glob("*.service"))
 
 # boto3 client attribute in the activities -> IAM service prefix.
-IAM_PREFIX = {"ecs": "ecs", "ec2": "ec2", "events": "events", "autoscaling": "autoscaling"}
-AWS_CALL = re.compile(r"self\._aws\.(ecs|ec2|events|autoscaling)\.([a-z0-9_]+)\b")
+IAM_PREFIX = {"ecs": "ecs", "ec2": "ec2", "events": "events", "autoscaling": "autoscaling", "ssm": "ssm"}
+AWS_CALL = re.compile(r"self\._aws\.(ecs|ec2|events|autoscaling|ssm)\.([a-z0-9_]+)\b")
 # Not a call of its own: RunInstances with a launch template that names an instance profile needs it.
 IMPLIED_ACTIONS = {"iam:PassRole"}
 READ_ONLY = re.compile(r":(Describe|List|Get)[A-Za-z]+$")
@@ -182,11 +182,18 @@ def test_worker_policy_mutations_are_guarded():
         at_launch = cond.get("StringEquals", {}).get("ec2:CreateAction") == "RunInstances"
         own_keys = cond.get("ForAllValues:StringLike", {}).get("aws:TagKeys") == ["gpu-autorepair:*"]
         assert at_launch or own_keys, cond
-    for action in ["ec2:TerminateInstances", "autoscaling:DetachInstances"]:
+    for action in ["ec2:TerminateInstances", "ec2:RebootInstances", "autoscaling:DetachInstances"]:
         for cond in conditions(action):
             assert "aws:ResourceTag/gpu-autorepair:group" in cond["StringLike"], action
     for cond in conditions("iam:PassRole"):
         assert cond["StringEquals"]["iam:PassedToService"] == "ec2.amazonaws.com"
+    # Run Command: the shell document alone, and only on the groups' instances.
+    for st in by_action["ssm:SendCommand"]:
+        resources = _as_list(st["Resource"])
+        documents = [r for r in resources if ":document/" in r]
+        assert documents == [] or documents == ["arn:aws:ssm:us-east-1::document/AWS-RunShellScript"], resources
+        if not documents:
+            assert "aws:ResourceTag/gpu-autorepair:group" in st["Condition"]["StringLike"]
     for st in by_action["events:PutEvents"]:
         assert all(":event-bus/" in r for r in _as_list(st["Resource"]))
     for action in ["ecs:UpdateContainerInstancesState", "ecs:StopTask", "ecs:DeregisterContainerInstance"]:

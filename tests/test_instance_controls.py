@@ -18,7 +18,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from contract import names
 from contract.health import HealthState
-from contract.ids import health_workflow_id, semaphore_workflow_id
+from contract.ids import health_workflow_id, repair_workflow_id, semaphore_workflow_id
 from contract.instances import InstanceExclude, RepairWithdrawal
 from contract.repair import RepairInput, RepairPhase
 from simulator.events import group_events
@@ -72,15 +72,14 @@ async def test_clear_and_exclude_withdraw_a_waiting_repair_and_a_draining_one_is
         for instance in (falsely, draining):
             await eventually(partial(health_of, handles[instance]), lambda v: v.repair is not None)
         await eventually(lambda: semaphore_state(client, group), lambda v: len(v.waiters) == 2)
-        first_repair = client.get_workflow_handle(f"repair/{falsely}")
-        first_run = (await first_repair.describe()).run_id
+        first_repair = client.get_workflow_handle(repair_workflow_id(falsely, 1))
 
         # clear: the check back to OK, the finding kept and marked, the waiting repair withdrawn.
         result = await cli_json(
             settings, "instance", "clear", "--instance", falsely, "--reason", "driver roll-out false positive"
         )
         assert result["overallStatus"] == "OK" and result["action"] == "clear"
-        assert f"repair/{falsely} withdrawn" in result["message"], result
+        assert f"{repair_workflow_id(falsely, 1)} withdrawn" in result["message"], result
         [cleared] = result["cleared"]
         assert (cleared["check"], cleared["status_reason"], cleared["finding_id"]) == (
             "ACCELERATED_COMPUTE",
@@ -103,7 +102,7 @@ async def test_clear_and_exclude_withdraw_a_waiting_repair_and_a_draining_one_is
         assert failed["error"].startswith("withdrawn before draining: finding cleared as false by ")
         [event] = events_of(settings, "FindingCleared", falsely)
         assert event["requested_by"] == cleared["cleared_by"] and event["reason"] == "driver roll-out false positive"
-        assert event["cleared"] == [cleared] and event["repair_workflow_id"] == f"repair/{falsely}"
+        assert event["cleared"] == [cleared] and event["repair_workflow_id"] == repair_workflow_id(falsely, 1)
         await eventually(
             lambda: asyncio.sleep(0, events_of(settings, "HealthChanged", falsely)),
             lambda e: e[-1]["overall_status"] == "OK",
@@ -113,21 +112,22 @@ async def test_clear_and_exclude_withdraw_a_waiting_repair_and_a_draining_one_is
         err = await refused(settings, "clear", "--instance", falsely)
         assert "nothing to clear: no check of" in err
 
-        # A fresh finding impairs it again, and a new repair starts under the same id.
+        # A fresh finding impairs it again, and a new attempt starts under an id of its own.
         await handles[falsely].signal("gpu_finding", finding(falsely, group, f"{falsely}-f2"))
         view = await eventually(
             lambda: health_of(handles[falsely]),
             lambda v: v.repair is not None and v.repair.phase is RepairPhase.WAITING_FOR_PERMIT,
         )
         assert view.healthStatus.overallStatus is HealthState.IMPAIRED
-        assert (await first_repair.describe()).run_id != first_run
+        assert view.repair is not None and view.repair.workflow_id == repair_workflow_id(falsely, 2)
+        second_repair = client.get_workflow_handle(repair_workflow_id(falsely, 2))
+        assert (await first_repair.describe()).status == WorkflowExecutionStatus.FAILED
 
         # exclude withdraws that one too, and withholds the repair, saying why; include starts a new one.
         excluded = await cli_json(settings, "instance", "exclude", "--instance", falsely, "--reason", "bisecting")
         assert "withdrawn" in excluded["message"] and excluded["excluded"]["reason"] == "bisecting"
         assert excluded["repairWithheld"] == f"excluded by {excluded['excluded']['by']}: bisecting"
-        second_run = (await first_repair.describe()).run_id
-        await eventually(first_repair.describe, lambda d: d.status == WorkflowExecutionStatus.FAILED)
+        await eventually(second_repair.describe, lambda d: d.status == WorkflowExecutionStatus.FAILED)
         included = await cli_json(settings, "instance", "include", "--instance", falsely)
         assert "its repair starts now" in included["message"] and included["excluded"] is None
         view = await eventually(
@@ -135,23 +135,26 @@ async def test_clear_and_exclude_withdraw_a_waiting_repair_and_a_draining_one_is
             lambda v: v.repair is not None and v.repair.phase is RepairPhase.WAITING_FOR_PERMIT,
         )
         assert view.repair_withheld is None and view.excluded is None
-        assert (await first_repair.describe()).run_id not in (first_run, second_run)
+        # Withdrawn attempts are not retried by themselves: each new one here came from a finding or an `include`.
+        assert view.repair is not None and view.repair.workflow_id == repair_workflow_id(falsely, 3)
+        assert view.repair_retry.failed == 0 and view.repair_retry.text() is None
         [event] = events_of(settings, "InstanceIncluded", falsely)
         assert event["excluded_reason"] == "bisecting" and event["repair_re_armed"] is True
 
         # A repair past its permit (its progress says Draining) is not taken back: clear is refused, and exclude
         # leaves it to finish, saying so.
-        token = await progress_token(client, f"repair/{draining}")
-        progress = RepairProgress(workflow_id=f"repair/{draining}", phase=RepairPhase.DRAINING, token=token)
+        draining_repair = repair_workflow_id(draining, 1)
+        token = await progress_token(client, draining_repair)
+        progress = RepairProgress(workflow_id=draining_repair, phase=RepairPhase.DRAINING, token=token)
         await handles[draining].signal(names.SIGNAL_REPAIR_PROGRESS, progress)
         await eventually(
             lambda: health_of(handles[draining]),
             lambda v: v.repair is not None and v.repair.phase is RepairPhase.DRAINING,
         )
         err = await refused(settings, "clear", "--instance", draining)
-        assert f"repair/{draining} is Draining already" in err and "will be replaced" in err
+        assert f"{draining_repair} is Draining already" in err and "will be replaced" in err
         excluded = await cli_json(settings, "instance", "exclude", "--instance", draining)
-        assert f"repair/{draining} is Draining already: it is left to finish" in excluded["message"]
+        assert f"{draining_repair} is Draining already: it is left to finish" in excluded["message"]
         assert (await health_of(handles[draining])).repair_withheld is None
         err = await refused(settings, "exclude", "--instance", draining, "--reason", "again")
         assert "is already excluded by" in err and "include it first" in err
@@ -165,7 +168,7 @@ async def test_clear_and_exclude_withdraw_a_waiting_repair_and_a_draining_one_is
             with pytest.raises(WorkflowUpdateFailedError):
                 await handles[draining].execute_update(names.UPDATE_INCLUDE_INSTANCE, args=args)
         with pytest.raises(WorkflowUpdateFailedError) as forged:
-            await client.get_workflow_handle(f"repair/{draining}").execute_update(
+            await client.get_workflow_handle(draining_repair).execute_update(
                 names.UPDATE_WITHDRAW_REPAIR, RepairWithdrawal(token="guess", reason="forged")
             )
         assert "only the health workflow that started this repair" in str(forged.value.cause)
@@ -174,7 +177,8 @@ async def test_clear_and_exclude_withdraw_a_waiting_repair_and_a_draining_one_is
         for handle in (handles[falsely], handles[draining]):
             assert (await handle.describe()).status == WorkflowExecutionStatus.RUNNING
 
-        for handle in (*handles.values(), blocker, client.get_workflow_handle(f"repair/{draining}"), first_repair):
+        third_repair = client.get_workflow_handle(repair_workflow_id(falsely, 3))
+        for handle in (*handles.values(), blocker, client.get_workflow_handle(draining_repair), third_repair):
             await handle.terminate("test over")
         await client.get_workflow_handle(semaphore_workflow_id(group)).terminate("test over")
 
@@ -214,10 +218,10 @@ async def test_exclude_include_and_repair_now_on_a_simulated_fleet(
         started = await cli_json(
             settings, "instance", "repair", "--instance", chosen, "--reason", "NCCL hangs on this host"
         )
-        assert started["overallStatus"] == "OK" and started["repair"]["workflowId"] == f"repair/{chosen}"
+        assert started["overallStatus"] == "OK" and started["repair"]["workflowId"] == repair_workflow_id(chosen, 1)
         assert "started" in started["message"]
         err = await refused(settings, "repair", "--instance", chosen, "--reason", "twice")
-        assert f"{chosen} is being repaired already: repair/{chosen} is " in err
+        assert f"{chosen} is being repaired already: {repair_workflow_id(chosen, 1)} is " in err
         assert sorted(await fleet.repairs_finished(2)) == sorted([kept, chosen])
         assert_start_before_stop(fleet, chosen, tolerating=CONTROL_EVENTS)
         [requested] = fleet.events("RepairRequested", chosen)

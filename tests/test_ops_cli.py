@@ -25,7 +25,7 @@ from activities.models import GroupConfigRequest
 from contract.config import TemporalSettings
 from contract.groups import AutoRepair, CapacityGroup
 from contract.health import CheckType, HealthInput, HealthState
-from contract.ids import health_workflow_id, semaphore_workflow_id
+from contract.ids import health_workflow_id, repair_workflow_id, semaphore_workflow_id
 from contract.probe import GpuFinding
 from contract.repair import PhaseStep, RepairPhase
 from node_probe.classify.kernel_log import parse_lines
@@ -148,7 +148,7 @@ async def test_describe_inject_and_history_on_a_simulated_fleet(client: Client, 
         assert entry["healthStatus"]["overallStatus"] == "IMPAIRED"
         assert check(entry, "ACCELERATED_COMPUTE")["statusReason"] == "XID_79"
         assert any(f["reason"] == "XID_79" and f["impairs"] for f in entry["findings"])
-        assert entry["repair"]["workflow_id"] == f"repair/{faulty}" and entry["repair"]["reason"] == "XID_79"
+        assert entry["repair"]["workflow_id"] == repair_workflow_id(faulty, 1) and entry["repair"]["reason"] == "XID_79"
 
         assert await fleet.repairs_finished(1) == [faulty]
         [replacement] = fleet.replacements_of(faulty)
@@ -158,7 +158,8 @@ async def test_describe_inject_and_history_on_a_simulated_fleet(client: Client, 
             lambda r: len(r) == 1 and r[0]["outcome"] == "Completed",
         )
         [record] = records
-        assert record["instanceId"] == faulty and record["group"] == group
+        assert record["instanceId"] == faulty and record["group"] == group and record["attempt"] == 1
+        assert record["workflowId"] == repair_workflow_id(faulty, 1)
         assert record["reason"] == "XID_79" and record["replacementInstanceId"] == replacement
         assert record["durationsAvailable"] is True and record["closeTime"] is not None
         assert [p["phase"] for p in record["phases"]] == REPAIR_PHASES
@@ -166,7 +167,7 @@ async def test_describe_inject_and_history_on_a_simulated_fleet(client: Client, 
         assert record["phases"][-1]["durationSeconds"] is None and not any(p["ongoing"] for p in record["phases"])
         assert record["webUiUrl"] == (
             f"{settings.temporal.ui_url}/namespaces/{settings.temporal.namespace}/workflows/"
-            f"repair%2F{faulty}/{record['runId']}"
+            f"repair%2F{faulty}%2F1/{record['runId']}"
         )
 
         # Filters: by instance, by start time.

@@ -52,7 +52,7 @@ async def test_six_instances_drain_one_at_a_time(client: Client, aws_env: str, t
         # Each event links to the Web UI page of the workflow that sent it.
         completed = fleet.events("RepairCompleted")[0]
         assert completed["workflow_url"] == (
-            f"{fleet.settings.temporal.ui_url}/namespaces/default/workflows/repair%2F{completed['instance_id']}"
+            f"{fleet.settings.temporal.ui_url}/namespaces/default/workflows/repair%2F{completed['instance_id']}%2F1"
         )
 
 
@@ -122,8 +122,17 @@ async def test_operator_terminating_a_permit_holder_frees_its_permit(
         await eventually(fleet.semaphore, lambda s: [p.instance_id for p in s.holders] == [first])
         fleet.sim.inject_fault(second)
         await eventually(fleet.semaphore, lambda s: [w.instance_id for w in s.waiters] == [second])
+        await eventually(lambda: asyncio.sleep(0, fleet.events("Draining", first)), lambda found: len(found) == 1)
 
         await client.get_workflow_handle(repair_workflow_id(first)).terminate("operator takes over")
+
+        # The permit is back at once, but the instance the repair left DRAINING is still out of service, and the cap
+        # (one at a time below 9 instances) counts it: the second waits until the operator finishes the takeover.
+        await eventually(
+            fleet.semaphore,
+            lambda s: s.holders == [] and s.out_of_service == 1 and [w.instance_id for w in s.waiters] == [second],
+        )
+        fleet.ec2().terminate_instances(InstanceIds=[first])  # docs/operations.md section 4, step 7
 
         assert await fleet.repairs_finished(1) == [second]
         assert_start_before_stop(fleet, second)

@@ -111,18 +111,19 @@ async def test_a_replacement_that_never_registers_is_terminated_and_replaced(
         assert fleet.ec2_state(first) == "terminated"
         assert fleet.ec2_state(second) == "running"
         assert all(fleet.ec2_state(other) == "running" for other in others)
-        # Each attempt launched with a token of its own: a repeated token would have brought the dead one back.
-        assert tags(fleet, first)[LAUNCH_TOKEN_TAG] == f"autorepair-{faulty}-1"
-        assert tags(fleet, second)[LAUNCH_TOKEN_TAG] == f"autorepair-{faulty}-2"
+        # Each attempt launched with a token of its own: a repeated token would have brought the dead one back. The
+        # repair is the instance's first attempt (repair/<instance>/1), which is in the token too.
+        assert tags(fleet, first)[LAUNCH_TOKEN_TAG] == f"autorepair-{faulty}-1.1"
+        assert tags(fleet, second)[LAUNCH_TOKEN_TAG] == f"autorepair-{faulty}-1.2"
 
         # The attempts in what `history` and the Web UI show.
-        handle = client.get_workflow_handle(repair_workflow_id(faulty), result_type=RepairResult)
+        handle = client.get_workflow_handle(repair_workflow_id(faulty, 1), result_type=RepairResult)
         result = await handle.result()
         assert result.replacement_instance_id == second
         phases = [step.phase for step in result.timeline]
         assert phases.count(RepairPhase.LAUNCHING_REPLACEMENT) == 2
         assert phases.count(RepairPhase.WAITING_FOR_REPLACEMENT) == 2
-        details = await current_details(client, repair_workflow_id(faulty))
+        details = await current_details(client, repair_workflow_id(faulty, 1))
         assert f"{second} (attempt 2 of 3)" in details, details
         assert f"attempt 1: {first} not ACTIVE in ECS within 15s, terminated" in details, details
 
@@ -146,7 +147,7 @@ async def test_when_no_replacement_becomes_active_the_repair_fails_and_keeps_the
         )
         assert failed["error"].startswith("no replacement became ACTIVE in ECS in 1 attempt ")
         assert f"{faulty} is left DRAINING and running, not terminated" in failed["error"]
-        handle = client.get_workflow_handle(repair_workflow_id(faulty))
+        handle = client.get_workflow_handle(repair_workflow_id(faulty, 1))
         await eventually(handle.describe, lambda d: d.status == WorkflowExecutionStatus.FAILED)
         with pytest.raises(WorkflowFailureError) as caught:
             await handle.result()
@@ -198,6 +199,13 @@ def test_each_attempt_has_its_own_client_token_within_ec2s_limit() -> None:
     assert len(set(tokens)) == 10 and all(len(t) <= CLIENT_TOKEN_MAX for t in tokens)
     long = client_token("x" * 100, 10)
     assert len(long) == CLIENT_TOKEN_MAX and long.endswith("-10")
+    # A later repair of the same instance never reuses an earlier one's tokens (EC2 would answer with its dead
+    # replacement); a repair started before repairs had attempts (attempt 0) keeps the tokens it began with.
+    by_repair = {client_token(instance_id, n, repair) for repair in (0, 1, 2, 10) for n in range(1, 11)}
+    assert len(by_repair) == 40
+    assert client_token(instance_id, 1, 0) == tokens[0] and client_token(instance_id, 2, 3) == f"{tokens[0][:-2]}-3.2"
+    longest = client_token("x" * 100, 10, 10)
+    assert len(longest) == CLIENT_TOKEN_MAX and longest.endswith("-10.10")
 
 
 @pytest.mark.parametrize("attempts", [0, 11])

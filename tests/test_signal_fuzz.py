@@ -290,6 +290,11 @@ def _describe_tracker(view: LivenessView) -> str:
     )
 
 
+def _no_forged_launch_outcomes(view: SemaphoreView) -> str | None:
+    # No launch_outcome sent carries a permit holder's token: none may mark an AZ out of capacity.
+    return f"forged launch outcomes recorded: {view.launch_failures}" if view.launch_failures else None
+
+
 def _repair_still_waiting(view: RepairStatus) -> str | None:
     if view.phase is not RepairPhase.WAITING_FOR_PERMIT:
         return f"repair left {RepairPhase.WAITING_FOR_PERMIT.value} for {view.phase.value} without a real permit"
@@ -442,7 +447,12 @@ async def test_random_signals_never_wedge_a_workflow(client: Client, aws_env: st
                     InstanceHealthView,
                 ),
                 Target(
-                    "semaphore", semaphore_id, semaphore.first_execution_run_id or "", names.QUERY_STATE, SemaphoreView
+                    "semaphore",
+                    semaphore_id,
+                    semaphore.first_execution_run_id or "",
+                    names.QUERY_STATE,
+                    SemaphoreView,
+                    check_view=_no_forged_launch_outcomes,
                 ),
                 Target(
                     "repair",

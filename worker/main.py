@@ -10,11 +10,14 @@ from temporalio.worker import Worker
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
 from activities.aws import AwsClients
+from activities.aws_status import AwsStatusActivities
 from activities.breaker_ops import BreakerOps
 from activities.events import EventActivities, event_delivery
 from activities.fleet import FleetActivities
+from activities.remediation import RemediationActivities
 from activities.workflow_ops import WorkflowOps
 from contract.breaker import FleetBreakerConfig
+from worker.aws_watch import aws_watch
 from worker.health_gauges import health_gauges
 from worker.settings import Settings
 from workflows.drain_semaphore import DrainSemaphoreWorkflow
@@ -54,6 +57,8 @@ def build_worker(settings: Settings, client: Client) -> Worker:
     fleet = FleetActivities(aws, settings.group, client=client)
     events = EventActivities(aws, settings.events, ui_url=settings.temporal.ui_url)
     ops = WorkflowOps(client, settings.temporal.task_queue)
+    aws_status = AwsStatusActivities(aws, settings.group)
+    remediation = RemediationActivities(aws, settings.group, client)
     fleet_breaker = FleetBreakerConfig(
         rule=settings.fleet_breaker.rule(), groups=[group.name for group in settings.groups]
     )
@@ -63,7 +68,14 @@ def build_worker(settings: Settings, client: Client) -> Worker:
         task_queue=settings.temporal.task_queue,
         workflows=WORKFLOWS,
         workflow_runner=SANDBOX,
-        activities=[*fleet.activities(), *events.activities(), *ops.activities(), *breaker.activities()],
+        activities=[
+            *fleet.activities(),
+            *events.activities(),
+            *ops.activities(),
+            *breaker.activities(),
+            *remediation.activities(),
+            *aws_status.activities(),
+        ],
     )
 
 
@@ -73,6 +85,8 @@ async def run_worker(settings: Settings, client: Client) -> None:
     meter = (client.service_client.config.runtime or Runtime.default()).metric_meter
     async with AsyncExitStack() as stack:
         await stack.enter_async_context(event_delivery(settings.events, meter))
+        # What AWS says of each group's instances, told to their health workflows on change (worker/aws_watch.py).
+        await stack.enter_async_context(aws_watch(settings, client))
         if settings.metrics_bind_address:
             groups = [group.name for group in settings.groups]
             await stack.enter_async_context(health_gauges(client, groups, meter, settings.health_gauge_interval))

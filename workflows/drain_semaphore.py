@@ -30,14 +30,15 @@ from contract.breaker import (
 )
 from contract.formats import iso
 from contract.groups import CapacityGroup, GroupConfigOverrides, GroupConfigState, GroupConfigUpdate
-from contract.ids import liveness_workflow_id, repair_workflow_id, semaphore_workflow_id
-from contract.semaphore import PermitRequest, ReplacementClaim, ReplacementClaimed
+from contract.ids import liveness_workflow_id, repair_instance_of, semaphore_workflow_id
+from contract.semaphore import LaunchOutcome, PermitRequest, ReplacementClaim, ReplacementClaimed
 from workflows.breaker import BreakerBook
 from workflows.group_config import read_group_config
 from workflows.group_events import activity_cause, publish_group_event
 from workflows.models import Permit, PermitGrant, PermitRelease, SemaphoreRun, SemaphoreView
 from workflows.options import CALL_RETRY, CALL_TIMEOUT
 from workflows.semaphore_breaker import SemaphoreBreaker
+from workflows.semaphore_zones import SemaphoreZones
 from workflows.signal_input import Rejected, Route, dispatch, worth_logging
 
 with workflow.unsafe.imports_passed_through():
@@ -64,7 +65,7 @@ PERMITS_WAITING = "autorepair_drain_permits_waiting"
 
 
 @workflow.defn(name=names.SEMAPHORE_WORKFLOW)
-class DrainSemaphoreWorkflow(SemaphoreBreaker):
+class DrainSemaphoreWorkflow(SemaphoreBreaker, SemaphoreZones):
     @workflow.init
     def __init__(self, input: SemaphoreRun) -> None:
         self._group = input.group
@@ -77,6 +78,7 @@ class DrainSemaphoreWorkflow(SemaphoreBreaker):
         self._config = input.config or GroupConfigState(group=input.group)
         self._breaker = input.breaker or BreakerBook()
         self._fleet_hold = input.fleet_hold
+        self._launch_failures = dict(input.launch_failures)
         # A fresh start asks the fleet breaker whether it holds: its notice went out while no run was listening.
         self._fleet_asked = input.breaker is not None
         self._reported: list[ImpairmentReport] = []
@@ -136,6 +138,7 @@ class DrainSemaphoreWorkflow(SemaphoreBreaker):
                         config=self._config,
                         breaker=self._breaker,
                         fleet_hold=self._fleet_hold,
+                        launch_failures=self._launch_failures,
                     ),
                     memo=self._config_memo(),
                 )
@@ -225,6 +228,7 @@ class DrainSemaphoreWorkflow(SemaphoreBreaker):
             holder_workflow_id=permit.holder_workflow_id,
             granted_at=permit.since,
             token=permit.token,
+            avoid_azs=self._avoid_azs(),
         )
         handle = workflow.get_external_workflow_handle(permit.holder_workflow_id, run_id=permit.holder_run_id)
         try:
@@ -262,6 +266,7 @@ class DrainSemaphoreWorkflow(SemaphoreBreaker):
             names.SIGNAL_RELEASE: Route(PermitRelease, self._on_release),
             names.SIGNAL_IMPAIRED: Route(ImpairmentReport, self._on_impaired),
             names.SIGNAL_FLEET_HOLD: Route(HoldNotice, self._on_fleet_hold),
+            names.SIGNAL_LAUNCH_OUTCOME: Route(LaunchOutcome, self._on_launch_outcome),
         }
         dispatch(name, payloads, routes, self._reject)
 
@@ -272,7 +277,7 @@ class DrainSemaphoreWorkflow(SemaphoreBreaker):
             self._reported.append(report)
 
     def _on_request(self, request: PermitRequest) -> None:
-        if not request.token or request.holder_workflow_id != repair_workflow_id(request.instance_id or "?"):
+        if not request.token or repair_instance_of(request.holder_workflow_id) != (request.instance_id or "?"):
             # Only a repair asks, for its own instance, with a token of its own.
             self._forged_signal(f"request for {request.holder_workflow_id} that no repair would send")
             return
@@ -472,6 +477,7 @@ class DrainSemaphoreWorkflow(SemaphoreBreaker):
             capacity=self._capacity,
             group_size=self._group_size,
             out_of_service=self._out_of_service,
+            launch_failures=self._launch_failures,
             # Tokens stay in here: a query is no way to learn one.
             holders=[p.model_copy(update={"token": ""}) for p in self._holders],
             waiters=[w.model_copy(update={"token": ""}) for w in self._waiters],
@@ -504,6 +510,9 @@ class DrainSemaphoreWorkflow(SemaphoreBreaker):
         for hold in (self._breaker.held, self._fleet_hold):
             if hold is not None:
                 lines += [f"**HELD since {iso(hold.tripped_at)}**: {hold.message}", ""]
+        if self._launch_failures:
+            seen = ", ".join(f"{zone} at {iso(at, 'seconds')}" for zone, at in sorted(self._launch_failures.items()))
+            lines += [f"Launches met capacity errors in: {seen}", ""]
         lines += [f"- draining: `{p.instance_id}` ({p.holder_workflow_id})" for p in self._holders]
         lines += [f"- waiting: `{w.instance_id}` ({w.holder_workflow_id})" for w in self._waiters[:DETAILS_WAITERS]]
         if len(self._waiters) > DETAILS_WAITERS:

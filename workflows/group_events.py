@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import ActivityError, ApplicationError, is_cancelled_exception
 
 with workflow.unsafe.imports_passed_through():
     from activities.events import EventActivities
@@ -46,6 +47,9 @@ async def publish(event: FleetEvent, summary: str) -> None:
             retry_policy=PUBLISH_RETRY,
         )
     except ActivityError as err:
+        if is_cancelled_exception(err):
+            # Cancelled with its workflow: swallowing this would swallow the workflow's cancellation (sdk-python#620).
+            raise asyncio.CancelledError from err
         where = event.instance_id or event.group
         workflow.logger.warning("%s for %s not published: %s", event.type.value, where, activity_cause(err))
 

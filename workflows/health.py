@@ -10,7 +10,8 @@ Runbook it automates:
   4. The probe saying its GPU sources are down makes ACCELERATED_COMPUTE INSUFFICIENT_DATA, never IMPAIRED.
   5. Every change of status is published as a HealthChanged event and kept in the HealthStatus search attribute.
   6. On IMPAIRED, if the group's auto repair is ENABLED, start the instance's repair once; if DISABLED, watch only,
-     and look at the group again once per threshold: an instance left impaired is repaired once it is ENABLED.
+     and look at the group again once per threshold: an instance left impaired is repaired once it is ENABLED. A
+     repair that fails is retried with backoff, each attempt under an id of its own (workflows/health_repairs.py).
   7. Game days: `inject_heartbeat_loss` makes the tracker (and this workflow) ignore heartbeats for a while, as if
      the probe were silent.
   8. Operators' controls of one instance are updates (workflows/health_controls.py): exclude from repair, include,
@@ -37,10 +38,14 @@ from contract.ids import health_workflow_id, liveness_workflow_id
 from contract.instances import FindingsClear, InstanceControlResult, InstanceExclude, InstanceInclude, InstanceRepairNow
 from contract.liveness import IgnoreHeartbeats, LivenessChange, shard_of
 from contract.probe import GpuFinding, Heartbeat
-from contract.repair import RepairInput, RepairPhase
+from contract.repair import RepairPhase
+from workflows import health_aws_checks as aws_checks
 from workflows import health_breaker as breaker
 from workflows import health_controls as controls
+from workflows import health_ladder as ladder
+from workflows import health_repairs as repairs
 from workflows import health_retry as retry
+from workflows import health_services as services
 from workflows.group_config import read_group_config
 from workflows.group_events import publish
 from workflows.models import (
@@ -50,20 +55,16 @@ from workflows.models import (
     HealthRun,
     InstanceHealthView,
     RepairProgress,
-    RepairView,
 )
-from workflows.options import CALL_RETRY, CALL_TIMEOUT
 from workflows.signal_input import Rejected, decode, worth_logging
 
 with workflow.unsafe.imports_passed_through():
-    from activities.models import EventType, FleetEvent, StartRepairRequest
-    from activities.workflow_ops import WorkflowOps
+    from activities.models import EventType, FleetEvent
 
 RECENT_FINDINGS = 20
 REMEMBERED_FINDING_IDS = 500
 # Bounds of the rest of the carried state: past them, new entries are counted as dropped instead of kept.
 MAX_WARNING_KINDS = 256
-MAX_DAEMONS_DOWN = 32
 # A run accepts at most 10,000 signals and that limit does not raise the continue-as-new suggestion.
 SIGNALS_PER_RUN = 2_000
 GAME_DAY_RETRY = timedelta(seconds=2)
@@ -114,8 +115,10 @@ class InstanceHealthWorkflow:
                         bool(self._outbox)
                         or self._tell_tracker_now
                         or self._state.recheck_loss
+                        or self._state.repair_retry.to_count is not None
                         or self._repair_due()
                         or self._retired
+                        or aws_checks.due(self._state)
                         or self._time_to_continue()
                     ),
                     timeout=self._next_wake(group, config_read_at),
@@ -127,6 +130,10 @@ class InstanceHealthWorkflow:
             ):
                 group = await self._reread_group_config(group)
                 config_read_at = workflow.now()
+            if self._state.repair_retry.to_count is not None:
+                await repairs.count_failure(self, group)
+            if aws_checks.due(self._state):
+                await aws_checks.advance(self, group)
             while self._outbox:
                 await publish(self._outbox.pop(0), "publish health change")
             if self._state.game_day_to_tell is not None:
@@ -135,7 +142,7 @@ class InstanceHealthWorkflow:
                 await breaker.recheck_loss(self._state, self._instance_id, self._tracker_id)
             if self._repair_due() and not self._retired:
                 try:
-                    await self._start_repair()
+                    await repairs.start(self)
                     retry.succeeded(self._state)
                 except ActivityError as err:  # never a failed workflow: the impairment stays, tried again later
                     self._state.repair_requested = False
@@ -157,11 +164,19 @@ class InstanceHealthWorkflow:
             waits.append(GAME_DAY_RETRY)
         if self._state.retry_at is not None and not self._state.repair_requested:
             waits.append(max(self._state.retry_at - workflow.now(), timedelta(0)))
+        if (retry := repairs.wake(self._state)) is not None:
+            waits.append(retry)
+        if (aws := aws_checks.wake(self._state)) is not None:
+            waits.append(aws)
         return min(waits, default=None)
 
     def _wake_summary(self) -> str:
         if self._state.retry_at is not None and not self._state.repair_requested:
             return "try starting the repair again"
+        if (retry := repairs.wake_summary(self._state)) is not None:
+            return retry
+        if (aws := aws_checks.wake_summary(self._state)) is not None:
+            return aws
         if self._state.game_day_to_tell is not None:
             return "game day: pass it to the liveness tracker again"
         return "repair withheld: look at the group's configuration again"
@@ -198,50 +213,6 @@ class InstanceHealthWorkflow:
     async def _group_config(self, summary: str | None = None) -> CapacityGroup:
         return await read_group_config(self._group, summary)
 
-    async def _start_repair(self) -> None:
-        # The switch is read at the moment of the decision, so turning repair off takes effect at once.
-        group = await self._group_config()
-        self._state.repair_requested = True
-        if self._is_impaired() and not self._state.impairment_reported:
-            await breaker.report_impairment(self._state, self._instance_id, self._group, self._impairment()[0])
-        if group.auto_repair is AutoRepair.DISABLED and self._state.operator_repair is None:
-            workflow.logger.info("instance impaired; auto repair DISABLED for group %s, monitoring only", self._group)
-            self._state.repair_withheld = f"auto repair DISABLED for group {self._group} at {iso(workflow.now())}"
-            return
-        if self._state.excluded is not None:  # an operator's: watched, never repaired until `include`
-            self._state.repair_withheld = controls.excluded_text(self._state.excluded)
-            return
-        reason, finding = controls.repair_reason(self._state, self._impairment())
-        gpu = f" on GPU {finding.gpu.pci}" if finding is not None and finding.gpu.pci else ""
-        repair = RepairInput(
-            instance_id=self._instance_id,
-            group=self._group,
-            reason=reason,
-            finding=finding,
-            progress_token=str(workflow.uuid4()),
-            critical=breaker.critical(self._state),
-        )
-        started = await workflow.execute_activity_method(
-            WorkflowOps.start_repair,
-            StartRepairRequest(
-                repair=repair,
-                summary=f"repair {self._instance_id}: {reason}{gpu}",
-                replaces_token=controls.replaced_token(self._state),
-            ),
-            summary=f"start repair of {self._instance_id} ({reason})",
-            start_to_close_timeout=CALL_TIMEOUT,
-            retry_policy=CALL_RETRY,
-        )
-        # The token of the repair that runs: ours, or that of one an earlier run of this workflow started.
-        self._state.repair_token = started.progress_token or None
-        self._state.repair = RepairView(
-            workflow_id=started.workflow_id,
-            phase=RepairPhase.WAITING_FOR_PERMIT,
-            reason=reason,
-            started_at=workflow.now(),
-        )
-        self._state.operator_repair = None
-
     # --- signals and query --------------------------------------------------------------------------------------
 
     @workflow.signal(dynamic=True)
@@ -270,6 +241,8 @@ class InstanceHealthWorkflow:
             self._accept(decode(name, payloads, LivenessChange), self._on_liveness)
         elif name == names.SIGNAL_INJECT_HEARTBEAT_LOSS:
             self._accept(decode(name, payloads, HeartbeatLossInjection), self._on_heartbeat_loss_injection)
+        elif name == names.SIGNAL_AWS_STATUS:
+            aws_checks.on_signal(self, name, payloads)
         else:
             self._reject(Rejected(f"unknown signal {name!r}"))
 
@@ -337,16 +310,10 @@ class InstanceHealthWorkflow:
         self._state.seen_finding_ids = [*self._state.seen_finding_ids, finding.finding_id][-REMEMBERED_FINDING_IDS:]
         self._state.findings = [*self._state.findings, finding][-RECENT_FINDINGS:]
         now = workflow.now()
-        if finding.kind == "daemon_recovered":
-            self._on_daemon_recovered(finding.reason, now)
+        # A critical daemon or container runtime down (or back) is ECS's DAEMON or CONTAINER_RUNTIME check.
+        if services.took(self._state, finding, now, self._set_check):
             return
-        # A critical daemon (fabric manager, ...) down is ECS's DAEMON check; everything else is about the GPUs.
         check = CheckType.DAEMON if finding.kind == "daemon" else CheckType.ACCELERATED_COMPUTE
-        if check is CheckType.DAEMON and finding.impairs and finding.reason not in self._state.daemons_down:
-            if len(self._state.daemons_down) < MAX_DAEMONS_DOWN:
-                self._state.daemons_down = [*self._state.daemons_down, finding.reason]
-            else:
-                self._state.dropped_entries += 1
         current = self._state.checks.get(check)
         if not finding.impairs:
             key = f"{finding.gpu.pci or 'unknown'}/{finding.reason}"
@@ -360,18 +327,6 @@ class InstanceHealthWorkflow:
         else:
             self._set_check(check, HealthState.IMPAIRED, finding.reason, now)
 
-    def _on_daemon_recovered(self, reason: str, now: datetime) -> None:
-        """Unlike a GPU fault, a daemon that is back is healthy again, unless its repair has begun: a repair
-        that started finishes (the host restarted its fabric manager once; it may again)."""
-        self._state.daemons_down = [down for down in self._state.daemons_down if down != reason]
-        daemon = self._state.checks.get(CheckType.DAEMON)
-        if daemon is None or daemon.status is not HealthState.IMPAIRED or self._state.repair is not None:
-            return
-        if self._state.daemons_down:
-            self._set_check(CheckType.DAEMON, HealthState.IMPAIRED, self._state.daemons_down[0], now)
-        else:
-            self._set_check(CheckType.DAEMON, HealthState.OK, None, now)
-
     def _on_heartbeat(self, beat: Heartbeat) -> None:
         if beat.instance_id != self._instance_id:
             self._reject(Rejected(f"heartbeat for {beat.instance_id} sent to {self._instance_id}"))
@@ -383,6 +338,7 @@ class InstanceHealthWorkflow:
             return
         self._state.last_heartbeat = now
         self._state.probe_sources = beat.sources
+        ladder.heard(self._state, beat)
         if self._state.dormant:
             self._wake_if_dormant()
             self._set_check(CheckType.AGENT_CONNECTIVITY, HealthState.OK, None, now)
@@ -430,6 +386,7 @@ class InstanceHealthWorkflow:
         repaired, and this workflow stays, costing nothing (no timer), until the instance is heard from again."""
         self._state.retired_reason = why
         self._state.dormant = True
+        self._state.repair_retry = self._state.repair_retry.afresh()  # a failed repair is not retried while away
         self._set_check(CheckType.AGENT_CONNECTIVITY, HealthState.INSUFFICIENT_DATA, f"left on purpose: {why}", now)
         workflow.logger.info("%s left on purpose (%s): dormant until heard from again", self._instance_id, why)
         self._instance_event(EventType.INSTANCE_RETIRED, reason=why, may_return=True)
@@ -487,8 +444,9 @@ class InstanceHealthWorkflow:
         repair.phase = progress.phase
         repair.replacement_instance_id = progress.replacement_instance_id or repair.replacement_instance_id
         repair.error = progress.error
+        repairs.on_progress(self._state, progress)
         if progress.finished and progress.phase is RepairPhase.COMPLETED:
-            self._retired = True
+            self._retired = not ladder.fixed_in_place(self._state, progress, workflow.now())
         elif progress.finished and progress.phase is RepairPhase.DISCARDED:
             breaker.prove_again(self._state, progress.error or "held repair discarded")
 
@@ -535,7 +493,12 @@ class InstanceHealthWorkflow:
 
     def _impairment(self) -> tuple[str, GpuFinding | None]:
         """The reason to repair, preferring the GPU finding that caused it (it names the Xid and the GPU)."""
-        for kind in (CheckType.ACCELERATED_COMPUTE, CheckType.DAEMON):
+        for kind in (
+            CheckType.ACCELERATED_COMPUTE,
+            CheckType.DAEMON,
+            CheckType.CONTAINER_RUNTIME,
+            CheckType.EC2_STATUS,
+        ):
             check = self._state.checks.get(kind)
             if check is not None and check.status is HealthState.IMPAIRED:
                 finding = next((f for f in self._state.findings if f.impairs and f.reason == check.statusReason), None)
@@ -547,8 +510,9 @@ class InstanceHealthWorkflow:
         return self._health_status().overallStatus is HealthState.IMPAIRED
 
     def _repair_due(self) -> bool:
-        wanted = self._is_impaired() or self._state.operator_repair is not None
-        return wanted and not self._state.repair_requested and retry.may_try_now(self._state)
+        wanted = self._is_impaired() or self._state.operator_repair is not None or repairs.wanted(self._state)
+        due = retry.may_try_now(self._state) and repairs.may_start_now(self._state)
+        return wanted and not self._state.repair_requested and due
 
     def _time_to_continue(self) -> bool:
         return workflow.info().is_continue_as_new_suggested() or self._signals_this_run >= SIGNALS_PER_RUN
@@ -574,6 +538,9 @@ class InstanceHealthWorkflow:
             last_activity_error=self._state.last_activity_error,
             excluded=self._state.excluded,
             cleared_findings=self._state.cleared_findings,
+            repair_retry=self._state.repair_retry,
+            boot_id=self._state.boot_id,
+            last_in_place_fix=self._state.last_in_place_fix,
         )
 
     def _details_markdown(self) -> str:
@@ -585,6 +552,7 @@ class InstanceHealthWorkflow:
         if self._state.repair is not None:
             r = self._state.repair
             lines += ["", f"Repair `{r.workflow_id}`: {r.phase.value}"]
+        lines += repairs.details_lines(self._state)
         if self._state.repair_withheld:
             lines += ["", f"Not repaired: {self._state.repair_withheld}"]
         ignored_until = self._state.heartbeats_ignored_until

@@ -12,6 +12,7 @@ from contract import names
 from contract.breaker import ImpairmentReport
 from contract.health import CheckType, HealthState
 from contract.liveness import RecheckLoss
+from workflows import health_aws_checks as aws_checks
 from workflows import health_controls as controls
 from workflows.models import HealthCarry
 from workflows.options import CALL_RETRY, CALL_TIMEOUT
@@ -26,7 +27,11 @@ def _impaired(state: HealthCarry, check: CheckType) -> bool:
 
 
 async def report_impairment(state: HealthCarry, instance_id: str, group: str, reason: str) -> None:
-    """Tell the group's semaphore, whose breaker counts impairments whether repair is ENABLED or not."""
+    """Tell the group's semaphore, whose breaker counts impairments whether repair is ENABLED or not; never of an
+    instance AWS scheduled an event for (a retirement says nothing of the fleet's health)."""
+    if aws_checks.planned_only(state):
+        state.impairment_reported = True
+        return
     since: list[datetime] = [c.lastStatusChange for c in state.checks.values() if c.status is HealthState.IMPAIRED]
     silent = _impaired(state, CheckType.AGENT_CONNECTIVITY)
     report = ImpairmentReport(
@@ -48,9 +53,13 @@ async def report_impairment(state: HealthCarry, instance_id: str, group: str, re
 
 
 def critical(state: HealthCarry) -> bool:
-    """A GPU fault or a lost agent: repaired outside maintenance windows too. A DAEMON-only impairment, or an
-    operator's repair of a healthy instance, waits for a window."""
-    return _impaired(state, CheckType.ACCELERATED_COMPUTE) or _impaired(state, CheckType.AGENT_CONNECTIVITY)
+    """A GPU fault, a lost agent or an instance EC2 finds broken or is taking away: repaired outside maintenance
+    windows too. A DAEMON-only impairment, or an operator's repair of a healthy instance, waits for a window."""
+    return (
+        _impaired(state, CheckType.ACCELERATED_COMPUTE)
+        or _impaired(state, CheckType.AGENT_CONNECTIVITY)
+        or aws_checks.critical(state)
+    )
 
 
 async def recheck_loss(state: HealthCarry, instance_id: str, tracker_id: str | None) -> None:

@@ -33,7 +33,7 @@ from contract.instances import (
     InstanceInclude,
     InstanceRepairNow,
 )
-from contract.probe import GpuFinding
+from contract.probe import KIND_CONTAINER_RUNTIME, KIND_DAEMON, GpuFinding
 from contract.repair import RepairPhase
 from workflows.models import ContainerInstanceHealthStatus, HealthCarry, HealthCheckResult, RepairView
 from workflows.options import CALL_TIMEOUT
@@ -43,9 +43,15 @@ with workflow.unsafe.imports_passed_through():
     from activities.workflow_ops import WorkflowOps
 
 MAX_CLEARED = 20  # impairments cleared as false, kept in the carried state: the newest
-CLEARABLE = (CheckType.ACCELERATED_COMPUTE, CheckType.DAEMON, CheckType.AGENT_CONNECTIVITY)
-# Repairs that closed without replacing the instance: a later one may run under the same workflow id (if the last
-# run closed as failed or cancelled: WorkflowOps.start_repair).
+CLEARABLE = (
+    CheckType.ACCELERATED_COMPUTE,
+    CheckType.DAEMON,
+    CheckType.CONTAINER_RUNTIME,
+    CheckType.AGENT_CONNECTIVITY,
+    CheckType.EC2_STATUS,
+)
+# Repairs that closed without replacing the instance: a later attempt may follow, once it has closed
+# (WorkflowOps.start_repair).
 ENDED_UNREPAIRED = frozenset({RepairPhase.FAILED, RepairPhase.CANCELLED, RepairPhase.DISCARDED})
 FINISHED = ENDED_UNREPAIRED | {RepairPhase.COMPLETED}
 # How long `repair now` waits for the run loop to start the repair, so that its answer can name it.
@@ -99,14 +105,6 @@ def repair_reason(state: HealthCarry, impairment: tuple[str, GpuFinding | None])
     """An operator's repair says who asked and why; the finding, if any, still names the GPU."""
     reason, finding = impairment
     return state.operator_repair or reason, finding
-
-
-def replaced_token(state: HealthCarry) -> str:
-    """The token of this instance's earlier repair if it closed without replacing it: a new one may follow it."""
-    repair = state.repair
-    if repair is not None and repair.phase in ENDED_UNREPAIRED and state.repair_token:
-        return state.repair_token
-    return ""
 
 
 def details_lines(state: HealthCarry) -> list[str]:
@@ -255,6 +253,8 @@ async def repair_now(wf: ControlledHealth, request: InstanceRepairNow) -> Instan
         state.operator_repair = _cut(f"operator {who}: {request.reason.strip()}", MAX_REASON_BYTES)
         state.repair_withheld = None
         state.repair_requested = False
+        # A fresh attempt, whatever failed before: after it, failures count from zero again (health_repairs.py).
+        state.repair_retry = state.repair_retry.afresh()
         _publish(
             wf,
             EventType.REPAIR_REQUESTED,
@@ -290,9 +290,11 @@ async def clear(wf: ControlledHealth, request: FindingsClear) -> InstanceControl
         cleared = clear_impaired_checks(state, who, request.reason, workflow.now())
         state.cleared_findings = [*state.cleared_findings, *cleared][-MAX_CLEARED:]
         if not _running(state.repair):
-            # The decision to repair (or to withhold it) is void with the impairment; a fresh finding decides anew.
+            # The decision to repair (or to withhold it, or to retry a failed repair) is void with the impairment; a
+            # fresh finding decides anew.
             state.repair_withheld = None
             state.repair_requested = False
+            state.repair_retry = state.repair_retry.afresh()
         _publish(
             wf,
             EventType.FINDING_CLEARED,
@@ -387,11 +389,15 @@ def clear_impaired_checks(state: HealthCarry, who: str, reason: str, now: dateti
         )
         if check is CheckType.DAEMON:
             state.daemons_down = []
+        elif check is CheckType.CONTAINER_RUNTIME:
+            state.runtimes_down = []
     return cleared
 
 
 def _check_of(finding: GpuFinding) -> CheckType:
-    return CheckType.DAEMON if finding.kind == "daemon" else CheckType.ACCELERATED_COMPUTE
+    if finding.kind == KIND_DAEMON:
+        return CheckType.DAEMON
+    return CheckType.CONTAINER_RUNTIME if finding.kind == KIND_CONTAINER_RUNTIME else CheckType.ACCELERATED_COMPUTE
 
 
 def _impaired(state: HealthCarry, check: CheckType) -> bool:

@@ -10,14 +10,16 @@ from datetime import datetime
 
 from pydantic import BaseModel, Field
 
+from contract.aws_status import AwsInstanceStatus
 from contract.breaker import BreakerHold, BreakerView, FleetBreakerInput
+from contract.formats import iso
 from contract.groups import CapacityGroup, GroupConfigState
 from contract.health import CheckType, HealthInput, HealthState
 from contract.instances import ClearedFinding, Exclusion
 from contract.limits import Id, OptionalId, Text, Token
 from contract.liveness import IgnoreHeartbeats, LivenessInput
 from contract.probe import GpuFinding, ProbeSourceHealth
-from contract.repair import PhaseStep, RepairPhase
+from contract.repair import InPlaceFix, PhaseStep, RepairAction, RepairPhase
 from contract.semaphore import PermitRequest, SemaphoreInput
 from workflows.breaker import BreakerBook
 
@@ -31,6 +33,8 @@ class RepairProgress(BaseModel):
     error: Text | None = None
     finished: bool = False
     token: Token = ""  # the repair's RepairInput.progress_token: only the health workflow that started it knows it
+    # With the last progress of a repair that cleared its fault in place (reset or reboot): the instance stays.
+    in_place_fix: InPlaceFix | None = None
 
 
 # --- Health workflow -------------------------------------------------------------------------------------------
@@ -56,6 +60,58 @@ class RepairView(BaseModel):
     started_at: datetime
     replacement_instance_id: str | None = None
     error: str | None = None
+
+
+class RepairRetry(BaseModel):
+    """An instance's failed repairs in a row and what comes next: retried with backoff by its health workflow
+    (workflows/health_repairs.py) until the group's max_repair_attempts, then left for an operator."""
+
+    failed: int = 0  # attempts that failed since the incident began (or an operator's `instance repair`)
+    max_attempts: int = 0  # the group's max_repair_attempts when the last one failed
+    error: str | None = None  # the last failed attempt's
+    next_at: datetime | None = None  # when the next attempt starts; None: none is waiting to
+    reason: str | None = None  # the failed attempt's reason, which the next one repeats
+    exhausted: bool = False  # every attempt allowed failed: nothing more until `autorepair instance repair`
+    # A failed attempt's workflow id, told by its progress and not yet counted by the run loop; the last counted.
+    to_count: str | None = None
+    last_counted: str | None = None
+
+    def afresh(self) -> RepairRetry:
+        """Nothing failed (an operator's `instance repair` or `clear`); a failure already counted stays counted."""
+        return RepairRetry(last_counted=self.last_counted)
+
+    def text(self) -> str | None:
+        """For describe-instances and the Web UI; None while nothing failed or a retry runs."""
+        if self.exhausted:
+            return f"repairs exhausted after {self.failed} attempts"
+        if self.next_at is not None:
+            return (
+                f"repair failed ({self.error or 'no error given'}), next try at {iso(self.next_at, 'seconds')} "
+                f"(attempt {self.failed + 1} of {self.max_attempts})"
+            )
+        return None
+
+
+class AwsChecks(BaseModel):
+    """What AWS said of the instance (workflows/health_aws_checks.py): the last picture, since when each part has
+    been bad, and which impairments this workflow made of it."""
+
+    last: AwsInstanceStatus | None = None  # the newest picture applied, told by the reader or confirmed
+    # An EC2 status check went impaired then (insufficient-data in between does not end it; ok does), and the ECS
+    # agent was first seen disconnected then: each grace runs from here, whatever reasons come and go meanwhile.
+    status_bad_since: datetime | None = None
+    agent_down_since: datetime | None = None
+    # What this workflow made IMPAIRED: EC2_STATUS for a status check (when), or for a scheduled event (its key);
+    # AGENT_CONNECTIVITY for the ECS agent (when). Set OK by anyone else (a clear, a fix in place): proven afresh.
+    status_impaired_at: datetime | None = None
+    event_impaired: str | None = None
+    agent_impaired_at: datetime | None = None
+    events_told: list[str] = Field(default_factory=list)  # published as ScheduledEventFound (newest kept)
+    events_dismissed: list[str] = Field(default_factory=list)  # their impairment cleared: not repaired for again
+    fix_seen: datetime | None = None  # the last fix in place (a reboot, a GPU reset) taken into account
+    next_at: datetime | None = None  # a grace or a lead time ends: the run loop looks again
+    next_what: str = ""
+    look: bool = False  # a new picture: the run loop looks at once
 
 
 class HealthCarry(BaseModel):
@@ -86,6 +142,8 @@ class HealthCarry(BaseModel):
     probe_sources: list[ProbeSourceHealth] = Field(default_factory=list)  # as the last heartbeat reported them
     # Reasons (DAEMON_<unit>) of critical daemons reported down and not yet back, oldest first.
     daemons_down: list[str] = Field(default_factory=list)
+    # Reasons (CONTAINER_RUNTIME_<unit>) of critical container runtimes reported down or hung, oldest first.
+    runtimes_down: list[str] = Field(default_factory=list)
     # Operator controls (workflows/health_controls.py): who excluded it from repair and why; the reason of a repair
     # an operator asked for and the run loop has not started yet; impairments operators cleared as false (bounded).
     excluded: Exclusion | None = None
@@ -101,6 +159,13 @@ class HealthCarry(BaseModel):
     last_activity_error: Text | None = None
     retry_at: datetime | None = None
     recheck_loss: bool = False
+    # The number of the last repair attempt started (its id: repair/<instance>/<n>), and the failed ones retried.
+    repair_attempt: int = 0
+    # The probe's boot as its last forwarded heartbeat said, and the last fix in place (workflows/health_ladder.py).
+    boot_id: str | None = None
+    last_in_place_fix: InPlaceFix | None = None
+    repair_retry: RepairRetry = Field(default_factory=RepairRetry)
+    aws: AwsChecks = Field(default_factory=AwsChecks)
 
 
 class HealthRun(HealthInput):
@@ -130,6 +195,9 @@ class InstanceHealthView(BaseModel):
     last_activity_error: str | None = None
     excluded: Exclusion | None = None
     cleared_findings: list[ClearedFinding] = Field(default_factory=list)
+    repair_retry: RepairRetry = Field(default_factory=RepairRetry)
+    boot_id: str | None = None
+    last_in_place_fix: InPlaceFix | None = None
 
 
 # --- Drain semaphore -------------------------------------------------------------------------------------------
@@ -145,6 +213,8 @@ class PermitGrant(BaseModel):
     holder_workflow_id: Id
     granted_at: datetime
     token: Token = ""  # the token of the request it answers: a repair takes no grant without its own
+    # AZs where the group's launches met capacity errors lately: a repair that may move starts elsewhere.
+    avoid_azs: list[str] = Field(default_factory=list)
 
 
 class Permit(BaseModel):
@@ -169,6 +239,8 @@ class SemaphoreRun(SemaphoreInput):
     config: GroupConfigState | None = None
     breaker: BreakerBook | None = None
     fleet_hold: BreakerHold | None = None
+    # AZ -> when a launch there last met a capacity error (workflows/semaphore_zones.py).
+    launch_failures: dict[str, datetime] = Field(default_factory=dict)
 
 
 class SemaphoreView(BaseModel):
@@ -177,6 +249,7 @@ class SemaphoreView(BaseModel):
     group_size: int
     holders: list[Permit]
     out_of_service: int = 0  # DRAINING without a permit: counted against the cap
+    launch_failures: dict[str, datetime] = Field(default_factory=dict)  # AZ -> last capacity error
     waiters: list[PermitRequest]
     max_holders_seen: int
     rejected_signals: int
@@ -262,14 +335,19 @@ class RepairStatus(BaseModel):
     timeline: list[PhaseStep] = Field(default_factory=list)
     rejected_signals: int = 0
     forged_signals: int = 0
+    # The remediation ladder: what was done (None: not decided yet), and why a rung was skipped or did not work.
+    action: RepairAction | None = None
+    escalated: str | None = None
 
 
 class RepairResult(BaseModel):
     instance_id: str
-    replacement_instance_id: str
+    replacement_instance_id: str | None = None  # None: fixed in place (action says how)
     tasks_stopped: int
     tasks_forced: int
     timeline: list[PhaseStep] = Field(default_factory=list)
+    action: RepairAction = RepairAction.REPLACE
+    escalated: str | None = None
 
 
 class FleetBreakerRun(FleetBreakerInput):

@@ -10,6 +10,8 @@ Runbook:
   5. Let the instance's tasks stop, each within its own stop timeout (durable timers); stop what is left.
   6. Terminate the impaired instance. Only now: its replacement is already serving.
   7. Release the permit, whatever happened above.
+Under a group's `remediation = "reboot-first"`, a fault NVIDIA says a GPU reset or a reboot clears is first handled
+in place after step 2, and replaced (3-6) only when that does not work (workflows/repair_reboot.py).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RawValue
-from temporalio.exceptions import ActivityError, ApplicationError, FailureError
+from temporalio.exceptions import ActivityError, ApplicationError, FailureError, is_cancelled_exception
 
 from contract import names
 from contract import search_attributes as sa
@@ -31,6 +33,7 @@ from contract.ids import health_workflow_id, semaphore_workflow_id
 from contract.instances import RepairWithdrawal, RepairWithdrawalResult
 from contract.repair import PhaseStep, RepairInput, RepairPhase
 from contract.semaphore import PermitDenial
+from workflows import repair_reboot as ladder
 from workflows.group_config import read_group_config
 from workflows.group_events import publish
 from workflows.models import PermitGrant, PermitRelease, RepairProgress, RepairResult, RepairStatus
@@ -85,13 +88,16 @@ class InstanceRepairWorkflow:
         self._discarded: str | None = None
         # Put in our permit request; the semaphore's grant must carry it back, and our release shows it.
         self._permit_token = str(workflow.uuid4())
+        self._avoid_azs: list[str] = []  # from the grant: AZs the group's launches found out of capacity
         self._timeline = [PhaseStep(phase=RepairPhase.WAITING_FOR_PERMIT, started_at=workflow.now())]
+        self._ladder = ladder.Ladder()
 
     @workflow.run
     async def run(self, input: RepairInput) -> RepairResult:
         group = await read_group_config(input.group, "read group config")
-        await self._event(EventType.REPAIR_STARTED, reason=input.reason)
+        ladder.choose(self, group)
         try:
+            await self._event(EventType.REPAIR_STARTED, reason=input.reason)
             await self._acquire_permit()
             await self._event(EventType.DRAIN_PERMIT_GRANTED)
 
@@ -106,6 +112,8 @@ class InstanceRepairWorkflow:
             self._notes[RepairPhase.DRAINING] = drained.container_instance_arn.rsplit("/", 1)[-1]
             await self._event(EventType.DRAINING)
 
+            if await ladder.fix_in_place(self, group):
+                return await self._completed(*self._ladder.tasks)
             self._replacement = await replace(self, group, drained)
 
             await self._enter(RepairPhase.STOPPING_TASKS)
@@ -123,20 +131,7 @@ class InstanceRepairWorkflow:
             )
             await self._event(EventType.TERMINATED)
 
-            await self._enter(RepairPhase.COMPLETED, finished=True)
-            await self._event(
-                EventType.REPAIR_COMPLETED,
-                replacement_instance_id=self._replacement,
-                reason=input.reason,
-                timeline=self._steps(),
-            )
-            return RepairResult(
-                instance_id=input.instance_id,
-                replacement_instance_id=self._replacement,
-                tasks_stopped=stopped,
-                tasks_forced=forced,
-                timeline=self._timeline,
-            )
+            return await self._completed(stopped, forced)
         except _Withdrawn as withdrawn:
             self._error = f"withdrawn before draining: {withdrawn}"
             await self._enter(RepairPhase.CANCELLED, finished=True)
@@ -156,11 +151,13 @@ class InstanceRepairWorkflow:
                 f"repair of {input.instance_id} {self._error}", type="RepairDiscarded", non_retryable=True
             ) from None
         except asyncio.CancelledError:
-            self._error = "cancelled by an operator"
-            await self._enter(RepairPhase.CANCELLED, finished=True)
-            await self._event(EventType.REPAIR_FAILED, error=self._error, reason=input.reason, timeline=self._steps())
+            await self._cancelled()
             raise
         except (ActivityError, ReplacementsExhausted) as err:
+            if is_cancelled_exception(err):
+                # An activity cancelled along with this workflow: the operator's cancellation, not a failure to retry.
+                await self._cancelled()
+                raise asyncio.CancelledError from err
             self._error = _describe(err)
             await self._enter(RepairPhase.FAILED, finished=True)
             await self._event(EventType.REPAIR_FAILED, error=self._error, reason=input.reason, timeline=self._steps())
@@ -173,6 +170,31 @@ class InstanceRepairWorkflow:
             await self._release_permit()
 
     # --- steps ------------------------------------------------------------------------------------------------
+
+    async def _cancelled(self) -> None:
+        self._error = "cancelled by an operator"
+        await self._enter(RepairPhase.CANCELLED, finished=True)
+        await self._event(EventType.REPAIR_FAILED, error=self._error, reason=self._input.reason, timeline=self._steps())
+
+    async def _completed(self, stopped: int, forced: int) -> RepairResult:
+        """Replaced, or fixed in place (self._ladder.fix): the instance's health workflow is told which."""
+        await self._enter(RepairPhase.COMPLETED, finished=True)
+        await self._event(
+            EventType.REPAIR_COMPLETED,
+            replacement_instance_id=self._replacement,
+            reason=self._input.reason,
+            action=self._ladder.action.value,
+            timeline=self._steps(),
+        )
+        return RepairResult(
+            instance_id=self._input.instance_id,
+            replacement_instance_id=self._replacement,
+            tasks_stopped=stopped,
+            tasks_forced=forced,
+            timeline=self._timeline,
+            action=self._ladder.action,
+            escalated=self._ladder.escalated,
+        )
 
     async def _acquire_permit(self) -> None:
         info = workflow.info()
@@ -282,6 +304,7 @@ class InstanceRepairWorkflow:
             error=self._error,
             finished=finished,
             token=self._input.progress_token,
+            in_place_fix=self._ladder.fix if finished else None,
         )
         handle = workflow.get_external_workflow_handle(health_workflow_id(self._input.instance_id))
         try:
@@ -332,6 +355,7 @@ class InstanceRepairWorkflow:
             return
         if not self._granted:
             self._granted = True
+            self._avoid_azs = grant.avoid_azs
             self._notes[RepairPhase.WAITING_FOR_PERMIT] = f"granted at {iso(grant.granted_at, 'seconds')}"
 
     def _on_denial(self, denial: PermitDenial | Rejected) -> None:
@@ -387,6 +411,8 @@ class InstanceRepairWorkflow:
             timeline=self._timeline,
             rejected_signals=self._rejected,
             forged_signals=self._forged,
+            action=self._ladder.action,
+            escalated=self._ladder.escalated,
         )
 
     def _runbook_markdown(self) -> str:
@@ -394,9 +420,11 @@ class InstanceRepairWorkflow:
         gpu = self._input.finding.gpu.pci if self._input.finding and self._input.finding.gpu.pci else None
         title = f"### Repair of `{self._input.instance_id}` in `{self._input.group}`"
         lines = [title, f"Reason: **{reason}**" + (f" on GPU `{gpu}`" if gpu else ""), ""]
+        rung = ladder.runbook_lines(self)  # the remediation ladder's steps, when it takes the rung in place
+        lines += rung if rung is not None else ladder.header_lines(self)
         order = [phase for phase, _ in RUNBOOK]
         current = order.index(self._phase) if self._phase in order else len(order)
-        for index, (phase, text) in enumerate(RUNBOOK):
+        for index, (phase, text) in enumerate(RUNBOOK if rung is None else []):
             mark = "done" if index < current else ("**now**" if index == current else "next")
             note = self._notes.get(phase)
             lines.append(f"{index + 1}. [{mark}] {text}" + (f" — {note}" if note else ""))

@@ -19,15 +19,17 @@ from typing import TYPE_CHECKING
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import ActivityError, ApplicationError, is_cancelled_exception
 from temporalio.exceptions import TimeoutError as ActivityTimeoutError
 
 from contract.config import format_seconds
 from contract.groups import CapacityGroup
 from contract.repair import RepairPhase
+from workflows import repair_zones
 from workflows.options import CALL_RETRY, CALL_TIMEOUT
 
 with workflow.unsafe.imports_passed_through():
+    from activities.errors import CAPACITY_CODES
     from activities.fleet import FleetActivities
     from activities.models import DrainResult, EventType, LaunchRequest, ReplacementRef, ReplacementWait
 
@@ -43,15 +45,20 @@ READY_HEARTBEAT_TIMEOUT = timedelta(seconds=10)
 # Within the schedule-to-close timeout: a lost worker or a throttled ECS API must not end the wait early.
 READY_RETRY = RetryPolicy(initial_interval=timedelta(seconds=2), maximum_interval=timedelta(seconds=30))
 CLIENT_TOKEN_MAX = 64  # RunInstances' limit
+# A patch id: histories recorded before a repair told its semaphore how its launches went.
+LAUNCH_OUTCOMES = "launch-outcomes"
 
 
 class ReplacementsExhausted(Exception):
     """Raised out of replace(): no attempt's replacement became ACTIVE; each one was terminated."""
 
 
-def client_token(instance_id: str, attempt: int) -> str:
-    """One attempt's RunInstances token: the same on every retry of the attempt, another for the next attempt."""
-    suffix = f"-{attempt}"
+def client_token(instance_id: str, attempt: int, repair_attempt: int = 0) -> str:
+    """One replacement attempt's RunInstances token: the same on every retry of the attempt, another for the next
+    attempt and for every attempt of a later repair of the instance (contract/ids.py), whose first replacement would
+    otherwise get a failed repair's dead one back. Repair attempt 0 (a repair started before repairs had attempts)
+    keeps the token it began with."""
+    suffix = f"-{repair_attempt}.{attempt}" if repair_attempt else f"-{attempt}"
     return f"autorepair-{instance_id}"[: CLIENT_TOKEN_MAX - len(suffix)] + suffix
 
 
@@ -61,7 +68,7 @@ async def replace(wf: InstanceRepairWorkflow, group: CapacityGroup, drained: Dra
     given_up: list[str] = []
     for attempt in range(1, limit + 1):
         await wf._enter(RepairPhase.LAUNCHING_REPLACEMENT)
-        replacement = await _launch(wf, drained, attempt, limit)
+        replacement = await _launch(wf, group, drained, attempt, limit)
         wf._replacement = replacement
         wf._notes[RepairPhase.LAUNCHING_REPLACEMENT] = replacement + _of(attempt, limit)
         await wf._event(EventType.REPLACEMENT_LAUNCHED, replacement_instance_id=replacement, attempt=attempt)
@@ -89,21 +96,26 @@ def _of(attempt: int, limit: int) -> str:
     return f" (attempt {attempt} of {limit})" if limit > 1 else ""
 
 
-async def _launch(wf: InstanceRepairWorkflow, drained: DrainResult, attempt: int, limit: int) -> str:
+async def _launch(
+    wf: InstanceRepairWorkflow, group: CapacityGroup, drained: DrainResult, attempt: int, limit: int
+) -> str:
     instance_id = wf._input.instance_id
-    request = LaunchRequest(
-        group=wf._input.group,
-        impaired_instance_id=instance_id,
-        availability_zone=drained.availability_zone,
-        subnet_id=drained.subnet_id,
-        client_token=client_token(instance_id, attempt),
-    )
-    summary = f"launch replacement for {instance_id} in {drained.availability_zone}"
-    if attempt > 1:
-        summary += f", replacement {attempt} of {limit}"
+    zones = await repair_zones.plan(wf, group, drained)
+    reported = workflow.patched(LAUNCH_OUTCOMES)
     backoff = LAUNCH_BACKOFF_FIRST
     tries = 1
     while True:
+        token = client_token(instance_id, attempt, wf._input.attempt)
+        request = LaunchRequest(
+            group=wf._input.group,
+            impaired_instance_id=instance_id,
+            availability_zone=zones.here.availability_zone,
+            subnet_id=zones.here.subnet_id,
+            client_token=f"{token}-z{zones.moves}" if zones.moves else token,
+        )
+        summary = f"launch replacement for {instance_id} in {zones.here.availability_zone}"
+        if attempt > 1:
+            summary += f", replacement {attempt} of {limit}"
         try:
             launched = await workflow.execute_activity_method(
                 FleetActivities.launch_replacement,
@@ -116,12 +128,21 @@ async def _launch(wf: InstanceRepairWorkflow, drained: DrainResult, attempt: int
                     maximum_attempts=3,
                 ),
             )
+            if reported and (tries > 1 or zones.here.availability_zone in wf._avoid_azs):
+                await repair_zones.tell_semaphore(wf, zones.here.availability_zone, capacity_error=False)
             return launched.replacement_instance_id
         except ActivityError as err:
-            if permanent_error(err):
+            if permanent_error(err) or is_cancelled_exception(err):
                 raise
             # Capacity shortages last minutes to hours: keep the instance draining, keep trying, and say so.
             wf._error = describe_error(err)
+            zone = zones.here.availability_zone
+            next_try = ""
+            if capacity_error(err):
+                if reported:
+                    await repair_zones.tell_semaphore(wf, zone, capacity_error=True)
+                next_try = zones.capacity_error()
+                wf._error += f"; {next_try}"
             wf._notes[RepairPhase.LAUNCHING_REPLACEMENT] = f"attempt {tries} failed: {wf._error}"
             await wf._notify_health()
             await wf._event(
@@ -129,6 +150,7 @@ async def _launch(wf: InstanceRepairWorkflow, drained: DrainResult, attempt: int
                 error=wf._error,
                 attempt=tries,
                 retry_in_seconds=int(backoff.total_seconds()),
+                **({"availability_zone": zone, "next_try": next_try} if next_try else {}),
             )
             await workflow.sleep(backoff, summary=f"back off before launch attempt {tries + 1}")
             backoff = min(backoff * 2, LAUNCH_BACKOFF_MAX)
@@ -184,6 +206,10 @@ async def _abandon(
         error=error,
         attempts_left=limit - attempt,
     )
+
+
+def capacity_error(err: ActivityError) -> bool:
+    return isinstance(err.cause, ApplicationError) and err.cause.type in CAPACITY_CODES
 
 
 def permanent_error(err: ActivityError) -> bool:

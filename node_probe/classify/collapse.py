@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator
 from datetime import datetime, timedelta
 from typing import Generic, NamedTuple, TypeVar
 
-from contract.probe import GpuFinding
+from contract.probe import STATE_TRANSITION_KINDS, GpuFinding
 from node_probe.classify.dedupe import DEFAULT_MAX_KEYS, BurstCollapser
 from node_probe.classify.findings import DedupeKey, burst_rollup, dedupe_key, make_finding, record_position
 from node_probe.classify.kernel_log import parse_runs
@@ -30,7 +30,7 @@ T = TypeVar("T")
 
 # Daemon transitions are not a flood (one per episode, from the source itself), and folding "down" after "back up"
 # into a burst would hide that it is down again: each goes out.
-STATE_TRANSITIONS = frozenset({"daemon", "daemon_recovered"})
+STATE_TRANSITIONS = STATE_TRANSITION_KINDS
 # Who a log read outside the probe is about: findings need an instance and a group, and `classify` has neither.
 CLASSIFY_SOURCE = "classify"
 NO_INSTANCE = "-"

@@ -10,12 +10,16 @@ import hashlib
 from datetime import datetime
 
 from contract.probe import GpuFinding, GpuRef
+from node_probe.classify.catalog import default_catalog
 from node_probe.classify.policy import Verdict
 from node_probe.classify.record import FaultRecord
 
 # Signals are stored in workflow history: cap what a pathological line can put there.
 MAX_RAW_CHARS = 4096
 MAX_MESSAGE_CHARS = 1024
+
+# "GPU has fallen off the bus" is what Xid 79 reports: the same condition, and the same action.
+FALLEN_OFF_THE_BUS_XID = 79
 
 DedupeKey = tuple[str, str | None, int | None, int | None, bool]
 
@@ -55,6 +59,7 @@ def make_finding(
         impairs=verdict.impairs,
         rule=verdict.rule,
         source=source,
+        immediate_action=immediate_action(record),
         gpu=GpuRef(
             pci=record.pci,
             uuid=record.uuid,
@@ -65,6 +70,19 @@ def make_finding(
         raw=_clip(record.raw, MAX_RAW_CHARS),
         observed_at=observed_at,
     )
+
+
+def immediate_action(record: FaultRecord) -> str:
+    """NVIDIA's immediate action for the record: its Xid's resolution bucket in the catalog; a GPU fallen off the bus
+    without an Xid line is Xid 79's (RESTART_BM). Anything else names none: no reboot is known to clear it."""
+    if record.kind == "gpu_fallen_off_bus":
+        code: int | None = FALLEN_OFF_THE_BUS_XID
+    elif record.kind == "xid":
+        code = record.code
+    else:
+        return ""
+    info = default_catalog().get(code) if code is not None else None
+    return info.immediate_bucket if info is not None else ""
 
 
 def dedupe_key(record: FaultRecord, verdict: Verdict) -> DedupeKey:

@@ -15,8 +15,9 @@ reboots: a stopped and started instance runs on other hardware, so it never impa
 
 Records from the other sources: NVML Xid events arrive as `xid` records and "GPU is lost" as `gpu_fallen_off_bus`,
 so the rules above apply unchanged. NVML's polled state (`nvml`), DCGM health (`dcgm`) and daemons (`daemon`) carry
-their own reason; DCGM "fail" and a critical daemon impair under both policies (ECS's DCGM and DAEMON checks), the
-NVML conditions only under `nvidia-catalog` (ECS does not act on them).
+their own reason; DCGM "fail", a critical daemon and a critical container runtime (`container_runtime`) impair under
+both policies (ECS's DCGM, DAEMON and CONTAINER_RUNTIME checks), the NVML conditions only under `nvidia-catalog`
+(ECS does not act on them).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, Field
 
+from contract.probe import KIND_CONTAINER_RUNTIME, KIND_CONTAINER_RUNTIME_RECOVERED, STATE_TRANSITION_KINDS
 from node_probe.classify.catalog import XidCatalog, default_catalog
 from node_probe.classify.record import FaultRecord
 
@@ -56,7 +58,7 @@ NVML_REMAP_FAILURE = "NVML_REMAP_FAILURE"  # like Xid 64, bucket RESET_GPU
 NVML_GPU_UNAVAILABLE = "NVML_GPU_UNAVAILABLE"
 NVML_RECOVERY_ACTION_PREFIX = "NVML_RECOVERY_ACTION_"
 _NVLINK5_XIDS = range(144, 151)
-_SOURCE_KINDS = frozenset({"nvml", "dcgm", "daemon", "daemon_recovered"})
+_SOURCE_KINDS = frozenset({"nvml", "dcgm"}) | STATE_TRANSITION_KINDS
 # Bounds the repeat-rule memory when a log names many GPUs (or garbage addresses).
 _MAX_REPEAT_KEYS = 1024
 # Bounds the verdicts remembered for records no repeat rule counts (a log naming many distinct codes).
@@ -157,6 +159,11 @@ def _source_record(policy: str, record: FaultRecord) -> tuple[bool, str]:
         return (True, f"{policy}:daemon-critical") if record.critical else (False, f"{policy}:daemon-not-critical")
     if record.kind == "daemon_recovered":
         return False, f"{policy}:daemon-recovered"
+    if record.kind == KIND_CONTAINER_RUNTIME:
+        # ECS's CONTAINER_RUNTIME check: a runtime that is down or hung cannot start the tasks the host is for.
+        return (True, f"{policy}:runtime-critical") if record.critical else (False, f"{policy}:runtime-not-critical")
+    if record.kind == KIND_CONTAINER_RUNTIME_RECOVERED:
+        return False, f"{policy}:runtime-recovered"
     if policy == POLICY_ECS:
         return False, "ecs:nvml-not-an-ecs-check"
     reason = record.reason or ""

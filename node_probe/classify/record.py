@@ -5,8 +5,18 @@ from __future__ import annotations
 
 from typing import Any, Literal, NamedTuple
 
+# The host-service kinds are contract.probe's KIND_* (tests/test_container_runtime.py holds the two together).
 RecordKind = Literal[
-    "xid", "sxid", "gpu_fallen_off_bus", "gpu_init_failed", "nvml", "dcgm", "daemon", "daemon_recovered"
+    "xid",
+    "sxid",
+    "gpu_fallen_off_bus",
+    "gpu_init_failed",
+    "nvml",
+    "dcgm",
+    "daemon",
+    "daemon_recovered",
+    "container_runtime",
+    "container_runtime_recovered",
 ]
 
 

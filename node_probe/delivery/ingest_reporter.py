@@ -19,7 +19,15 @@ import aiohttp
 from botocore.credentials import ReadOnlyCredentials
 from pydantic import BaseModel, ValidationError
 
-from contract.ingest import FINDINGS_PATH, HEARTBEATS_PATH, PROOF_HEADER, SESSION_HEADER, Accepted, Refusal
+from contract.ingest import (
+    FINDINGS_PATH,
+    HEARTBEATS_PATH,
+    PROOF_HEADER,
+    REFUSED_UNKNOWN_GROUP,
+    SESSION_HEADER,
+    Accepted,
+    Refusal,
+)
 from contract.probe import GpuFinding, Heartbeat
 from node_probe.delivery.proof import ambient_credentials, sign_proof
 
@@ -42,21 +50,30 @@ def default_sts_endpoint(region: str) -> str:
 
 
 class IngestRefused(Exception):
-    """The ingest answered something other than 202; the probe keeps the report and tries again."""
+    """The ingest answered something other than 202; the probe keeps the report and tries again. `kind` is the
+    ingest's name for the check that refused it (contract.ingest.Refusal.kind), "" when it gave none."""
 
-    def __init__(self, status: int, reason: str) -> None:
-        super().__init__(f"ingest refused it ({status}): {reason}")
+    def __init__(self, status: int, reason: str, kind: str = "") -> None:
+        super().__init__(f"ingest refused it ({status}{', ' + kind if kind else ''}): {reason}")
         self.status = status
         self.reason = reason
+        self.kind = kind
+
+    @property
+    def unknown_group(self) -> bool:
+        """The ingest's settings have no such group: every report of this probe is refused until its --group (or
+        the settings) is fixed."""
+        return self.kind == REFUSED_UNKNOWN_GROUP
 
 
-def refusal_reason(status: int, body: str) -> str:
-    """The reason in an ingest's JSON Refusal, or the start of whatever else answered (a proxy's page)."""
+def refusal_of(status: int, body: str) -> tuple[str, str]:
+    """The reason and kind in an ingest's JSON Refusal, or the start of whatever else answered (a proxy's page)."""
     try:
-        return Refusal.model_validate_json(body).reason
+        refusal = Refusal.model_validate_json(body)
     except ValidationError:
         text = " ".join(body.split())[:200]
-        return text or f"HTTP {status}"
+        return text or f"HTTP {status}", ""
+    return refusal.reason, refusal.kind
 
 
 def _permanent(status: int) -> bool:
@@ -64,7 +81,8 @@ def _permanent(status: int) -> bool:
     spooled behind it. Only the report's own faults are: 400 (not a valid GpuFinding: a probe newer or older than
     the ingest's model) and 413 (too large). Everything about the host rather than the report is retried: 401
     (expired or rotated credentials, a clock off by minutes), 403 (a missing group tag, an instance not yet
-    registered in its cluster, a role not yet allowed, a wrong --instance-id) and 404 (a wrong --ingest URL) would
+    registered in its cluster, a role not yet allowed, a wrong --instance-id, a --group not in the ingest's settings)
+    and 404 (a wrong --ingest URL) would
     refuse every later finding from this host just the same, so dropping this one would lose it and unblock
     nothing; kept, the spool drains in order, nothing lost, once the operator fixes the cause (the ingest believes
     a membership answer for ingest.membership_ttl). The probe logs each failed attempt, with the ingest's reason,
@@ -159,7 +177,7 @@ class IngestReporter:
             return
         if status == 401:
             self._credentials = None  # expired or rotated: read them again for the next attempt
-        raise IngestRefused(status, refusal_reason(status, text))
+        raise IngestRefused(status, *refusal_of(status, text))
 
     async def _send(self, path: str, body: bytes, token: str | None) -> tuple[int, str]:
         headers = {"Content-Type": "application/json"}

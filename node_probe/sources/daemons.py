@@ -19,6 +19,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
+from contract.probe import KIND_DAEMON, KIND_DAEMON_RECOVERED
 from node_probe.classify.record import FaultRecord, RecordKind
 from node_probe.host import CommandResult, CommandRunner, boot_id, run_command
 from node_probe.sources.base import Observation, SourceStatus, TrackedStatus, polled
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 
 SOURCE_NAME = "daemons"
 # `systemctl is-active` states that mean "running": reloading is a running unit re-reading its config.
-_UP_STATES = frozenset({"active", "reloading"})
+UP_STATES = frozenset({"active", "reloading"})
 NVSWITCH_DIRS = (Path("/proc/driver/nvidia-nvswitch/devices"),)
 NVSWITCH_DEVICE_GLOB = "nvidia-nvswitch[0-9]*"
 
@@ -70,6 +71,10 @@ def default_daemons(nvswitches: bool | None = None) -> list[DaemonSpec]:
 class DaemonSource(TrackedStatus):
     name = SOURCE_NAME
     gpu_source = False  # a daemon being down is a finding, not a reason to doubt what the GPU sources see
+    # What a subclass watching other units (sources/container_runtime.py) reports instead.
+    down_kind: RecordKind = KIND_DAEMON
+    up_kind: RecordKind = KIND_DAEMON_RECOVERED
+    reason_prefix = "DAEMON_"
 
     def __init__(
         self,
@@ -107,12 +112,8 @@ class DaemonSource(TrackedStatus):
         if not watched:
             self._mark_ok()
             return []
-        result = await self._systemctl_call(["is-active", *(spec.unit for spec in watched)])
-        if result is None:
-            return []
-        states = result.stdout.split()
-        if len(states) != len(watched):
-            self._set_down(f"daemons: systemctl is-active answered {len(states)} lines for {len(watched)} units")
+        states = await self._states(watched)
+        if states is None:
             return []
         self._mark_ok()
         now = self._clock()
@@ -122,6 +123,25 @@ class DaemonSource(TrackedStatus):
             if observation is not None:
                 found.append(observation)
         return found
+
+    async def _states(self, watched: list[DaemonSpec]) -> list[str] | None:
+        """Each watched unit's state, `systemctl is-active`'s word for it; None when systemctl could not say."""
+        result = await self._systemctl_call(["is-active", *(spec.unit for spec in watched)])
+        if result is None:
+            return None
+        states = result.stdout.split()
+        if len(states) != len(watched):
+            self._set_down(f"{self.name}: systemctl is-active answered {len(states)} lines for {len(watched)} units")
+            return None
+        return states
+
+    def _describe(self, spec: DaemonSpec, state: str) -> str:
+        """What is wrong with a unit in `state`, for the finding's message."""
+        return f"{spec.unit} is {state}"
+
+    def _raw(self, spec: DaemonSpec, state: str) -> str:
+        """The finding's raw text: what was read. Part of the finding id, so stable for one outage."""
+        return f"systemctl is-active {spec.unit}: {state}"
 
     async def _learn_installed(self) -> None:
         unknown = [s.unit for s in self.units if s.only_if_installed and s.unit not in self._installed]
@@ -138,26 +158,26 @@ class DaemonSource(TrackedStatus):
             installed = load_state not in ("not-found", "masked")
             if installed:
                 self._installed[unit] = True
-                log.info("daemons: watching %s", unit)
+                log.info("%s: watching %s", self.name, unit)
 
     async def _systemctl_call(self, args: list[str]) -> CommandResult | None:
         argv = [self._systemctl, *args]
         try:
             return await self._run(argv, self._timeout)
         except FileNotFoundError:
-            self._set_down(f"daemons: {self._systemctl} not found (no systemd?)")
+            self._set_down(f"{self.name}: {self._systemctl} not found (no systemd?)")
         except TimeoutError:
-            self._set_down(f"daemons: {' '.join(argv)} did not finish within {self._timeout:.0f}s")
+            self._set_down(f"{self.name}: {' '.join(argv)} did not finish within {self._timeout:.0f}s")
         except OSError as exc:
-            self._set_down(f"daemons: cannot run {self._systemctl}: {exc.strerror or exc}")
+            self._set_down(f"{self.name}: cannot run {self._systemctl}: {exc.strerror or exc}")
         return None
 
     def _update(self, spec: DaemonSpec, state: str, now: float) -> Observation | None:
         unit = spec.unit
-        if state in _UP_STATES:
+        if state in UP_STATES:
             if unit not in self._down_since:
                 return None
-            log.info("daemons: %s is %s again", unit, state)
+            log.info("%s: %s is %s again", self.name, unit, state)
             down_for = now - self._down_since.pop(unit)
             if unit not in self._reported:
                 return None  # back within the threshold: never reported, so nothing to take back
@@ -166,17 +186,17 @@ class DaemonSource(TrackedStatus):
             self._episodes[unit] = episode + 1
             # Reported so that the DAEMON check does not latch: the health workflow clears it unless a repair began.
             return self._observation(
-                spec, "daemon_recovered", state, f"{unit} is {state} again after {down_for:.0f}s", f"up:{episode}"
+                spec, self.up_kind, state, f"{unit} is {state} again after {down_for:.0f}s", f"up:{episode}"
             )
         since = self._down_since.setdefault(unit, now)
         down_for = now - since
         if unit in self._reported or down_for < self._threshold:
             return None
         self._reported.add(unit)
-        message = f"{unit} is {state} for {down_for:.0f}s (threshold {self._threshold:.0f}s)"
+        message = f"{self._describe(spec, state)} for {down_for:.0f}s (threshold {self._threshold:.0f}s)"
         return self._observation(
             spec,
-            "daemon",
+            self.down_kind,
             state,
             message + (" (critical)" if spec.critical else ""),
             f"down:{self._episodes.get(unit, 0)}",
@@ -185,12 +205,12 @@ class DaemonSource(TrackedStatus):
     def _observation(self, spec: DaemonSpec, kind: RecordKind, state: str, message: str, episode: str) -> Observation:
         record = FaultRecord(
             line=0,
-            raw=f"systemctl is-active {spec.unit}: {state}",
+            raw=self._raw(spec, state),
             kind=kind,
             code=None,
             pci=None,
             message=message,
-            reason=f"DAEMON_{spec.unit}",
+            reason=f"{self.reason_prefix}{spec.unit}",
             critical=spec.critical,
         )
         return Observation(record, self.name, f"state:{boot_id()}:{spec.unit}:{episode}")

@@ -1,0 +1,253 @@
+"""The remediation ladder's rung in place: reboot an instance, reset one GPU, read whether it came back, set it ACTIVE.
+
+Each activity is one look or one step, idempotent, and the repair workflow (workflows/repair_reboot.py) polls the
+looks between named timers:
+- `reboot_instance`: EC2 RebootInstances, then the instance is tagged with the step's token (REBOOT_TAG); a retry
+  that finds the tag does not reboot again. A retry between the two reboots twice, which costs a boot, no more.
+- `send_gpu_reset` / `gpu_reset_status`: `nvidia-smi -r -i <pci>` through SSM Run Command (AWS-RunShellScript).
+  The command's comment carries the step's token, so a retry finds the command it already sent. A command that did
+  not succeed is a refused reset: its output says why (processes still hold the GPU; on NVSwitch systems the GPUs
+  reset only together); the workflow reboots instead.
+- `recovery_status`: the instance's health workflow's view (the probe's boot id, its sources, the recent findings)
+  and ECS's agentConnected.
+- `set_active`: the container instance back to ACTIVE. Already ACTIVE is success.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from temporalio import activity
+from temporalio.client import Client
+from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError, RPCStatusCode
+
+from activities.aws import AwsClients, aws_call
+from activities.ec2 import GONE_EC2_STATES, Ec2, tags_of
+from activities.fleet import INSTANCE_ID
+from activities.models import (
+    ActivateResult,
+    GpuResetCheck,
+    GpuResetCommand,
+    GpuResetRequest,
+    GpuResetStatus,
+    HealthViewExcerpt,
+    InstanceRef,
+    RebootRequest,
+    RebootResult,
+    RecoveryCheck,
+    RecoveryStatus,
+)
+from contract import names
+from contract.groups import CapacityGroup
+from contract.ids import health_workflow_id
+
+if TYPE_CHECKING:
+    from mypy_boto3_ecs.type_defs import ContainerInstanceTypeDef
+
+RESET_DOCUMENT = "AWS-RunShellScript"
+# nvidia-smi resets one GPU in seconds; a command still running after this is stopped by SSM and counts as refused.
+RESET_COMMAND_TIMEOUT_S = 300
+# SSM's terminal statuses of a command invocation; any other (Pending, InProgress, Delayed) is still running.
+TERMINAL_STATUSES = frozenset({"Success", "Failed", "Cancelled", "TimedOut", "Cancelling", "Undeliverable"})
+REGISTERED_STATUSES = ("ACTIVE", "DRAINING")
+WHY_MAX = 500
+QUERY_TIMEOUT = timedelta(seconds=10)
+PCI_ADDRESS_CHARS = frozenset("0123456789abcdefABCDEF:.")
+
+
+def reset_command(gpu: str) -> str:
+    # The address goes into a shell command: only what a PCI address is made of.
+    if not gpu or not set(gpu) <= PCI_ADDRESS_CHARS:
+        raise ApplicationError(f"not a PCI address: {gpu!r}", type="InvalidGpuAddress", non_retryable=True)
+    # The finding names the device (dddd:bb:dd); nvidia-smi takes a function too.
+    return f"nvidia-smi -r -i {gpu if '.' in gpu else gpu + '.0'}"
+
+
+class RemediationActivities:
+    def __init__(self, aws: AwsClients, groups: Callable[[str], CapacityGroup], client: Client) -> None:
+        self._aws = aws
+        self._ec2 = Ec2(aws)
+        self._groups = groups
+        self._client = client
+
+    def activities(self) -> list[Callable[..., Any]]:
+        """The bound activity methods, for `Worker(activities=...)`."""
+        return [self.reboot_instance, self.send_gpu_reset, self.gpu_reset_status, self.recovery_status, self.set_active]
+
+    @activity.defn(name="reboot_instance")
+    async def reboot_instance(self, request: RebootRequest) -> RebootResult:
+        """Reboot the instance once per token; a terminated instance is an error no retry helps."""
+        self._group(request.group)
+        instance = await self._ec2.instance(request.instance_id)
+        if instance is None or instance.get("State", {}).get("Name") in GONE_EC2_STATES:
+            state = (instance or {}).get("State", {}).get("Name", "not found")
+            raise ApplicationError(
+                f"EC2 instance {request.instance_id} is {state}: nothing to reboot",
+                type="InstanceTerminated",
+                non_retryable=True,
+            )
+        if tags_of(instance.get("Tags")).get(names.REBOOT_TAG) == request.token:
+            return RebootResult(already_rebooted=True)
+        await aws_call(
+            f"EC2 instance {request.instance_id}", self._aws.ec2.reboot_instances, InstanceIds=[request.instance_id]
+        )
+        await aws_call(
+            f"EC2 instance {request.instance_id}",
+            self._aws.ec2.create_tags,
+            Resources=[request.instance_id],
+            Tags=[{"Key": names.REBOOT_TAG, "Value": request.token}],
+        )
+        return RebootResult()
+
+    @activity.defn(name="send_gpu_reset")
+    async def send_gpu_reset(self, request: GpuResetRequest) -> GpuResetCommand:
+        """Send `nvidia-smi -r -i <pci>` through Run Command, once per token."""
+        self._group(request.group)
+        comment = f"{names.GPU_RESET_COMMENT} {request.instance_id} {request.token}"
+        command = reset_command(request.gpu)
+        sent = await aws_call(
+            f"SSM commands of {request.instance_id}", self._aws.ssm.list_commands, InstanceId=request.instance_id
+        )
+        for earlier in sent.get("Commands", []):
+            if earlier.get("Comment") == comment:
+                return GpuResetCommand(command_id=earlier["CommandId"], already_sent=True)
+        resp = await aws_call(
+            f"EC2 instance {request.instance_id}",
+            self._aws.ssm.send_command,
+            InstanceIds=[request.instance_id],
+            DocumentName=RESET_DOCUMENT,
+            Parameters={"commands": [command], "executionTimeout": [str(RESET_COMMAND_TIMEOUT_S)]},
+            Comment=comment,
+            TimeoutSeconds=RESET_COMMAND_TIMEOUT_S,
+        )
+        return GpuResetCommand(command_id=resp["Command"]["CommandId"])
+
+    @activity.defn(name="gpu_reset_status")
+    async def gpu_reset_status(self, check: GpuResetCheck) -> GpuResetStatus:
+        """One look at the reset command on the instance."""
+        try:
+            invocation = await aws_call(
+                f"SSM command {check.command_id} on {check.instance_id}",
+                self._aws.ssm.get_command_invocation,
+                CommandId=check.command_id,
+                InstanceId=check.instance_id,
+            )
+        except ApplicationError as err:
+            if err.type == "InvocationDoesNotExist":  # SSM has not registered it on the instance yet
+                return GpuResetStatus(done=False, status="Pending")
+            raise
+        status = invocation.get("Status", "")
+        if status not in TERMINAL_STATUSES:
+            return GpuResetStatus(done=False, status=status)
+        code = invocation.get("ResponseCode")
+        exit_code = code if isinstance(code, int) and code >= 0 else None
+        if status == "Success" and exit_code in (0, None):
+            return GpuResetStatus(done=True, reset=True, status=status, exit_code=exit_code)
+        output = " ".join(
+            " ".join(str(invocation.get(key) or "").split())
+            for key in ("StandardOutputContent", "StandardErrorContent")
+        ).strip()
+        why = output or invocation.get("StatusDetails") or status
+        return GpuResetStatus(done=True, status=status, exit_code=exit_code, why=why[:WHY_MAX])
+
+    @activity.defn(name="recovery_status")
+    async def recovery_status(self, check: RecoveryCheck) -> RecoveryStatus:
+        """The probe's view (through the health workflow) and ECS's agentConnected, in one look."""
+        group = self._group(check.group)
+        probe: HealthViewExcerpt | None = None
+        probe_error = ""
+        handle = self._client.get_workflow_handle(health_workflow_id(check.instance_id))
+        try:
+            probe = await handle.query(names.QUERY_HEALTH, result_type=HealthViewExcerpt, rpc_timeout=QUERY_TIMEOUT)
+        except RPCError as err:
+            if err.status not in (RPCStatusCode.NOT_FOUND, RPCStatusCode.DEADLINE_EXCEEDED):
+                raise
+            probe_error = f"health workflow did not answer: {err.message}"[:WHY_MAX]
+        ci = await self._container_instance(group, check.instance_id)
+        return RecoveryStatus(
+            probe=probe,
+            probe_error=probe_error,
+            agent_connected=ci.get("agentConnected") if ci is not None else None,
+            container_status=ci.get("status") if ci is not None else None,
+        )
+
+    @activity.defn(name="set_active")
+    async def set_active(self, ref: InstanceRef) -> ActivateResult:
+        """Let ECS place tasks on the instance again. Already ACTIVE is success."""
+        group = self._group(ref.group)
+        ci = await self._container_instance(group, ref.instance_id)
+        if ci is None:
+            raise ApplicationError(
+                f"EC2 instance {ref.instance_id} is not registered in ECS cluster {group.cluster}: it cannot be set "
+                "ACTIVE",
+                type="ContainerInstanceNotFound",
+                non_retryable=True,
+            )
+        arn = ci["containerInstanceArn"]
+        if ci.get("status") == "ACTIVE":
+            return ActivateResult(container_instance_arn=arn, already_active=True)
+        resp = await aws_call(
+            f"container instance {arn}",
+            self._aws.ecs.update_container_instances_state,
+            cluster=group.cluster,
+            containerInstances=[arn],
+            status="ACTIVE",
+        )
+        for failure in resp.get("failures", []):
+            raise ApplicationError(
+                f"ecs:UpdateContainerInstancesState on container instance {arn} failed: "
+                f"{failure.get('reason', 'unknown')}",
+                type="UpdateContainerInstancesStateFailed",
+            )
+        return ActivateResult(container_instance_arn=arn)
+
+    # --- lookups ------------------------------------------------------------------------------------------
+
+    def _group(self, name: str) -> CapacityGroup:
+        try:
+            return self._groups(name)
+        except KeyError as err:
+            message = str(err.args[0]) if err.args else f"unknown capacity group {name!r}"
+            raise ApplicationError(message, type="UnknownCapacityGroup", non_retryable=True) from err
+
+    async def _container_instance(self, group: CapacityGroup, instance_id: str) -> ContainerInstanceTypeDef | None:
+        """The instance's ACTIVE or DRAINING container instance in the group's cluster (the newest), if any."""
+        if not INSTANCE_ID.match(instance_id):  # it goes into a cluster query expression
+            raise ApplicationError(
+                f"not an EC2 instance id: {instance_id!r}", type="InvalidInstanceId", non_retryable=True
+            )
+        arns: list[str] = []
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"nextToken": token} if token else {}
+            # Real ECS narrows the list with the query; moto ignores it: ec2InstanceId is matched below as well.
+            page = await aws_call(
+                f"ECS cluster {group.cluster}",
+                self._aws.ecs.list_container_instances,
+                cluster=group.cluster,
+                filter=f"ec2InstanceId == {instance_id}",
+                **kwargs,
+            )
+            arns += page.get("containerInstanceArns", [])
+            token = page.get("nextToken")
+            if not token:
+                break
+        found: list[ContainerInstanceTypeDef] = []
+        for start in range(0, len(arns), 100):
+            resp = await aws_call(
+                f"ECS cluster {group.cluster}",
+                self._aws.ecs.describe_container_instances,
+                cluster=group.cluster,
+                containerInstances=arns[start : start + 100],
+            )
+            found += [
+                ci
+                for ci in resp.get("containerInstances", [])
+                if ci.get("ec2InstanceId") == instance_id and ci.get("status") in REGISTERED_STATUSES
+            ]
+        if not found:
+            return None
+        return max(found, key=lambda ci: ci.get("registeredAt") or datetime.min.replace(tzinfo=UTC))

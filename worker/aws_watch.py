@@ -1,0 +1,125 @@
+"""What AWS says of each group's instances, read by the worker process and told to their health workflows on change.
+
+Per group, every `aws_status_interval` (60 s by default): the container instances of the group's ECS cluster
+(`agentConnected`) and, for the running ones, EC2's status checks and scheduled events (activities/aws_status.py).
+An instance's health workflow is signalled (`aws_status`) only when this worker's picture of it changed since it
+last told it; a healthy instance never is, so a healthy fleet costs no Temporal action here, only the reads.
+
+No leader: every worker process runs the same watch. Each tells only its own changes, so N workers tell a change N
+times, which the health workflow takes once (a picture it already has is no news; an older one is dropped). A
+worker that restarts tells every instance that is not healthy once more, for the same reason harmlessly. One that
+died between telling "impaired" and "ok" cannot leave a stale impairment behind: the health workflow reads AWS
+again before acting (workflows/health_aws_checks.py).
+
+An instance with no health workflow (its probe never reported) or a closed one (it was replaced) is not started a
+workflow for: it is asked again after a while, in case its probe starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime
+
+from temporalio.client import Client
+from temporalio.service import RPCError, RPCStatusCode
+
+from activities.aws import AwsClients
+from activities.aws_status import AwsStatusReads
+from contract import names
+from contract.aws_status import AwsInstanceStatus
+from contract.ids import health_workflow_id
+from worker.settings import Settings
+
+log = logging.getLogger(__name__)
+
+# No health workflow to tell: asked again after this long (seconds), not every read.
+NO_WORKFLOW_RETRY = 600.0
+
+
+class GroupWatch:
+    """One group's reader. `round()` reads AWS once and tells what changed; `run()` does so every interval."""
+
+    def __init__(self, client: Client, settings: Settings, group: str, reads: AwsStatusReads) -> None:
+        self._client = client
+        self._settings = settings  # read each round: the group's settings as they are now
+        self.group = group
+        self._reads = reads
+        self._told: dict[str, AwsInstanceStatus] = {}
+        self._down_since: dict[str, datetime] = {}
+        self._no_workflow_until: dict[str, float] = {}
+        self.rounds = 0
+        self.signals = 0
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.round()
+            except Exception as exc:  # AWS or Temporal unreachable: the next read tries again
+                log.warning("AWS status of group %s not read: %s", self.group, exc)
+            await asyncio.sleep(self._settings.group(self.group).aws_status_interval.total_seconds())
+
+    async def round(self) -> int:
+        """Read the group's instances once and tell each health workflow whose picture changed; how many told."""
+        now = datetime.now(UTC)
+        seen = await self._reads.read(self._settings.group(self.group), now=now)
+        self.rounds += 1
+        for instance_id, status in seen.items():
+            if status.agent_connected is False:
+                # ECS gives no time: from this worker's first sight, kept while it stays disconnected.
+                status.agent_disconnected_since = self._down_since.setdefault(instance_id, now)
+            else:
+                self._down_since.pop(instance_id, None)
+        for gone in set(self._told) | set(self._down_since) | set(self._no_workflow_until):
+            if gone not in seen:  # left the cluster or EC2: the liveness tracker's business
+                self._told.pop(gone, None)
+                self._down_since.pop(gone, None)
+                self._no_workflow_until.pop(gone, None)
+        told = 0
+        for instance_id, status in sorted(seen.items()):
+            last = self._told.get(instance_id)
+            if (status.healthy() if last is None else status.same_as(last)) or self._waiting(instance_id):
+                continue
+            told += await self._tell(instance_id, status)
+        self.signals += told
+        return told
+
+    def _waiting(self, instance_id: str) -> bool:
+        until = self._no_workflow_until.get(instance_id)
+        return until is not None and time.monotonic() < until
+
+    async def _tell(self, instance_id: str, status: AwsInstanceStatus) -> int:
+        try:
+            await self._client.get_workflow_handle(health_workflow_id(instance_id)).signal(
+                names.SIGNAL_AWS_STATUS, status
+            )
+        except RPCError as err:
+            if err.status == RPCStatusCode.NOT_FOUND:
+                log.info("%s has no running health workflow: AWS's word on it not told", instance_id)
+                self._no_workflow_until[instance_id] = time.monotonic() + NO_WORKFLOW_RETRY
+            else:
+                log.warning("AWS status of %s not told (next read tries again): %s", instance_id, err)
+            return 0
+        self._no_workflow_until.pop(instance_id, None)
+        if status.healthy():
+            self._told.pop(instance_id, None)  # healthy is what an untold instance is assumed to be
+        else:
+            self._told[instance_id] = status
+        return 1
+
+
+@asynccontextmanager
+async def aws_watch(settings: Settings, client: Client) -> AsyncIterator[list[GroupWatch]]:
+    """One watch per configured group, running while the context is open."""
+    reads = AwsStatusReads(AwsClients(settings.aws))
+    watches = [GroupWatch(client, settings, group.name, reads) for group in settings.groups]
+    tasks = [asyncio.create_task(watch.run(), name=f"aws-watch/{watch.group}") for watch in watches]
+    try:
+        yield watches
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,46 @@
+"""A health workflow's part in the remediation ladder (workflows/repair_reboot.py has the repair's).
+
+- Each forwarded heartbeat's boot id is kept and shown in the `health` view: a reboot-first repair waits for a
+  heartbeat from a new boot.
+- A repair that cleared its fault in place (a GPU reset or a reboot) ends COMPLETED with an `in_place_fix` in its
+  last progress. The instance is not retired then, as after a replacement: its GPU and agent checks go back to OK,
+  the findings that fix dealt with are dropped (a new fault is told by its own finding, never by an old one with
+  the same reason), and the next repair is told of the fix (RepairInput.last_in_place_fix), so that the same GPU
+  faulting again within the group's escalation_window is replaced rather than rebooted again.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from contract.health import CheckType, HealthState
+from contract.probe import STATE_TRANSITION_KINDS, Heartbeat
+from workflows.models import HealthCarry, HealthCheckResult, RepairProgress
+
+# Checks a fix in place clears: the GPU fault it dealt with, and the agent silence the reboot itself caused (the
+# repair saw the new boot's heartbeat and ECS's agent connected before it finished).
+CLEARED_BY_FIX = (CheckType.ACCELERATED_COMPUTE, CheckType.AGENT_CONNECTIVITY)
+
+
+def heard(state: HealthCarry, beat: Heartbeat) -> None:
+    if beat.boot_id:
+        state.boot_id = beat.boot_id
+
+
+def fixed_in_place(state: HealthCarry, progress: RepairProgress, now: datetime) -> bool:
+    """Whether the completed repair of this progress fixed the instance in place; if so, the instance is healthy
+    again and may be repaired anew. False: it was replaced (the caller retires)."""
+    fix = progress.in_place_fix
+    if fix is None:
+        return False
+    state.last_in_place_fix = fix
+    for check in CLEARED_BY_FIX:
+        current = state.checks.get(check)
+        if current is not None and current.status is HealthState.IMPAIRED:
+            state.checks[check] = HealthCheckResult(
+                type=check, status=HealthState.OK, lastUpdated=now, lastStatusChange=now
+            )
+    state.findings = [f for f in state.findings if not f.impairs or f.kind in STATE_TRANSITION_KINDS]
+    state.repair_requested = False
+    state.repair_retry = state.repair_retry.afresh()
+    return True

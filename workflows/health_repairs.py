@@ -1,0 +1,202 @@
+"""A health workflow's repairs: it starts each attempt, `repair/<instance>/<n>`, and retries the ones that fail.
+
+Runbook (the run loop of workflows/health.py calls into here):
+  1. An IMPAIRED instance, an operator's `instance repair` or a retry that is due gets attempt n+1; n is counted in
+     the carried state, so it survives continue-as-new, and each attempt has an id of its own (contract/ids.py).
+  2. An attempt that FAILED (its last progress says so) is counted once. The group's configuration is read then, so
+     `repair_retry_delay` and `max_repair_attempts` are live; the next attempt starts on the run loop's named wake
+     timer, repair_retry_delay after the first failure, doubling after each (CapacityGroup.repair_retry_wait).
+  3. When max_repair_attempts have failed in a row: RepairsExhausted, published once, and nothing more is tried
+     until an operator's `autorepair instance repair`, which starts a fresh attempt with the count back at zero.
+  4. An attempt an operator cancelled or withdrew is not retried; a DISCARDED one goes back to proving its fault
+     (workflows/health_breaker.py), and after it (or a fix in place) a new impairment counts afresh.
+
+Histories recorded before retries existed never counted a failure: counting is behind the patch REPAIR_RETRIES.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Protocol
+
+from temporalio import workflow
+from temporalio.exceptions import ActivityError
+
+from contract.formats import iso
+from contract.groups import AutoRepair, CapacityGroup
+from contract.ids import repair_attempt_of
+from contract.probe import GpuFinding
+from contract.repair import RepairInput, RepairPhase
+from workflows import health_breaker as breaker
+from workflows import health_controls as controls
+from workflows.group_config import read_group_config
+from workflows.group_events import activity_cause
+from workflows.models import HealthCarry, RepairProgress, RepairRetry, RepairView
+from workflows.options import CALL_RETRY, CALL_TIMEOUT
+
+with workflow.unsafe.imports_passed_through():
+    from activities.models import EventType, StartRepairRequest
+    from activities.workflow_ops import WorkflowOps
+
+# A patch id: histories recorded before failed repairs were counted and retried.
+REPAIR_RETRIES = "repair-retries"
+
+
+class RepairingHealth(Protocol):
+    """What this module uses of InstanceHealthWorkflow."""
+
+    _instance_id: str
+    _group: str
+    _state: HealthCarry
+
+    def _instance_event(self, type: EventType, **fields: Any) -> None: ...
+
+    def _is_impaired(self) -> bool: ...
+
+    def _impairment(self) -> tuple[str, GpuFinding | None]: ...
+
+    async def _group_config(self, summary: str | None = None) -> CapacityGroup: ...
+
+
+# --- from the progress signal: state only, no activity --------------------------------------------------------------
+
+
+def on_progress(state: HealthCarry, progress: RepairProgress) -> None:
+    """A finished attempt's outcome: a failure is counted by the run loop (once, even if its progress is told
+    twice); a discarded one starts the count afresh."""
+    if not progress.finished:
+        return
+    retry = state.repair_retry
+    if progress.phase is RepairPhase.FAILED and progress.workflow_id not in (retry.to_count, retry.last_counted):
+        if workflow.patched(REPAIR_RETRIES):
+            retry.to_count = progress.workflow_id
+    elif progress.phase in (RepairPhase.DISCARDED, RepairPhase.COMPLETED):
+        # Discarded: back to proving the fault; completed and still here: fixed in place. A new fault starts afresh.
+        state.repair_retry = RepairRetry()
+
+
+# --- for the run loop ---------------------------------------------------------------------------------------------
+
+
+def wanted(state: HealthCarry) -> bool:
+    """A failed attempt waits for its retry: repaired then whether still IMPAIRED or not, since the failed attempt
+    may have left the instance DRAINING."""
+    return state.repair_retry.next_at is not None
+
+
+def may_start_now(state: HealthCarry) -> bool:
+    next_at = state.repair_retry.next_at
+    return next_at is None or workflow.now() >= next_at
+
+
+def wake(state: HealthCarry) -> timedelta | None:
+    """How long until a retry is due, for the run loop's timer; None when none waits."""
+    next_at = state.repair_retry.next_at
+    if next_at is None or state.repair_requested:
+        return None
+    return max(next_at - workflow.now(), timedelta(0))
+
+
+def wake_summary(state: HealthCarry) -> str | None:
+    retry = state.repair_retry
+    if retry.next_at is None or state.repair_requested:
+        return None
+    return f"repair failed: start attempt {retry.failed + 1} of {retry.max_attempts} at {iso(retry.next_at, 'seconds')}"
+
+
+async def count_failure(wf: RepairingHealth, group: CapacityGroup) -> None:
+    """Count a failed attempt and decide what follows it: a retry after the backoff, or RepairsExhausted. `group`:
+    the configuration the run loop has, used if the group cannot be read now."""
+    state, retry = wf._state, wf._state.repair_retry
+    workflow_id, retry.to_count = retry.to_count, None
+    try:
+        group = await read_group_config(wf._group, "read group config: retry the failed repair?")
+    except ActivityError as err:
+        cause = activity_cause(err)
+        workflow.logger.warning("group %s not re-read (%s): its last known config decides", wf._group, cause)
+    repair = state.repair
+    retry.last_counted = workflow_id
+    retry.failed += 1
+    retry.max_attempts = group.max_repair_attempts
+    retry.error = repair.error if repair is not None else None
+    retry.reason = repair.reason if repair is not None else None
+    if retry.failed < group.max_repair_attempts:
+        retry.next_at = workflow.now() + group.repair_retry_wait(retry.failed)
+        state.repair_requested = False  # the run loop starts the next attempt once next_at has come
+        workflow.logger.warning("%s: %s", wf._instance_id, retry.text())
+        return
+    retry.exhausted, retry.next_at = True, None
+    workflow.logger.warning("%s: %s; waiting for an operator", wf._instance_id, retry.text())
+    wf._instance_event(
+        EventType.REPAIRS_EXHAUSTED,
+        attempts=retry.failed,
+        max_repair_attempts=group.max_repair_attempts,
+        error=retry.error,
+        reason=retry.reason,
+        repair_workflow_id=workflow_id,
+    )
+
+
+async def start(wf: RepairingHealth) -> None:
+    """Start the instance's next repair attempt, unless its group's auto repair is DISABLED or it is excluded."""
+    state = wf._state
+    # The switch is read at the moment of the decision, so turning repair off takes effect at once.
+    group = await wf._group_config()
+    state.repair_requested = True
+    if wf._is_impaired() and not state.impairment_reported:
+        await breaker.report_impairment(state, wf._instance_id, wf._group, wf._impairment()[0])
+    if group.auto_repair is AutoRepair.DISABLED and state.operator_repair is None:
+        workflow.logger.info("instance impaired; auto repair DISABLED for group %s, monitoring only", wf._group)
+        state.repair_withheld = f"auto repair DISABLED for group {wf._group} at {iso(workflow.now())}"
+        return
+    if state.excluded is not None:  # an operator's: watched, never repaired until `include`
+        state.repair_withheld = controls.excluded_text(state.excluded)
+        return
+    retry = state.repair_retry
+    reason, finding = controls.repair_reason(state, wf._impairment())
+    if state.operator_repair is None and retry.next_at is not None and retry.reason:
+        reason = retry.reason  # a retry repeats the failed attempt's reason
+    attempt = state.repair_attempt + 1
+    previous = state.repair
+    gpu = f" on GPU {finding.gpu.pci}" if finding is not None and finding.gpu.pci else ""
+    of = f" (attempt {attempt})" if attempt > 1 else ""
+    repair = RepairInput(
+        instance_id=wf._instance_id,
+        group=wf._group,
+        reason=reason,
+        finding=finding,
+        progress_token=str(workflow.uuid4()),
+        critical=breaker.critical(state),
+        attempt=attempt,
+        last_in_place_fix=state.last_in_place_fix,  # the remediation ladder's (workflows/health_ladder.py)
+    )
+    started = await workflow.execute_activity_method(
+        WorkflowOps.start_repair,
+        StartRepairRequest(
+            repair=repair,
+            summary=f"repair {wf._instance_id}{of}: {reason}{gpu}",
+            previous_workflow_id=previous.workflow_id
+            if previous is not None and previous.phase in controls.ENDED_UNREPAIRED
+            else "",
+        ),
+        summary=f"start repair of {wf._instance_id}{of} ({reason})",
+        start_to_close_timeout=CALL_TIMEOUT,
+        retry_policy=CALL_RETRY,
+    )
+    parsed = repair_attempt_of(started.workflow_id)
+    state.repair_attempt = max(state.repair_attempt, parsed[1] if parsed is not None else attempt)
+    # The token of the repair that runs: ours, or that of one an earlier run of this workflow started.
+    state.repair_token = started.progress_token or None
+    state.repair = RepairView(
+        workflow_id=started.workflow_id,
+        phase=RepairPhase.WAITING_FOR_PERMIT,
+        reason=reason,
+        started_at=workflow.now(),
+    )
+    state.operator_repair = None
+    retry.next_at, retry.reason, retry.exhausted = None, None, False
+
+
+def details_lines(state: HealthCarry) -> list[str]:
+    text = state.repair_retry.text()
+    return ["", f"**{text[0].upper()}{text[1:]}**"] if text else []

@@ -1,0 +1,79 @@
+"""An instance's host-service checks, for its health workflow: DAEMON and CONTAINER_RUNTIME, from the probe's
+findings about systemd units (node_probe/sources/daemons.py) and the container runtime (container_runtime.py).
+
+The probe reports a service down (a critical daemon inactive; docker or containerd down, or up but not answering its
+API) once it has been so past its threshold, and back up. A critical one down impairs its check; back up, the check
+is OK again unless a repair began (a repair that started finishes: the service failed once, it may again). Several
+may be down at once: the check stays IMPAIRED, for the oldest still down, until the last is back. A service not
+marked critical is a warning, which the workflow counts like any other finding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime
+
+from contract.health import CheckType, HealthState
+from contract.probe import (
+    KIND_CONTAINER_RUNTIME,
+    KIND_CONTAINER_RUNTIME_RECOVERED,
+    KIND_DAEMON,
+    KIND_DAEMON_RECOVERED,
+    GpuFinding,
+)
+from workflows.models import HealthCarry
+
+# Services down kept in the carried state, per check; past it one is counted as dropped, not kept.
+MAX_DOWN = 32
+
+SetCheck = Callable[[CheckType, HealthState, "str | None", datetime], None]
+
+_DOWN = {KIND_DAEMON: CheckType.DAEMON, KIND_CONTAINER_RUNTIME: CheckType.CONTAINER_RUNTIME}
+_BACK = {KIND_DAEMON_RECOVERED: CheckType.DAEMON, KIND_CONTAINER_RUNTIME_RECOVERED: CheckType.CONTAINER_RUNTIME}
+
+
+def took(state: HealthCarry, finding: GpuFinding, now: datetime, set_check: SetCheck) -> bool:
+    """Apply a host-service finding to its check. False for a GPU finding and for a service's warning: the
+    workflow deals with those itself."""
+    check = _BACK.get(finding.kind)
+    if check is not None:
+        _back(state, check, finding.reason, now, set_check)
+        return True
+    check = _DOWN.get(finding.kind)
+    if check is None or not finding.impairs:
+        return False
+    down = _down_list(state, check)
+    if finding.reason not in down:
+        if len(down) < MAX_DOWN:
+            _set_down_list(state, check, [*down, finding.reason])
+        else:
+            state.dropped_entries += 1
+    current = state.checks.get(check)
+    if current is not None and current.status is HealthState.IMPAIRED:
+        current.lastUpdated = now  # the first service down stays the reason
+    else:
+        set_check(check, HealthState.IMPAIRED, finding.reason, now)
+    return True
+
+
+def _back(state: HealthCarry, check: CheckType, reason: str, now: datetime, set_check: SetCheck) -> None:
+    down = [other for other in _down_list(state, check) if other != reason]
+    _set_down_list(state, check, down)
+    current = state.checks.get(check)
+    if current is None or current.status is not HealthState.IMPAIRED or state.repair is not None:
+        return
+    if down:
+        set_check(check, HealthState.IMPAIRED, down[0], now)
+    else:
+        set_check(check, HealthState.OK, None, now)
+
+
+def _down_list(state: HealthCarry, check: CheckType) -> list[str]:
+    return state.runtimes_down if check is CheckType.CONTAINER_RUNTIME else state.daemons_down
+
+
+def _set_down_list(state: HealthCarry, check: CheckType, down: list[str]) -> None:
+    if check is CheckType.CONTAINER_RUNTIME:
+        state.runtimes_down = down
+    else:
+        state.daemons_down = down
