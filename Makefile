@@ -5,6 +5,9 @@ BIN := $(VENV)/bin
 # The venv ships the temporal CLI and moto_server; tests and the demo find them here.
 export PATH := $(abspath $(BIN)):$(PATH)
 STAMP := $(VENV)/.installed
+# Test files side by side, each on one worker with its own Temporal dev server and moto (session fixtures): most
+# tests wait on servers and timers, not the CPU, so three fit two cores. `make test PYTEST_ARGS=` runs them in turn.
+PYTEST_ARGS ?= -n 3 --dist loadfile --durations=15
 
 # The Web UI browser test drives Debian's chromium headless; installed here when missing (root, or sudo).
 CHROMIUM ?= /usr/bin/chromium

@@ -16,6 +16,25 @@ from temporalio.testing import WorkflowEnvironment
 from contract import search_attributes
 from simulator.servers import find_binary, free_port
 
+# The longest files (minutes each, end to end), started first when files run side by side (`make test`): started last,
+# they would run alone at the end while the other workers idle.
+LONGEST_FIRST = (
+    "test_repair_durability.py",
+    "test_breaker_property.py",
+    "test_launch_zones.py",
+    "test_remediation_ladder.py",
+    "test_repair_retries.py",
+    "test_demo.py",
+    "test_aws_signals.py",
+    "test_breaker.py",
+    "test_liveness.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
 
 @pytest.fixture(scope="session")
 def moto_endpoint() -> Iterator[str]:

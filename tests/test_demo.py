@@ -27,6 +27,9 @@ async def run_demo(tmp_path: Path, *flags: str) -> tuple[int, str]:
         str(free_port()),
         "--moto-port",
         str(free_port()),
+        # Not the default 8480: tests run side by side, and another may hold it.
+        "--ingest-port",
+        str(free_port()),
         "--time-limit",
         "240",
         "--exit",
