@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from contract.health import HealthState
+from contract.limits import MAX_NAME
 from node_probe.classify.kernel_log import KernelLogParser
 from node_probe.classify.record import FaultRecord
 
@@ -21,6 +22,19 @@ log = logging.getLogger(__name__)
 
 # A line without a newline this long is cut, so a writer that never ends its line cannot grow memory.
 MAX_LINE_BYTES = 64 * 1024
+
+
+def source_name(kind: str, path: object | None = None) -> str:
+    """A source's name, e.g. "kernel_log:/var/log/kern.log", as findings and heartbeats can carry it: a path may be
+    longer than any name may be (MAX_NAME), and a name the probe cannot send is a probe that stops. The end of a path
+    tells files apart: kept."""
+    if path is None:
+        return kind
+    name = f"{kind}:{path}"
+    if len(name) <= MAX_NAME:
+        return name
+    head = f"{kind}:..."
+    return head + name[-(MAX_NAME - len(head)) :]
 
 
 @dataclass(frozen=True, slots=True)

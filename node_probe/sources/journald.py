@@ -29,7 +29,7 @@ from node_probe.classify.findings import record_position
 from node_probe.classify.kernel_log import KernelLogParser
 from node_probe.classify.record import FaultRecord
 from node_probe.delivery.cursor import CursorStore
-from node_probe.sources.base import Observation, SourceStatus, TrackedStatus
+from node_probe.sources.base import Observation, SourceStatus, TrackedStatus, source_name
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class JournaldSource(TrackedStatus):
         boot_id: str | None = None,  # this boot's; None reads it from the host
     ) -> None:
         super().__init__(f"{SOURCE_NAME}: not read yet")
-        self.name = SOURCE_NAME if directory is None else f"{SOURCE_NAME}:{directory}"
+        self.name = source_name(SOURCE_NAME, directory)
         self.entries = 0  # journal entries handled since the source started
         self._poll = poll_interval
         self._cursor = cursor

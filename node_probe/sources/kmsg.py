@@ -18,7 +18,7 @@ from pathlib import Path
 from node_probe import host
 from node_probe.classify.findings import record_position
 from node_probe.delivery.cursor import CursorStore, KmsgCursor
-from node_probe.sources.base import LineAssembler, Observation, SourceStatus
+from node_probe.sources.base import LineAssembler, Observation, SourceStatus, source_name
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class KmsgSource:
         boot_id: str | None = None,  # this boot's; None reads it from the host
     ) -> None:
         self.path = path
-        self.name = "kmsg" if path == KMSG_PATH else f"kmsg:{path}"
+        self.name = source_name("kmsg", None if path == KMSG_PATH else path)
         self._poll = poll_interval
         self._status = SourceStatus.down(f"{path}: not read yet")
         self._cursor = cursor

@@ -18,7 +18,7 @@ from typing import BinaryIO
 
 from node_probe.classify.record import FaultRecord
 from node_probe.delivery.cursor import CursorStore, FileCursor
-from node_probe.sources.base import LineAssembler, Observation, SourceStatus
+from node_probe.sources.base import LineAssembler, Observation, SourceStatus, source_name
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class _ResumableLines(LineAssembler):
 class KernelLogFileSource:
     def __init__(self, path: Path, poll_interval: float = 0.5, cursor: CursorStore[FileCursor] | None = None) -> None:
         self.path = path
-        self.name = f"kernel_log:{path}"
+        self.name = source_name("kernel_log", path)
         self._poll = poll_interval
         self._status = SourceStatus.down(f"kernel log {path}: not read yet")
         self._cursor = cursor
