@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
@@ -26,6 +25,7 @@ from temporalio.exceptions import ApplicationError
 from activities.aws import AwsClients, aws_call
 from activities.departures import Departures, departure
 from activities.ec2 import GONE_EC2_STATES, REPLACES_TAG, Ec2, chunks, tags_of
+from activities.ecs import ECS_DESCRIBE_BATCH, INSTANCE_ID, REGISTERED_STATUSES, Ecs, check_instance_id, resolve_group
 from activities.launch import Launcher
 from activities.models import (
     ContainerInstanceRef,
@@ -55,15 +55,12 @@ from contract.ids import semaphore_workflow_id
 from contract.semaphore import ReplacementClaim, ReplacementClaimed
 
 if TYPE_CHECKING:
-    from mypy_boto3_ecs.type_defs import ContainerInstanceTypeDef
+    pass
 
 
-REGISTERED_STATUSES = ("ACTIVE", "DRAINING")
 # The ECS agent's default (ECS_CONTAINER_STOP_TIMEOUT) for a container without stopTimeout, on EC2.
 ECS_DEFAULT_STOP_TIMEOUT = 30
 ECS_REASON_MAX = 255
-# API batch limit.
-ECS_DESCRIBE_BATCH = 100
 # While waiting for ECS registration, look at the EC2 instance itself every this many polls (not every poll,
 # to stay far from the EC2 API rate limits with many repairs waiting at once).
 EC2_CHECK_EVERY_POLLS = 15
@@ -71,7 +68,6 @@ EC2_CHECK_EVERY_POLLS = 15
 # Bounds the activity result (and the semaphore's history) whatever an operator drained by hand.
 OUT_OF_SERVICE_IDS_MAX = 1_000
 
-INSTANCE_ID = re.compile(r"^i-[0-9a-f]{8,17}$")
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +89,7 @@ class FleetActivities:
     ) -> None:
         self._aws = aws
         self._ec2 = Ec2(aws)
+        self._ecs = Ecs(aws)
         self._launch = Launcher(aws, self._ec2, self._claim_replacement)
         self._departures = Departures(aws)
         self._groups = groups
@@ -163,8 +160,8 @@ class FleetActivities:
         group = request.overrides.apply(self._group(request.group))
         arns: list[str] = []
         for status in REGISTERED_STATUSES:
-            arns += await self._list_container_instance_arns(group.cluster, status=status)
-        container_instances = await self._describe_container_instances(group.cluster, arns)
+            arns += await self._ecs.container_instance_arns(group.cluster, status=status)
+        container_instances = await self._ecs.describe_container_instances(group.cluster, arns)
         ec2_ids = {ci["ec2InstanceId"] for ci in container_instances if ci.get("ec2InstanceId")}
         members = await self._ec2.members(group, ec2_ids)
         held = set(request.held_instance_ids)
@@ -192,7 +189,7 @@ class FleetActivities:
     async def set_draining(self, ref: InstanceRef) -> DrainResult:
         """Stop ECS placing tasks on the instance. Already DRAINING is success."""
         group = self._group(ref.group)
-        ci = await self._find_container_instance(group, ref.instance_id)
+        ci = await self._ecs.find_container_instance(group, ref.instance_id)
         if ci is None:
             raise ApplicationError(
                 f"ecs:ListContainerInstances: EC2 instance {ref.instance_id} is not registered in ECS "
@@ -229,7 +226,7 @@ class FleetActivities:
         """Start the replacement before anything is stopped. Idempotent per attempt: the `replaces` tag and the
         attempt's client token (`launch-token` tag) find the instance a retry of this attempt already launched."""
         group = self._group(request.group)
-        _check_instance_id(request.impaired_instance_id)
+        check_instance_id(request.impaired_instance_id)
         existing = await self._launch.existing(request)
         if existing is not None:
             return LaunchResult(replacement_instance_id=existing, already_existed=True)
@@ -256,7 +253,7 @@ class FleetActivities:
         ready_by = ref.ready_by if isinstance(ref, ReplacementWait) else None
         polls = 0
         while True:
-            ci = await self._find_container_instance(group, ref.instance_id)
+            ci = await self._ecs.find_container_instance(group, ref.instance_id)
             status = ci.get("status", "UNKNOWN") if ci else "NOT_REGISTERED"
             if ci is not None and status == "ACTIVE":
                 return ContainerInstanceRef(container_instance_arn=ci["containerInstanceArn"])
@@ -290,7 +287,7 @@ class FleetActivities:
         """Terminate a replacement the repair gave up on (deregistered from ECS first, in case it registered late).
         Already terminated is success. Only an instance tagged as a replacement of this impaired instance: a mixed-up
         id must never take down a serving instance."""
-        _check_instance_id(ref.instance_id)
+        check_instance_id(ref.instance_id)
         instance = await self._ec2.instance(ref.instance_id)
         if instance is not None:
             state = instance.get("State", {}).get("Name")
@@ -311,7 +308,7 @@ class FleetActivities:
     async def list_instance_tasks(self, ref: InstanceRef) -> InstanceTasks:
         """Tasks still meant to run on the instance, each with how long ECS gives it to stop."""
         group = self._group(ref.group)
-        ci = await self._find_container_instance(group, ref.instance_id)
+        ci = await self._ecs.find_container_instance(group, ref.instance_id)
         if ci is None:
             return InstanceTasks(tasks=[])  # deregistered: its tasks are gone with it
         instance = await self._ec2.instance(ref.instance_id)
@@ -372,8 +369,8 @@ class FleetActivities:
     async def terminate_instance(self, ref: InstanceRef) -> TerminateResult:
         """Deregister from ECS, then terminate the EC2 instance. Already gone is success."""
         group = self._group(ref.group)
-        _check_instance_id(ref.instance_id)
-        ci = await self._find_container_instance(group, ref.instance_id)
+        check_instance_id(ref.instance_id)
+        ci = await self._ecs.find_container_instance(group, ref.instance_id)
         if ci is not None:
             arn = ci["containerInstanceArn"]
             try:
@@ -436,58 +433,7 @@ class FleetActivities:
         return state.overrides if state is not None else GroupConfigOverrides()
 
     def _group(self, name: str) -> CapacityGroup:
-        try:
-            return self._groups(name)
-        except KeyError as err:
-            message = str(err.args[0]) if err.args else f"unknown capacity group {name!r}"
-            raise ApplicationError(message, type="UnknownCapacityGroup", non_retryable=True) from err
-
-    async def _list_container_instance_arns(
-        self, cluster: str, *, status: str | None = None, query: str | None = None
-    ) -> list[str]:
-        arns: list[str] = []
-        token: str | None = None
-        while True:
-            kwargs: dict[str, Any] = {"cluster": cluster}
-            if status:
-                kwargs["status"] = status
-            if query:
-                kwargs["filter"] = query
-            if token:
-                kwargs["nextToken"] = token
-            page = await aws_call(f"ECS cluster {cluster}", self._aws.ecs.list_container_instances, **kwargs)
-            arns += page.get("containerInstanceArns", [])
-            token = page.get("nextToken")
-            if not token:
-                return arns
-
-    async def _describe_container_instances(self, cluster: str, arns: Sequence[str]) -> list[ContainerInstanceTypeDef]:
-        found: list[ContainerInstanceTypeDef] = []
-        for chunk in chunks(arns, ECS_DESCRIBE_BATCH):
-            resp = await aws_call(
-                f"ECS cluster {cluster}",
-                self._aws.ecs.describe_container_instances,
-                cluster=cluster,
-                containerInstances=chunk,
-            )
-            found += resp.get("containerInstances", [])
-        return found
-
-    async def _find_container_instance(self, group: CapacityGroup, instance_id: str) -> ContainerInstanceTypeDef | None:
-        """The ACTIVE or DRAINING container instance of an EC2 instance in the group's cluster, if any."""
-        _check_instance_id(instance_id)
-        # Real ECS narrows the list with the cluster query; moto ignores `filter` and lists the whole cluster.
-        # Matching ec2InstanceId below as well keeps one code path that is right on both.
-        arns = await self._list_container_instance_arns(group.cluster, query=f"ec2InstanceId == {instance_id}")
-        matches = [
-            ci
-            for ci in await self._describe_container_instances(group.cluster, arns)
-            if ci.get("ec2InstanceId") == instance_id and ci.get("status") in REGISTERED_STATUSES
-        ]
-        if not matches:
-            return None
-        # A re-registered instance (agent state reset) has two; the newest is the live one.
-        return max(matches, key=lambda ci: ci.get("registeredAt") or datetime.min.replace(tzinfo=UTC))
+        return resolve_group(self._groups, name)
 
     async def _registrations(self, cluster: str, instance_ids: list[str]) -> dict[str, list[str]]:
         """Statuses of the container instances of these EC2 instances in the cluster, [] for one with none. ECS lists
@@ -497,9 +443,9 @@ class FleetActivities:
             return {}
         # Real ECS narrows the list with the cluster query; moto ignores `filter` and lists the whole cluster.
         # Matching ec2InstanceId below as well keeps one code path that is right on both.
-        arns = await self._list_container_instance_arns(cluster, query=f"ec2InstanceId in [{', '.join(ids)}]")
+        arns = await self._ecs.container_instance_arns(cluster, query=f"ec2InstanceId in [{', '.join(ids)}]")
         statuses: dict[str, list[str]] = {i: [] for i in ids}
-        for ci in await self._describe_container_instances(cluster, arns):
+        for ci in await self._ecs.describe_container_instances(cluster, arns):
             instance_id = ci.get("ec2InstanceId", "")
             if instance_id in statuses:
                 statuses[instance_id].append(ci.get("status", ""))
@@ -534,11 +480,3 @@ class FleetActivities:
         while len(self._stop_timeouts) > self._cache_size:
             self._stop_timeouts.popitem(last=False)
         return timeout
-
-
-def _check_instance_id(instance_id: str) -> None:
-    # The id goes into a cluster query expression; anything that is not an instance id is a caller bug.
-    if not INSTANCE_ID.match(instance_id):
-        raise ApplicationError(
-            f"{instance_id!r} is not an EC2 instance id", type="InvalidInstanceId", non_retryable=True
-        )

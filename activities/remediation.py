@@ -16,7 +16,7 @@ looks between named timers:
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from temporalio import activity
@@ -26,7 +26,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from activities.aws import AwsClients, aws_call
 from activities.ec2 import GONE_EC2_STATES, Ec2, tags_of
-from activities.fleet import INSTANCE_ID
+from activities.ecs import Ecs, resolve_group
 from activities.models import (
     ActivateResult,
     GpuResetCheck,
@@ -45,14 +45,13 @@ from contract.groups import CapacityGroup
 from contract.ids import health_workflow_id
 
 if TYPE_CHECKING:
-    from mypy_boto3_ecs.type_defs import ContainerInstanceTypeDef
+    pass
 
 RESET_DOCUMENT = "AWS-RunShellScript"
 # nvidia-smi resets one GPU in seconds; a command still running after this is stopped by SSM and counts as refused.
 RESET_COMMAND_TIMEOUT_S = 300
 # SSM's terminal statuses of a command invocation; any other (Pending, InProgress, Delayed) is still running.
 TERMINAL_STATUSES = frozenset({"Success", "Failed", "Cancelled", "TimedOut", "Cancelling", "Undeliverable"})
-REGISTERED_STATUSES = ("ACTIVE", "DRAINING")
 WHY_MAX = 500
 QUERY_TIMEOUT = timedelta(seconds=10)
 PCI_ADDRESS_CHARS = frozenset("0123456789abcdefABCDEF:.")
@@ -70,6 +69,7 @@ class RemediationActivities:
     def __init__(self, aws: AwsClients, groups: Callable[[str], CapacityGroup], client: Client) -> None:
         self._aws = aws
         self._ec2 = Ec2(aws)
+        self._ecs = Ecs(aws)
         self._groups = groups
         self._client = client
 
@@ -166,7 +166,7 @@ class RemediationActivities:
             if err.status not in (RPCStatusCode.NOT_FOUND, RPCStatusCode.DEADLINE_EXCEEDED):
                 raise
             probe_error = f"health workflow did not answer: {err.message}"[:WHY_MAX]
-        ci = await self._container_instance(group, check.instance_id)
+        ci = await self._ecs.find_container_instance(group, check.instance_id)
         return RecoveryStatus(
             probe=probe,
             probe_error=probe_error,
@@ -178,7 +178,7 @@ class RemediationActivities:
     async def set_active(self, ref: InstanceRef) -> ActivateResult:
         """Let ECS place tasks on the instance again. Already ACTIVE is success."""
         group = self._group(ref.group)
-        ci = await self._container_instance(group, ref.instance_id)
+        ci = await self._ecs.find_container_instance(group, ref.instance_id)
         if ci is None:
             raise ApplicationError(
                 f"EC2 instance {ref.instance_id} is not registered in ECS cluster {group.cluster}: it cannot be set "
@@ -207,47 +207,4 @@ class RemediationActivities:
     # --- lookups ------------------------------------------------------------------------------------------
 
     def _group(self, name: str) -> CapacityGroup:
-        try:
-            return self._groups(name)
-        except KeyError as err:
-            message = str(err.args[0]) if err.args else f"unknown capacity group {name!r}"
-            raise ApplicationError(message, type="UnknownCapacityGroup", non_retryable=True) from err
-
-    async def _container_instance(self, group: CapacityGroup, instance_id: str) -> ContainerInstanceTypeDef | None:
-        """The instance's ACTIVE or DRAINING container instance in the group's cluster (the newest), if any."""
-        if not INSTANCE_ID.match(instance_id):  # it goes into a cluster query expression
-            raise ApplicationError(
-                f"not an EC2 instance id: {instance_id!r}", type="InvalidInstanceId", non_retryable=True
-            )
-        arns: list[str] = []
-        token: str | None = None
-        while True:
-            kwargs: dict[str, Any] = {"nextToken": token} if token else {}
-            # Real ECS narrows the list with the query; moto ignores it: ec2InstanceId is matched below as well.
-            page = await aws_call(
-                f"ECS cluster {group.cluster}",
-                self._aws.ecs.list_container_instances,
-                cluster=group.cluster,
-                filter=f"ec2InstanceId == {instance_id}",
-                **kwargs,
-            )
-            arns += page.get("containerInstanceArns", [])
-            token = page.get("nextToken")
-            if not token:
-                break
-        found: list[ContainerInstanceTypeDef] = []
-        for start in range(0, len(arns), 100):
-            resp = await aws_call(
-                f"ECS cluster {group.cluster}",
-                self._aws.ecs.describe_container_instances,
-                cluster=group.cluster,
-                containerInstances=arns[start : start + 100],
-            )
-            found += [
-                ci
-                for ci in resp.get("containerInstances", [])
-                if ci.get("ec2InstanceId") == instance_id and ci.get("status") in REGISTERED_STATUSES
-            ]
-        if not found:
-            return None
-        return max(found, key=lambda ci: ci.get("registeredAt") or datetime.min.replace(tzinfo=UTC))
+        return resolve_group(self._groups, name)

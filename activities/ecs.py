@@ -1,0 +1,94 @@
+"""The group's ECS cluster as the activities read it: its container instances, and the group a request names.
+
+Shared by the repair's fleet steps (activities/fleet.py) and its in-place fixes (activities/remediation.py), so
+that both find an instance's container instance the same way."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from temporalio.exceptions import ApplicationError
+
+from activities.aws import AwsClients, aws_call
+from activities.ec2 import chunks
+from contract.groups import CapacityGroup
+
+if TYPE_CHECKING:
+    from mypy_boto3_ecs.type_defs import ContainerInstanceTypeDef
+
+REGISTERED_STATUSES = ("ACTIVE", "DRAINING")
+# API batch limit.
+ECS_DESCRIBE_BATCH = 100
+INSTANCE_ID = re.compile(r"^i-[0-9a-f]{8,17}$")
+
+
+def check_instance_id(instance_id: str) -> None:
+    # The id goes into a cluster query expression; anything that is not an instance id is a caller bug.
+    if not INSTANCE_ID.match(instance_id):
+        raise ApplicationError(
+            f"{instance_id!r} is not an EC2 instance id", type="InvalidInstanceId", non_retryable=True
+        )
+
+
+def resolve_group(groups: Callable[[str], CapacityGroup], name: str) -> CapacityGroup:
+    """The named group of the settings; an unknown one is an error no retry fixes."""
+    try:
+        return groups(name)
+    except KeyError as err:
+        message = str(err.args[0]) if err.args else f"unknown capacity group {name!r}"
+        raise ApplicationError(message, type="UnknownCapacityGroup", non_retryable=True) from err
+
+
+class Ecs:
+    def __init__(self, aws: AwsClients) -> None:
+        self._aws = aws
+
+    async def container_instance_arns(
+        self, cluster: str, *, status: str | None = None, query: str | None = None
+    ) -> list[str]:
+        arns: list[str] = []
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"cluster": cluster}
+            if status:
+                kwargs["status"] = status
+            if query:
+                kwargs["filter"] = query
+            if token:
+                kwargs["nextToken"] = token
+            page = await aws_call(f"ECS cluster {cluster}", self._aws.ecs.list_container_instances, **kwargs)
+            arns += page.get("containerInstanceArns", [])
+            token = page.get("nextToken")
+            if not token:
+                return arns
+
+    async def describe_container_instances(self, cluster: str, arns: Sequence[str]) -> list[ContainerInstanceTypeDef]:
+        found: list[ContainerInstanceTypeDef] = []
+        for chunk in chunks(arns, ECS_DESCRIBE_BATCH):
+            resp = await aws_call(
+                f"ECS cluster {cluster}",
+                self._aws.ecs.describe_container_instances,
+                cluster=cluster,
+                containerInstances=chunk,
+            )
+            found += resp.get("containerInstances", [])
+        return found
+
+    async def find_container_instance(self, group: CapacityGroup, instance_id: str) -> ContainerInstanceTypeDef | None:
+        """The ACTIVE or DRAINING container instance of an EC2 instance in the group's cluster, if any."""
+        check_instance_id(instance_id)
+        # Real ECS narrows the list with the cluster query; moto ignores `filter` and lists the whole cluster.
+        # Matching ec2InstanceId below as well keeps one code path that is right on both.
+        arns = await self.container_instance_arns(group.cluster, query=f"ec2InstanceId == {instance_id}")
+        matches = [
+            ci
+            for ci in await self.describe_container_instances(group.cluster, arns)
+            if ci.get("ec2InstanceId") == instance_id and ci.get("status") in REGISTERED_STATUSES
+        ]
+        if not matches:
+            return None
+        # A re-registered instance (agent state reset) has two; the newest is the live one.
+        return max(matches, key=lambda ci: ci.get("registeredAt") or datetime.min.replace(tzinfo=UTC))
