@@ -36,10 +36,10 @@ from operator_cli.history import phase_durations
 from operator_cli.inject import xid_line
 from simulator.events import read_events
 from simulator.servers import free_port
+from tests.durability_harness import worker_environment
 from tests.fleet import Fleet, simulated_fleet
 from tests.harness import eventually, make_settings, running_worker, unique
 from tests.test_health_signals import monitor_only
-from tests.test_repair_engine import worker_environment
 from worker.settings import Settings
 from workflows.models import InstanceHealthView
 

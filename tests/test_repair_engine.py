@@ -7,8 +7,6 @@ a generous bound.
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import signal
 import sys
 from pathlib import Path
@@ -19,6 +17,7 @@ from temporalio.client import Client, WorkflowExecutionStatus
 from contract.groups import AutoRepair
 from contract.health import HealthState
 from contract.ids import health_workflow_id, repair_workflow_id
+from tests.durability_harness import worker_environment
 from tests.fleet import assert_start_before_stop, simulated_fleet
 from tests.harness import eventually
 from worker.settings import Settings
@@ -161,22 +160,6 @@ async def test_permanent_launch_error_fails_the_repair_clearly_and_keeps_the_ins
         await eventually(lambda: asyncio.sleep(0, fleet.events("DrainPermitReleased")), lambda e: len(e) == 1)
         semaphore = await fleet.semaphore()
         assert semaphore.holders == [] and semaphore.waiters == []
-
-
-def worker_environment(settings: Settings) -> dict[str, str]:
-    """The same settings, as the environment an operator would give `autorepair worker`."""
-    env = dict(os.environ)
-    env.update(
-        AUTOREPAIR_TEMPORAL__ADDRESS=settings.temporal.address,
-        AUTOREPAIR_TEMPORAL__NAMESPACE=settings.temporal.namespace,
-        AUTOREPAIR_TEMPORAL__TASK_QUEUE=settings.temporal.task_queue,
-        AUTOREPAIR_AWS__ENDPOINT_URL=settings.aws.endpoint_url or "",
-        AUTOREPAIR_AWS__REGION=settings.aws.region,
-        AUTOREPAIR_EVENTS__JSONL_PATH=str(settings.events.jsonl_path),
-        AUTOREPAIR_GROUPS=json.dumps([g.model_dump(mode="json") for g in settings.groups]),
-        AUTOREPAIR_LOG_FORMAT="json",
-    )
-    return env
 
 
 async def start_worker_process(settings: Settings, log_path: Path) -> asyncio.subprocess.Process:
