@@ -16,10 +16,13 @@ process. New and previous runs alternate, so load on the machine hits both alike
      through the probe's per-record pipeline (parse in 1 MiB chunks as the file source reads, policy, collapse,
      findings), new and previous, and through classify --collapse's path (collapse.sent_findings);
   4. the real Probe following the storm file (file source -> parse -> policy -> collapse -> spool -> a recording
-     reporter), new and previous, each run in a process of its own: seconds until every record was handled, and
-     the peak RSS (VmHWM) of that process (the highest of the runs). The probe's modules alone: `autorepair probe`
-     also imports the rest of the `autorepair` command, whose footprint is measured too, without the storm and,
-     for the new code, with it.
+     reporter), each run in a process of its own: seconds until every record was handled, and the peak RSS (VmHWM)
+     of that process (the highest of the runs). Three import sets with the new code: the probe's modules alone (and
+     the previous modules in their place, in the same set); `autorepair probe --ingest URL` as it starts
+     (operator_cli/main.py's parser on those arguments, the probe's settings and logging, its ingest reporter built
+     and one identity proof signed with stand-in credentials, nothing sent); and the same with every command's
+     modules imported, as operator_cli/main.py imported them at start-up up to 819f1e7. Each set also without the
+     storm (its imports alone).
 Timings are the best of --repeat runs, with every run's seconds and their median. Results go to stdout as JSON;
 benchmarks/RESULTS.md records a run.
 """
@@ -153,17 +156,27 @@ def best(results: list[dict[str, Any]]) -> dict[str, Any]:
 # --- child processes ------------------------------------------------------------------------------------------
 
 
-def timed_child(argv: list[str]) -> dict[str, Any]:
-    """Run a command; its wall clock, CPU and peak RSS (from wait4: this child only), and its output."""
-    with tempfile.TemporaryFile() as out:
+def timed_child(argv: list[str], timeout: float | None = None) -> dict[str, Any]:
+    """Run a command; its wall clock, CPU and peak RSS (from wait4: this child only), and its output. Past `timeout`
+    seconds it is killed and this raises: a probe whose source keeps failing would otherwise wait for ever."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         started = time.perf_counter()
-        proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.PIPE)
-        _, status, usage = os.wait4(proc.pid, 0)
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=err)
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG if timeout is not None else 0)
+            if pid:
+                break
+            if timeout is not None and time.perf_counter() - started > timeout:
+                proc.kill()
+                _, status, usage = os.wait4(proc.pid, 0)
+                break
+            time.sleep(0.02)
         wall = time.perf_counter() - started
         proc.returncode = os.waitstatus_to_exitcode(status)
-        stderr = proc.stderr.read().decode() if proc.stderr else ""
+        err.seek(0)
+        stderr = err.read().decode(errors="replace")
         if proc.returncode != 0:
-            raise RuntimeError(f"{argv} failed ({proc.returncode}): {stderr[-2000:]}")
+            raise RuntimeError(f"{argv} failed ({proc.returncode}) after {wall:.0f}s: {stderr[-2000:]}")
         out.seek(0)
         output = out.read().decode()
     return {
@@ -184,7 +197,9 @@ def findings_of(output: str) -> list[tuple[Any, ...]]:
 def child_previous_collapse(path: Path, folder: Path) -> None:
     """The previous implementation's equivalent of `classify --collapse`: the autorepair command's start-up, then
     the per-record pipeline of the previous modules, printing the findings as classify --collapse prints them."""
-    import operator_cli.main  # noqa: F401 - the same start-up as `autorepair classify`
+    from operator_cli.main import build_parser
+
+    build_parser().parse_args(["classify", "--collapse", str(path)])  # the same start-up as `autorepair classify`
     from node_probe.classify.findings import burst_rollup, dedupe_key, make_finding
 
     old = load_previous(folder, in_place=False)
@@ -208,14 +223,61 @@ def child_previous_collapse(path: Path, folder: Path) -> None:
         sys.stdout.write(json.dumps({**row, "count": f.count}) + "\n")
 
 
-def child_probe(path: Path, lines: int, folder: Path | None, import_command: bool) -> None:
-    """The real Probe following the storm file, with the new modules or the previous ones in their place. Nothing
-    of node_probe may be imported before the swap: this module imports probe_throughput (which imports the probe)
-    only in functions, for that reason."""
+# What operator_cli/main.py imported at start-up, whichever command ran, up to 819f1e7.
+EVERY_COMMAND = (
+    "ingest.cli",
+    "node_probe.cli",
+    "operator_cli.client",
+    "operator_cli.describe",
+    "operator_cli.fleet",
+    "operator_cli.group",
+    "operator_cli.history",
+    "operator_cli.inject",
+    "operator_cli.instance",
+    "simulator.demo",
+    "worker.commands",
+    "worker.logging_setup",
+    "worker.settings",
+)
+IMPORT_SETS = ("probe", "command", "every-command")
+PROBE_TIMEOUT_S = 180.0  # the storm takes the probe seconds; a child past this is stuck, not slow
+
+
+def start_as_autorepair_probe(every_command: bool) -> None:
+    """What `autorepair probe --ingest URL` does before it reads a line, but connect: its arguments parsed by the
+    command's own parser, its settings and logging, its ingest reporter, and one proof signed as for the first
+    report (stand-in credentials: the credential chain's modules load, nothing is sent). `every_command`: first
+    import every command's modules, as the command did at start-up up to 819f1e7."""
+    if every_command:
+        for name in EVERY_COMMAND:
+            importlib.import_module(name)
+    from node_probe import cli
+    from node_probe.delivery.proof import ambient_credentials, sign_proof
+    from operator_cli.main import build_parser
+    from worker.logging_setup import configure_logging
+
+    args = build_parser().parse_args(["probe", "--group", "bench", "--ingest", "https://ingest.invalid"])
+    configure_logging(cli.ProbeSettings.load().log_format)
+    reporter = cli.ingest_reporter(args)
+    os.environ.update(AWS_ACCESS_KEY_ID="AKIDBENCH", AWS_SECRET_ACCESS_KEY="bench", AWS_EC2_METADATA_DISABLED="true")
+    proof = sign_proof(
+        b"{}",
+        ingest_id=reporter.ingest_id,
+        sts_endpoint=reporter.sts_endpoint,
+        region=reporter.region,
+        credentials=ambient_credentials(reporter.region),
+    )
+    assert proof
+
+
+def child_probe(path: Path, lines: int, folder: Path | None, imports: str) -> None:
+    """The real Probe following the storm file, with the new modules or the previous ones in their place, in a
+    process with one of IMPORT_SETS. Nothing of node_probe may be imported before the swap: this module imports
+    probe_throughput (which imports the probe) only in functions, for that reason."""
     if folder is not None:
         load_previous(folder, in_place=True)
-    if import_command:
-        import operator_cli.main  # noqa: F401 - what `autorepair probe` imports
+    if imports != "probe":
+        start_as_autorepair_probe(every_command=imports == "every-command")
     from benchmarks.probe_throughput import probe_end_to_end
     from node_probe.sources import base
 
@@ -223,7 +285,11 @@ def child_probe(path: Path, lines: int, folder: Path | None, import_command: boo
     result = asyncio.run(probe_end_to_end(path, lines)) if lines else {}
     # Which parser the probe's sources ran: the previous one has no runs.
     parser = "new" if hasattr(sys.modules[base.KernelLogParser.__module__], "parse_runs") else "previous"
-    json.dump({**result, "parser": parser, "rss_before_storm_mib": before, "peak_rss_mib": _vm("VmHWM")}, sys.stdout)
+    heavy = {name: name in sys.modules for name in ("temporalio", "boto3", "botocore", "aiohttp", "grpc")}
+    json.dump(
+        {**result, "parser": parser, "rss_before_storm_mib": before, "peak_rss_mib": _vm("VmHWM"), "loaded": heavy},
+        sys.stdout,
+    )
 
 
 def _vm(field: str) -> float:
@@ -256,9 +322,9 @@ def main() -> int:
         mode, *rest = args.child
         if mode == "previous-collapse":
             child_previous_collapse(Path(rest[0]), Path(rest[1]))
-        else:  # probe FILE LINES FOLDER|- command|probe
+        else:  # probe FILE LINES FOLDER|- IMPORT_SET
             folder = None if rest[2] == "-" else Path(rest[2])
-            child_probe(Path(rest[0]), int(rest[1]), folder, rest[3] == "command")
+            child_probe(Path(rest[0]), int(rest[1]), folder, rest[3])
         return 0
 
     from benchmarks.probe_throughput import FLOOD_LINES, MIXED_LINES, chunks, flood_lines, machine, mixed_lines
@@ -316,21 +382,30 @@ def main() -> int:
             results[label] = {"lines": count, **{key: best(value) for key, value in runs.items()}}
 
         probe: dict[str, Any] = {"lines": flood}
-        probe_runs: dict[str, list[dict[str, Any]]] = {"new": [], "previous": []}
+        # The previous modules stand in only with the probe's own imports: the command imports classify's new path.
+        kinds = {"new": ("-", "probe"), "previous": (str(folder), "probe")}
+        kinds |= {"new_as_autorepair_probe": ("-", "command"), "new_with_every_command": ("-", "every-command")}
+        probe_runs: dict[str, list[dict[str, Any]]] = {label: [] for label in kinds}
         for _ in range(repeat):
-            for label, previous in (("new", "-"), ("previous", str(folder))):
-                run = timed_child([*me, "probe", str(storm), str(flood), previous, "probe"])
+            for label, (previous, imports) in list(kinds.items()):
+                try:
+                    run = timed_child([*me, "probe", str(storm), str(flood), previous, imports], PROBE_TIMEOUT_S)
+                except RuntimeError as exc:
+                    if label != "previous":
+                        raise
+                    # The previous modules in place of the working tree's may no longer fit its sources.
+                    probe["previous_failed"] = str(exc)[-600:]
+                    del kinds[label]
+                    continue
                 probe_runs[label].append(json.loads(run["output"]))
         for label, probe_results in probe_runs.items():
-            probe[label] = {**best(probe_results), "peak_rss_mib": max(r["peak_rss_mib"] for r in probe_results)}
-        probe["autorepair_command_import_only"] = json.loads(
-            timed_child([*me, "probe", str(storm), "0", "-", "command"])["output"]
-        )
-        # As `autorepair probe` runs: the whole command imported, then the storm (the previous modules cannot stand
-        # in here: the command imports classify's new path).
-        probe["new_with_autorepair_command"] = json.loads(
-            timed_child([*me, "probe", str(storm), str(flood), "-", "command"])["output"]
-        )
+            if probe_results:
+                peak = max(r["peak_rss_mib"] for r in probe_results)
+                probe[label] = {**best(probe_results), "peak_rss_mib": peak}
+        for imports in IMPORT_SETS:
+            probe[f"imports_only_{imports}"] = json.loads(
+                timed_child([*me, "probe", str(storm), "0", "-", imports])["output"]
+            )
         results["probe_storm"] = probe
     results["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     text = json.dumps(results, indent=2)

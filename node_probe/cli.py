@@ -16,35 +16,36 @@ import sys
 from collections.abc import Callable, Iterable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 from urllib.parse import urlsplit
 
-import aiohttp
 from pydantic import Field, ValidationError
 from pydantic_settings import SettingsConfigDict
 from rich.console import Console
 from rich.table import Table
 
-from contract.config import ConfigError, ConfigSources, TemporalSettings
+from contract.config import ConfigError, ConfigSources, IngestSettings, TemporalSettings
 from contract.groups import HEARTBEATS_PER_THRESHOLD, MAX_HEARTBEAT_LOSS_THRESHOLD
 from contract.ingest import FINDINGS_PATH
-from contract.temporal_client import connect
 from node_probe.classify.collapse import SentFinding, sent_findings
 from node_probe.classify.kernel_log import parse_lines
 from node_probe.classify.manual import DEFAULT_PCI, manual_findings, pci_address, records_from_text, xid_line
 from node_probe.classify.policy import POLICY_ECS, POLICY_NAMES, Policy, PolicyConfig, Verdict
 from node_probe.classify.record import FaultRecord
-from node_probe.delivery.ingest_reporter import DEFAULT_INGEST_ID, IngestReporter, default_sts_endpoint
-from node_probe.delivery.liveness_relay import LivenessRelay, LivenessRoute
-from node_probe.delivery.proof import MissingCredentials
-from node_probe.delivery.reporter import Reporter, ReporterProtocol
 from node_probe.imds import ImdsError, imds_instance_id
 from node_probe.probe import Probe, ProbeConfig
+from node_probe.sources import dcgm_bindings as dcgm
 from node_probe.sources.container_runtime import RuntimeSpec, default_runtimes
 from node_probe.sources.daemons import DaemonSpec, default_daemons
 from node_probe.sources.nvml import nvml_available
 
+if TYPE_CHECKING:
+    # Imported where each delivery is set up: the ingest's brings botocore and boto3, the direct one temporalio.
+    from node_probe.delivery.ingest_reporter import IngestReporter
+    from node_probe.delivery.reporter import ReporterProtocol
+
 log = logging.getLogger(__name__)
+DEFAULT_INGEST_ID: str = IngestSettings.model_fields["id"].default  # ingest_reporter's, without loading boto3
 
 DEFAULT_SPOOL_DIR = Path("/var/lib/gpu-autorepair/spool")
 # Columns every JSON line starts with; other record fields follow when set.
@@ -253,22 +254,24 @@ MAX_HEARTBEAT_INTERVAL_S = MAX_HEARTBEAT_LOSS_THRESHOLD.total_seconds() / HEARTB
 MAX_DEDUPE_WINDOW_S = 86_400.0
 
 
-def seconds_in_range(low: float, high: float, *, low_inclusive: bool = True) -> Callable[[str], float]:
-    """An argparse `type=`: a finite number of seconds within [low, high] (or (low, high]); anything else is an
-    argparse error, one line and exit status 2."""
+def number_in_range(
+    low: float, high: float, unit: str = "seconds", *, whole: bool = False, low_inclusive: bool = True
+) -> Callable[[str], float]:
+    """An argparse `type=`: a finite number (`whole`: an integer) of `unit` within [low, high] (or (low, high]);
+    anything else is an argparse error, one line and exit status 2."""
 
-    def seconds(text: str) -> float:
+    def number(text: str) -> float:
         try:
-            value = float(text)
+            value = int(text) if whole else float(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {'whole ' if whole else ''}number of {unit}") from None
         above_low = value >= low if low_inclusive else value > low
         if not (math.isfinite(value) and above_low and value <= high):
             lower = f"at least {low:g}" if low_inclusive else f"more than {low:g}"
-            raise argparse.ArgumentTypeError(f"must be {lower} and at most {high:g} seconds, not {text}")
+            raise argparse.ArgumentTypeError(f"must be {lower} and at most {high:g} {unit}, not {text}")
         return value
 
-    return seconds
+    return number
 
 
 def add_ingest_client_arguments(parser: argparse.ArgumentParser) -> None:
@@ -325,6 +328,23 @@ def add_probe_arguments(parser: argparse.ArgumentParser) -> None:
         help="DCGM health via `dcgmi health -c -j` (default: on; it counts once dcgmi is installed)",
     )
     parser.add_argument(
+        "--dcgm-thermal-limit",
+        type=number_in_range(dcgm.MIN_THERMAL_LIMIT_C, dcgm.MAX_THERMAL_LIMIT_C, "degrees C", whole=True),
+        default=dcgm.DEFAULT_THERMAL_LIMIT_C,
+        metavar="CELSIUS",
+        help=f"with DCGM's bindings, a GPU hotter than this is a warning, {dcgm.MIN_THERMAL_LIMIT_C} to "
+        f"{dcgm.MAX_THERMAL_LIMIT_C} (default: {dcgm.DEFAULT_THERMAL_LIMIT_C})",
+    )
+    parser.add_argument(
+        "--dcgm-power-limit",
+        type=number_in_range(dcgm.MIN_POWER_LIMIT_W, dcgm.MAX_POWER_LIMIT_W, "watts", whole=True),
+        default=None,
+        metavar="WATTS",
+        help=f"with DCGM's bindings, a GPU drawing more than this is a warning, {dcgm.MIN_POWER_LIMIT_W} to "
+        f"{dcgm.MAX_POWER_LIMIT_W} (default: the lowest enforced power limit NVML reads on this host's GPUs; "
+        "without NVML, power is not watched)",
+    )
+    parser.add_argument(
         "--daemon",
         action="append",
         default=None,
@@ -345,7 +365,7 @@ def add_probe_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--task-queue", default=None)
     parser.add_argument(
         "--heartbeat-interval",
-        type=seconds_in_range(MIN_HEARTBEAT_INTERVAL_S, MAX_HEARTBEAT_INTERVAL_S),
+        type=number_in_range(MIN_HEARTBEAT_INTERVAL_S, MAX_HEARTBEAT_INTERVAL_S),
         default=60.0,
         metavar="SECONDS",
         help=f"between heartbeats, {MIN_HEARTBEAT_INTERVAL_S:g} to {MAX_HEARTBEAT_INTERVAL_S:g} (default: 60); set "
@@ -353,7 +373,7 @@ def add_probe_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--dedupe-window",
-        type=seconds_in_range(0, MAX_DEDUPE_WINDOW_S, low_inclusive=False),
+        type=number_in_range(0, MAX_DEDUPE_WINDOW_S, low_inclusive=False),
         default=300.0,
         metavar="SECONDS",
         help=f"repeats of a finding within this window are folded into one, more than 0 and at most "
@@ -426,6 +446,8 @@ def _ingest_url(url: str) -> str:
 
 
 def ingest_reporter(args: argparse.Namespace) -> IngestReporter:
+    from node_probe.delivery.ingest_reporter import IngestReporter, default_sts_endpoint
+
     region = args.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
     return IngestReporter(
         _ingest_url(args.ingest),
@@ -456,6 +478,8 @@ async def build_probe(args: argparse.Namespace) -> Probe:
             # On by default: without dcgmi the source is "not configured" and does not count, and it starts
             # counting when DCGM is installed later, without a probe restart.
             dcgm=args.dcgm if getattr(args, "dcgm", None) is not None else True,
+            dcgm_thermal_limit_c=getattr(args, "dcgm_thermal_limit", dcgm.DEFAULT_THERMAL_LIMIT_C),
+            dcgm_power_limit_w=getattr(args, "dcgm_power_limit", None),
             daemons=_daemon_specs(args),
             container_runtimes=_runtime_specs(args),
             policy=args.policy,
@@ -472,6 +496,10 @@ async def build_probe(args: argparse.Namespace) -> Probe:
     if ingest:
         reporter = ingest_reporter(args)
     else:
+        from contract.temporal_client import connect
+        from node_probe.delivery.liveness_relay import LivenessRelay, LivenessRoute
+        from node_probe.delivery.reporter import Reporter
+
         route = LivenessRoute.for_probe(config.heartbeat_interval)
         direct = Reporter(await connect(temporal, lazy=True))
         reporter = LivenessRelay(direct, lambda group: route, temporal.task_queue, relay=False)
@@ -502,8 +530,9 @@ async def run_probe_command(args: argparse.Namespace) -> int:
     finally:
         for sig in handled:
             loop.remove_signal_handler(sig)
-        if isinstance(probe._reporter, IngestReporter):
-            await probe._reporter.close()
+        close = getattr(probe._reporter, "close", None)  # the ingest's HTTP session; Temporal's client has none
+        if close is not None:
+            await close()
     return 0
 
 
@@ -529,6 +558,10 @@ def add_probe_report_arguments(parser: argparse.ArgumentParser) -> None:
 async def run_probe_report(args: argparse.Namespace) -> int:
     """Send one finding, built as the probe would, through the ingest once: 0 when accepted (202); 1 with the
     ingest's reason when refused, 2 for a usage problem, 3 when the ingest cannot be reached."""
+    import aiohttp
+
+    from node_probe.delivery.proof import MissingCredentials
+
     try:
         if args.xid is not None and args.xid < 0:
             raise CliError(f"--xid must be a non-negative Xid code, not {args.xid}")

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, Field, field_validator
 
@@ -26,17 +28,28 @@ from node_probe.classify.dedupe import Burst, BurstCollapser
 from node_probe.classify.findings import DedupeKey, burst_rollup, dedupe_key, make_finding
 from node_probe.classify.policy import POLICY_NAMES, Policy, PolicyConfig, RepeatMemory, Verdict
 from node_probe.delivery.cursor import CursorStore, FileCursor, KmsgCursor, cursor_path, open_cursor
-from node_probe.delivery.ingest_reporter import IngestRefused
-from node_probe.delivery.reporter import ReporterProtocol
 from node_probe.delivery.spool import DEFAULT_MAX_BYTES, open_spool
 from node_probe.sources.base import Observation, RecordSource
 from node_probe.sources.container_runtime import ContainerRuntimeSource, RuntimeSpec
 from node_probe.sources.daemons import DaemonSource, DaemonSpec
-from node_probe.sources.dcgm_bindings import dcgm_source
+from node_probe.sources.dcgm_bindings import (
+    DEFAULT_THERMAL_LIMIT_C,
+    MAX_POWER_LIMIT_W,
+    MAX_THERMAL_LIMIT_C,
+    MIN_POWER_LIMIT_W,
+    MIN_THERMAL_LIMIT_C,
+    dcgm_source,
+)
 from node_probe.sources.journald import JournalCursor, JournaldSource
 from node_probe.sources.kmsg import KMSG_PATH, KmsgSource
 from node_probe.sources.log_file import KernelLogFileSource
 from node_probe.sources.nvml import NvmlSource
+
+if TYPE_CHECKING:
+    # Only named here: ingest_reporter loads botocore and boto3, reporter loads temporalio (tens of MiB between
+    # them), and a probe needs only the one its delivery uses (node_probe/cli.py imports that one).
+    from node_probe.delivery.ingest_reporter import IngestRefused
+    from node_probe.delivery.reporter import ReporterProtocol
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +71,10 @@ class ProbeConfig(BaseModel):
     nvml_poll_interval: timedelta = timedelta(seconds=60)
     dcgm: bool = False  # health watches (and policy violations with DCGM's bindings; else `dcgmi health -c -j`)
     dcgm_poll_interval: timedelta = timedelta(seconds=60)
+    # DCGM's policy limits (with its bindings; dcgmi has no policies). Power None: the GPUs' own enforced limit, read
+    # through NVML where the probe uses NVML, else power is not watched (sources/dcgm_bindings.py says why).
+    dcgm_thermal_limit_c: int = Field(default=DEFAULT_THERMAL_LIMIT_C, ge=MIN_THERMAL_LIMIT_C, le=MAX_THERMAL_LIMIT_C)
+    dcgm_power_limit_w: int | None = Field(default=None, ge=MIN_POWER_LIMIT_W, le=MAX_POWER_LIMIT_W)
     daemons: list[DaemonSpec] = Field(default_factory=list)  # systemd units; a DAEMON finding when one stays down
     daemon_down_threshold: timedelta = timedelta(seconds=60)  # the container runtimes' threshold too
     # docker/containerd: a CONTAINER_RUNTIME finding when one stays down or its API stays silent
@@ -135,7 +152,16 @@ def build_sources(config: ProbeConfig, spooled: Callable[[], bool] = lambda: Tru
         # DCGM names GPUs by index; NVML, when on, turns that into the PCI address and UUID.
         lookup = nvml.gpu_identity if nvml is not None else None
         # DCGM's own Python bindings where they import (policy violations as they happen), else dcgmi.
-        sources.append(dcgm_source(poll_interval=config.dcgm_poll_interval.total_seconds(), gpu_lookup=lookup))
+        sources.append(
+            dcgm_source(
+                poll_interval=config.dcgm_poll_interval.total_seconds(),
+                gpu_lookup=lookup,
+                thermal_limit_c=config.dcgm_thermal_limit_c,
+                power_limit_w=config.dcgm_power_limit_w,
+                # Only through the probe's own NVML: --no-nvml keeps the probe off NVML, the power default included.
+                nvml=nvml.nvml if nvml is not None else None,
+            )
+        )
     if config.daemons:
         sources.append(DaemonSource(config.daemons, down_threshold=config.daemon_down_threshold.total_seconds()))
     if config.container_runtimes:
@@ -156,6 +182,15 @@ def _gpu_health(sources: list[ProbeSourceHealth]) -> tuple[HealthState, str | No
 
 def _utcnow() -> datetime:
     return datetime.now(UTC)
+
+
+def _ingest_refusal(exc: Exception) -> IngestRefused | None:
+    """`exc` as the ingest's refusal, or None. Looked up rather than imported: only the IngestReporter raises one,
+    so while its module is not loaded `exc` cannot be one, and a probe reporting straight to Temporal (or a test's
+    fake reporter) does not load botocore and boto3 for the check."""
+    module = sys.modules.get("node_probe.delivery.ingest_reporter")
+    refused: type[IngestRefused] | None = getattr(module, "IngestRefused", None)
+    return exc if refused is not None and isinstance(exc, refused) else None
 
 
 class Probe:
@@ -411,10 +446,11 @@ class Probe:
                 await self._reporter.send_finding(finding, self.config.task_queue)
             except Exception as exc:  # unreachable server, timeouts: all mean "try again later"
                 self.stats.delivery_failures += 1
-                if isinstance(exc, IngestRefused) and exc.unknown_group:
+                refused = _ingest_refusal(exc)
+                if refused is not None and refused.unknown_group:
                     # Every report is refused until the group or the settings are fixed: no point trying sooner.
                     backoff = max(backoff, self.config.retry_max_backoff.total_seconds())
-                    self._group_refused(exc)
+                    self._group_refused(refused)
                 log.warning("finding %s not delivered (%s); retrying in %.1fs", finding.reason, exc, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self.config.retry_max_backoff.total_seconds())

@@ -13,26 +13,11 @@ from typing import Any, NoReturn
 from pydantic import ValidationError
 
 from contract.config import ConfigError
-from ingest.cli import add_ingest_arguments, run_ingest
-from node_probe.cli import (
-    ProbeSettings,
-    add_classify_arguments,
-    add_probe_arguments,
-    add_probe_report_arguments,
-    run_classify,
-    run_probe_command,
-    run_probe_report,
-)
-from operator_cli.client import guarded
-from operator_cli.describe import add_describe_arguments, describe_instances
-from operator_cli.fleet import add_fleet_arguments, fleet_usage
-from operator_cli.group import add_group_arguments, group_usage
-from operator_cli.history import add_history_arguments, repair_history
-from operator_cli.inject import add_inject_arguments, inject_fault
-from operator_cli.instance import add_instance_arguments, instance_usage
-from worker.commands import run_setup_command, run_worker_command
 from worker.logging_setup import configure_logging
-from worker.settings import Settings
+
+Runner = Callable[[argparse.Namespace], Any]
+# Adds a command's arguments to its parser and gives the function that runs it.
+Setup = Callable[[argparse.ArgumentParser], Runner]
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -42,6 +27,33 @@ class OneLineErrorParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+class CommandParser(OneLineErrorParser):
+    """One command of `autorepair`. Its arguments, and with them its modules, are added only when it is the command
+    parsed (or its help is asked for): `autorepair probe` on a GPU host then carries the probe's imports and not the
+    worker's, the ingest's or the operator's Temporal client (tens of MiB, benchmarks/RESULTS.md)."""
+
+    def __init__(self, *args: Any, setup: Setup | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._setup = setup
+
+    def _ready(self) -> None:
+        if self._setup is not None:
+            setup, self._setup = self._setup, None
+            self.set_defaults(run=setup(self))
+
+    def parse_known_args(self, *args: Any, **kwargs: Any) -> Any:
+        self._ready()
+        return super().parse_known_args(*args, **kwargs)
+
+    def format_usage(self, *args: Any, **kwargs: Any) -> str:
+        self._ready()
+        return super().format_usage(*args, **kwargs)
+
+    def format_help(self, *args: Any, **kwargs: Any) -> str:
+        self._ready()
+        return super().format_help(*args, **kwargs)
+
+
 def _one_line(err: ValidationError) -> str:
     first = err.errors()[0]
     where = ".".join(str(part) for part in first["loc"])
@@ -49,59 +61,137 @@ def _one_line(err: ValidationError) -> str:
     return f"{where}: {first['msg']}{more}" if where else f"{first['msg']}{more}"
 
 
+# --- each command's setup: the imports are inside, so only the command that runs pays for them ------------------
+
+
+def _worker(parser: argparse.ArgumentParser) -> Runner:
+    from worker.commands import run_worker_command
+
+    return run_worker_command
+
+
+def _setup(parser: argparse.ArgumentParser) -> Runner:
+    from worker.commands import run_setup_command
+
+    return run_setup_command
+
+
+def _demo(parser: argparse.ArgumentParser) -> Runner:
+    from simulator.demo import add_demo_arguments, run_demo
+
+    add_demo_arguments(parser)
+    return run_demo
+
+
+def _probe(parser: argparse.ArgumentParser) -> Runner:
+    from node_probe.cli import add_probe_arguments, run_probe_command
+
+    add_probe_arguments(parser)
+    return run_probe_command
+
+
+def _probe_report(parser: argparse.ArgumentParser) -> Runner:
+    from node_probe.cli import add_probe_report_arguments, run_probe_report
+
+    add_probe_report_arguments(parser)
+    return run_probe_report
+
+
+def _ingest(parser: argparse.ArgumentParser) -> Runner:
+    from ingest.cli import add_ingest_arguments, run_ingest
+
+    add_ingest_arguments(parser)
+    return run_ingest
+
+
+def _classify(parser: argparse.ArgumentParser) -> Runner:
+    from node_probe.cli import add_classify_arguments, run_classify
+
+    add_classify_arguments(parser)
+    return run_classify
+
+
+# The operator's commands read and change the fleet through Temporal; guarded() turns what the operator can fix (a
+# bad argument, an unreachable server, an unknown instance) into one line and an exit status.
+
+
+def _describe(parser: argparse.ArgumentParser) -> Runner:
+    from operator_cli.client import guarded
+    from operator_cli.describe import add_describe_arguments, describe_instances
+
+    add_describe_arguments(parser)
+    return guarded(describe_instances)
+
+
+def _history(parser: argparse.ArgumentParser) -> Runner:
+    from operator_cli.client import guarded
+    from operator_cli.history import add_history_arguments, repair_history
+
+    add_history_arguments(parser)
+    return guarded(repair_history)
+
+
+def _inject(parser: argparse.ArgumentParser) -> Runner:
+    from operator_cli.client import guarded
+    from operator_cli.inject import add_inject_arguments, inject_fault
+
+    add_inject_arguments(parser)
+    return guarded(inject_fault)
+
+
+def _group(parser: argparse.ArgumentParser) -> Runner:
+    from operator_cli.client import guarded
+    from operator_cli.group import add_group_arguments, group_usage
+
+    add_group_arguments(parser)
+    return guarded(group_usage)
+
+
+def _fleet(parser: argparse.ArgumentParser) -> Runner:
+    from operator_cli.client import guarded
+    from operator_cli.fleet import add_fleet_arguments, fleet_usage
+
+    add_fleet_arguments(parser)
+    return guarded(fleet_usage)
+
+
+def _instance(parser: argparse.ArgumentParser) -> Runner:
+    from operator_cli.client import guarded
+    from operator_cli.instance import add_instance_arguments, instance_usage
+
+    add_instance_arguments(parser)
+    return guarded(instance_usage)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(prog="autorepair", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
 
-    def command(name: str, help: str, run: Callable[[argparse.Namespace], Any]) -> argparse.ArgumentParser:
-        sub = commands.add_parser(name, help=help, description=help)
-        sub.set_defaults(run=run)
-        return sub
+    def command(name: str, help: str, setup: Setup) -> None:
+        commands.add_parser(name, help=help, description=help, setup=setup)
 
-    command("worker", "run the repair workers (workflows and activities) on this host", run_worker_command)
-    command("setup", "register the custom search attributes in the Temporal namespace", run_setup_command)
+    command("worker", "run the repair workers (workflows and activities) on this host", _worker)
+    command("setup", "register the custom search attributes in the Temporal namespace", _setup)
     # The simulator is only for trying it out: an image without it (the probe's) still runs every other command.
     if importlib.util.find_spec("simulator") is not None:
-        from simulator.demo import add_demo_arguments, run_demo
-
-        add_demo_arguments(command("demo", "run a simulated GPU fleet that heals itself, locally", run_demo))
-    add_probe_arguments(command("probe", "run the node probe on a GPU host", run_probe_command))
-    add_probe_report_arguments(
-        command(
-            "probe-report",
-            "send one GPU finding through the ingest, as this host's probe would, and say whether it was accepted",
-            run_probe_report,
-        )
+        command("demo", "run a simulated GPU fleet that heals itself, locally", _demo)
+    command("probe", "run the node probe on a GPU host", _probe)
+    command(
+        "probe-report",
+        "send one GPU finding through the ingest, as this host's probe would, and say whether it was accepted",
+        _probe_report,
     )
-    add_ingest_arguments(
-        command("ingest", "serve the ingest: GPU hosts report here over HTTPS, proven by AWS identity", run_ingest)
-    )
-    add_classify_arguments(command("classify", "classify kernel log text under a repair policy", run_classify))
-    # The operator's commands read and change the fleet through Temporal; guarded() turns what the operator can
-    # fix (a bad argument, an unreachable server, an unknown instance) into one line and an exit status.
-    add_describe_arguments(
-        command(
-            "describe-instances", "health status, GPU findings and repair of instances", guarded(describe_instances)
-        )
-    )
-    add_history_arguments(
-        command("history", "past and running repairs, phase by phase, from Temporal", guarded(repair_history))
-    )
-    add_inject_arguments(
-        command(
-            "inject", "game day: inject a GPU fault or a heartbeat loss, as a real one arrives", guarded(inject_fault)
-        )
-    )
-    add_group_arguments(command("group", "a capacity group's configuration, changed live", guarded(group_usage)))
-    add_fleet_arguments(
-        command("fleet", "the fleet-wide breaker: describe it, resume held repairs", guarded(fleet_usage))
-    )
-    add_instance_arguments(
-        command(
-            "instance",
-            "an operator's controls of one instance: exclude from repair, include, repair now, clear a false finding",
-            guarded(instance_usage),
-        )
+    command("ingest", "serve the ingest: GPU hosts report here over HTTPS, proven by AWS identity", _ingest)
+    command("classify", "classify kernel log text under a repair policy", _classify)
+    command("describe-instances", "health status, GPU findings and repair of instances", _describe)
+    command("history", "past and running repairs, phase by phase, from Temporal", _history)
+    command("inject", "game day: inject a GPU fault or a heartbeat loss, as a real one arrives", _inject)
+    command("group", "a capacity group's configuration, changed live", _group)
+    command("fleet", "the fleet-wide breaker: describe it, resume held repairs", _fleet)
+    command(
+        "instance",
+        "an operator's controls of one instance: exclude from repair, include, repair now, clear a false finding",
+        _instance,
     )
     return parser
 
@@ -122,8 +212,16 @@ def _finish(args: argparse.Namespace, code: int, argv: list[str] | None) -> int:
 _PROBE_SIDE = frozenset({"probe", "probe-report", "classify"})
 
 
-def _settings_class(command: str) -> type[Settings] | type[ProbeSettings]:
-    return ProbeSettings if command in _PROBE_SIDE else Settings
+def _log_format(command: str) -> str:
+    """The command's settings, read for their log format; each side's settings class is imported only by its own
+    commands (the worker's would bring the groups' and breaker's models onto a GPU host)."""
+    if command in _PROBE_SIDE:
+        from node_probe.cli import ProbeSettings
+
+        return ProbeSettings.load().log_format
+    from worker.settings import Settings
+
+    return Settings.load().log_format
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # Every command's settings are read here first: a missing file, bad TOML or a bad value is one line naming
         # the file (or environment variable), the key and the fix, and exit status 2, before the command starts.
-        settings_format = _settings_class(args.command).load().log_format
+        settings_format = _log_format(args.command)
     except ConfigError as err:
         print(f"autorepair {args.command}: invalid configuration: {err}", file=sys.stderr)
         return 2

@@ -12,9 +12,11 @@ callback sample from a GPU is public, so none is used here.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import ctypes
+import inspect
 import stat
 import sys
 import textwrap
@@ -25,8 +27,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import pydantic
+import pynvml
 import pytest
 
+from node_probe import cli
 from node_probe.classify.policy import Policy
 from node_probe.probe import ProbeConfig, build_sources
 from node_probe.sources.base import Observation
@@ -38,6 +43,8 @@ from node_probe.sources.dcgm_bindings import (
     load_bindings,
     policy_record,
 )
+from operator_cli.main import main
+from tests.fake_nvml import FakeGpu, FakeNvml, two_gpus
 from tests.test_dcgm_source import HEALTHY, report
 from tests.test_probe import eventually
 
@@ -365,3 +372,168 @@ async def collecting(source: DcgmBindingsSource, seen: list[Observation]) -> Asy
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+# --- the thermal and power limits: flags, the probe's config, and the power default from NVML ------------------
+
+
+class PowerNvml(FakeNvml):
+    """tests/fake_nvml.py's pynvml, with each GPU's enforced power limit (milliwatts) as pynvml reads it."""
+
+    def __init__(self, gpus: list[FakeGpu], limits_mw: list[int]) -> None:
+        super().__init__(gpus)
+        self.limits_mw = limits_mw
+
+    def nvmlDeviceGetEnforcedPowerLimit(self, handle: Any) -> int:
+        gpu = self._gpu(handle)
+        self._check(gpu, "nvmlDeviceGetEnforcedPowerLimit")
+        return self.limits_mw[self.gpus.index(gpu)]
+
+
+def limits_set() -> tuple[int | None, int | None]:
+    """(thermal C, power W) of the policy last set on the host engine; None for a condition not watched."""
+    s = structs()
+    (condition, _) = engine().registered[-1]
+    policy = engine().policies[-1]
+    found: list[int | None] = []
+    for bit, index in ((s.DCGM_POLICY_COND_THERMAL, 3), (s.DCGM_POLICY_COND_POWER, 4)):
+        watched = bool(condition & bit)
+        assert bool(policy.condition & bit) == watched
+        if watched:
+            assert policy.parms[index].tag == 1  # a limit, not a boolean
+        found.append(int(policy.parms[index].val.llval) if watched else None)
+    return found[0], found[1]
+
+
+def probe_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cli.add_probe_arguments(parser)
+    return parser.parse_args(["--group", "g", *argv])
+
+
+def test_the_stand_ins_enforced_power_limit_is_pynvmls() -> None:
+    real = inspect.signature(pynvml.nvmlDeviceGetEnforcedPowerLimit)
+    assert list(inspect.signature(PowerNvml([], []).nvmlDeviceGetEnforcedPowerLimit).parameters) == list(
+        real.parameters
+    )
+
+
+def test_the_probes_dcgm_limit_flags() -> None:
+    default = probe_args()
+    assert (default.dcgm_thermal_limit, default.dcgm_power_limit) == (90, None)
+    given = probe_args("--dcgm-thermal-limit", "85", "--dcgm-power-limit", "650")
+    assert (given.dcgm_thermal_limit, given.dcgm_power_limit) == (85, 650)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "says"),
+    [
+        ("--dcgm-power-limit", "0", "must be at least 25 and at most 5000 watts, not 0"),
+        ("--dcgm-power-limit", "-700", "must be at least 25 and at most 5000 watts, not -700"),
+        ("--dcgm-power-limit", "70000", "must be at least 25 and at most 5000 watts, not 70000"),
+        ("--dcgm-power-limit", "700.5", "'700.5' is not a whole number of watts"),
+        ("--dcgm-power-limit", "700W", "'700W' is not a whole number of watts"),
+        ("--dcgm-thermal-limit", "20", "must be at least 30 and at most 120 degrees C, not 20"),
+        ("--dcgm-thermal-limit", "200", "must be at least 30 and at most 120 degrees C, not 200"),
+        ("--dcgm-thermal-limit", "hot", "'hot' is not a whole number of degrees C"),
+    ],
+)
+def test_a_bad_dcgm_limit_is_one_line_and_exit_status_2(
+    flag: str, value: str, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["probe", "--group", "g", "--direct-temporal", f"{flag}={value}"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err == f"autorepair probe: error: argument {flag}: {says} (see autorepair probe --help)\n"
+
+
+def test_the_probes_config_holds_the_limits_to_the_same_bounds() -> None:
+    config = ProbeConfig(instance_id="i-1", group="g", dcgm_thermal_limit_c=85, dcgm_power_limit_w=650)
+    assert (config.dcgm_thermal_limit_c, config.dcgm_power_limit_w) == (85, 650)
+    assert ProbeConfig(instance_id="i-1", group="g").dcgm_power_limit_w is None
+    for bad in ({"dcgm_power_limit_w": 0}, {"dcgm_thermal_limit_c": 121}):
+        with pytest.raises(pydantic.ValidationError):
+            ProbeConfig(instance_id="i-1", group="g", **bad)
+
+
+async def test_the_flags_reach_dcgms_policy(
+    bindings_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(bindings_dir))  # the bindings as installed, where the probe looks first
+    args = probe_args(
+        "--instance-id", "i-1", "--direct-temporal", "--kernel-log", str(tmp_path / "kern.log"),
+        "--spool-dir", str(tmp_path / "spool"), "--no-nvml", "--no-container-runtime", "--no-daemons",
+        "--dcgm-thermal-limit", "85", "--dcgm-power-limit", "650",
+    )  # fmt: skip
+    probe = await cli.build_probe(args)
+    assert (probe.config.dcgm_thermal_limit_c, probe.config.dcgm_power_limit_w) == (85, 650)
+    (dcgm,) = [s for s in build_sources(probe.config) if isinstance(s, DcgmBindingsSource)]
+    await dcgm.poll()
+    assert limits_set() == (85, 650)
+
+
+async def test_without_a_power_flag_the_limit_is_the_lowest_gpus_enforced_one(bindings_dir: Path) -> None:
+    bindings = load_bindings([bindings_dir])
+    assert bindings is not None
+    nvml = PowerNvml(two_gpus(), [700_000, 350_400])
+    source = DcgmBindingsSource(bindings, poll_interval=60, gpu_lookup=lookup, nvml=nvml)
+    assert await source.poll() == [] and source.status.is_ok
+    assert limits_set() == (90, 351)  # 350.4 W rounded up: a GPU held at its limit is no violation
+    assert nvml.inits == nvml.shutdowns == 1
+    # Read again at each connect: an operator may have changed a GPU's limit (nvidia-smi -pl) meanwhile.
+    nvml.limits_mw = [700_000, 300_000]
+    engine().error = structs().DCGM_ST_CONNECTION_NOT_VALID
+    await source.poll()
+    engine().error = None
+    await source.poll()
+    assert len(engine().policies) == 2 and limits_set() == (90, 300)
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [
+        {"init_error": pynvml.NVML_ERROR_LIBRARY_NOT_FOUND},
+        {"gpu_error": pynvml.NVML_ERROR_NOT_SUPPORTED},
+        {"no_gpus": True},
+        {"no_nvml": True},
+    ],
+)
+async def test_where_nvml_cannot_say_power_is_not_watched(bindings_dir: Path, broken: dict[str, Any]) -> None:
+    bindings = load_bindings([bindings_dir])
+    assert bindings is not None
+    nvml = PowerNvml([] if broken.get("no_gpus") else two_gpus(), [700_000, 700_000])
+    nvml.init_error = broken.get("init_error")
+    if "gpu_error" in broken:
+        nvml.gpus[1].errors["nvmlDeviceGetEnforcedPowerLimit"] = broken["gpu_error"]
+    given = None if broken.get("no_nvml") else nvml
+    source = DcgmBindingsSource(bindings, poll_interval=60, gpu_lookup=lookup, nvml=given)
+    assert await source.poll() == [] and source.status.is_ok  # the rest of DCGM is watched all the same
+    assert limits_set() == (90, None)
+    assert nvml.shutdowns == nvml.inits  # NVML left as found
+
+
+async def test_a_power_flag_overrides_nvml_which_is_then_not_asked(bindings_dir: Path) -> None:
+    bindings = load_bindings([bindings_dir])
+    assert bindings is not None
+    nvml = PowerNvml(two_gpus(), [700_000, 350_000])
+    source = DcgmBindingsSource(bindings, poll_interval=60, gpu_lookup=lookup, power_limit_w=650, nvml=nvml)
+    await source.poll()
+    assert limits_set() == (90, 650)
+    assert nvml.calls == []
+
+
+@pytest.mark.parametrize("nvml_on", [True, False])
+async def test_the_probe_reads_the_power_default_through_its_own_nvml(
+    bindings_dir: Path, monkeypatch: pytest.MonkeyPatch, nvml_on: bool
+) -> None:
+    """The NVML source's module is the one asked; with NVML off (--no-nvml, or no driver library) NVML is left
+    alone and power is not watched."""
+    monkeypatch.syspath_prepend(str(bindings_dir))
+    nvml = PowerNvml(two_gpus(), [700_000, 400_000])
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    sources = build_sources(ProbeConfig(instance_id="i-1", group="g", nvml=nvml_on, dcgm=True))
+    (dcgm,) = [s for s in sources if isinstance(s, DcgmBindingsSource)]
+    await dcgm.poll()
+    assert limits_set() == (90, 400 if nvml_on else None)
+    assert (nvml.inits > 0) is nvml_on

@@ -8,8 +8,9 @@ the probe connects to nv-hostengine once instead of starting dcgmi every poll, a
 temperature and power over a limit, each delivered by a callback from DCGM's thread as it happens, not at the next
 poll. A violation becomes one record (`policy_record`): a DBE is a DCGM failure (reason DCGM_POLICY_DBE, critical, as
 ECS acts on Xid 48 and DCGM's memory failure); an Xid is an Xid record, classified like the kernel's; the others are
-warnings (DCGM_POLICY_PCIE, _NVLINK, _THERMAL, _POWER). Power is watched only with a limit in watts: GPUs differ too
-much for one default.
+warnings (DCGM_POLICY_PCIE, _NVLINK, _THERMAL, _POWER). Temperature is watched over DEFAULT_THERMAL_LIMIT_C unless
+told otherwise; power over the limit given, else over the GPUs' own enforced power limit as NVML reads it
+(`enforced_power_limit_w`), else not at all: GPUs differ too much for one default.
 
 The layouts read here are DCGM's (dcgm_structs.h, and the bindings' ctypes mirror of it: NVIDIA/DCGM
 testing/python3/dcgm_structs.py, whose tests/test_policy.py registers its callbacks the same way). If the bindings
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import ctypes
 import importlib
 import logging
@@ -45,6 +47,11 @@ BINDINGS_DIRS = (
 _MODULES = ("dcgm_structs", "dcgm_fields", "pydcgm")
 HOSTENGINE = "127.0.0.1"  # nv-hostengine's default listening address (port 5555)
 DEFAULT_THERMAL_LIMIT_C = 90
+# What a limit may be. Below about 30 C every working GPU would be in violation, above 120 C none could be (GPUs
+# slow down and shut down well before); GPUs' power limits run from about 40 W (small inference cards) to 1 kW and
+# more (Blackwell), so outside 25 to 5,000 W a limit is a typo, not a choice.
+MIN_THERMAL_LIMIT_C, MAX_THERMAL_LIMIT_C = 30, 120
+MIN_POWER_LIMIT_W, MAX_POWER_LIMIT_W = 25, 5000
 MAX_QUEUED_VIOLATIONS = 1024
 
 # dcgm_structs.h: dcgmPolicyCondition_t bits, dcgmPolicyConditionIdx_t indexes, and what each is to the probe.
@@ -117,14 +124,55 @@ def load_bindings(dirs: Sequence[Path] = BINDINGS_DIRS) -> DcgmBindings | None:
 
 
 def dcgm_source(
-    *, poll_interval: float, gpu_lookup: GpuLookup | None, dirs: Sequence[Path] = BINDINGS_DIRS
+    *,
+    poll_interval: float,
+    gpu_lookup: GpuLookup | None,
+    dirs: Sequence[Path] = BINDINGS_DIRS,
+    thermal_limit_c: int = DEFAULT_THERMAL_LIMIT_C,
+    power_limit_w: int | None = None,
+    nvml: Any = None,
 ) -> DcgmHealthSource:
-    """The bindings' source where they import, dcgmi's otherwise."""
+    """The bindings' source where they import, dcgmi's otherwise (which has no policies, so no limits)."""
     bindings = load_bindings(dirs)
     if bindings is None:
         return DcgmHealthSource(poll_interval=poll_interval, gpu_lookup=gpu_lookup)
     log.info("dcgm: using DCGM's Python bindings from %s (policy violations and health watches)", bindings.where)
-    return DcgmBindingsSource(bindings, poll_interval=poll_interval, gpu_lookup=gpu_lookup)
+    return DcgmBindingsSource(
+        bindings,
+        poll_interval=poll_interval,
+        gpu_lookup=gpu_lookup,
+        thermal_limit_c=thermal_limit_c,
+        power_limit_w=power_limit_w,
+        nvml=nvml,
+    )
+
+
+def enforced_power_limit_w(nvml: Any) -> int | None:
+    """The lowest enforced power limit among this host's GPUs, in watts, as NVML reads it; None where NVML cannot
+    say for every GPU (no driver, no GPUs, a GPU that does not report it).
+
+    The enforced limit is the one the driver holds a GPU to (its board's default, or lower where an operator or a
+    management tool capped it), so drawing more is a GPU not doing what it is told. DCGM's power policy has one
+    limit for the whole group, so on a host of mixed GPUs the lowest one's: a GPU with a higher limit may then be
+    reported over the lower one, a warning that never impairs, where the highest would hide every other GPU's
+    violations. Rounded up to whole watts, so a GPU held exactly at its limit is no violation."""
+    try:
+        nvml.nvmlInit()
+    except Exception as exc:  # pynvml's NVMLError, or no libnvidia-ml at all
+        log.info("dcgm: NVML cannot read the GPUs' power limits (%s); power not watched", exc)
+        return None
+    try:
+        handles = [nvml.nvmlDeviceGetHandleByIndex(index) for index in range(int(nvml.nvmlDeviceGetCount()))]
+        milliwatts = [int(nvml.nvmlDeviceGetEnforcedPowerLimit(handle)) for handle in handles]
+    except Exception as exc:
+        log.info("dcgm: NVML did not give every GPU's enforced power limit (%s); power not watched", exc)
+        return None
+    finally:
+        with contextlib.suppress(Exception):  # the answer is in; a failing shutdown changes nothing of it
+            nvml.nvmlShutdown()
+    if not milliwatts or min(milliwatts) <= 0:
+        return None
+    return -(-min(milliwatts) // 1000)
 
 
 def _const(module: ModuleType, name: str, default: int) -> int:
@@ -218,12 +266,16 @@ class DcgmBindingsSource(DcgmHealthSource):
         hostengine: str = HOSTENGINE,
         thermal_limit_c: int = DEFAULT_THERMAL_LIMIT_C,
         power_limit_w: int | None = None,
+        nvml: Any = None,
         **dcgmi: Any,
     ) -> None:
+        """`power_limit_w` None: the GPUs' own limit from `nvml` (pynvml), read at each connect since an operator may
+        change it; without `nvml` either, power is not watched."""
         super().__init__(poll_interval=poll_interval, timeout=timeout, gpu_lookup=gpu_lookup, **dcgmi)
         self.bindings = bindings
         self._hostengine = hostengine
         self._limits = {"DCGM_POLICY_THERMAL": thermal_limit_c, "DCGM_POLICY_POWER": power_limit_w}
+        self._nvml = nvml if power_limit_w is None else None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dcgm")
         self._handle: Any = None
         self._group: Any = None
@@ -302,25 +354,34 @@ class DcgmBindingsSource(DcgmHealthSource):
         # A group of our own (DCGM drops it when we disconnect), so the default group's settings are left alone.
         group = system.GetGroupWithGpuIds(f"gpu-autorepair-{os.getpid()}", system.GetAllSupportedGpuIds())
         group.health.Set(_const(structs, "DCGM_HEALTH_WATCH_ALL", 0xFFFFFFFF))
-        policy, watched = self._policy()
+        limits = dict(self._limits)
+        if self._nvml is not None:
+            limits["DCGM_POLICY_POWER"] = enforced_power_limit_w(self._nvml)
+        policy, watched = self._policy(limits)
         group.policy.Set(policy)
         callback_type = ctypes.CFUNCTYPE(None, ctypes.POINTER(structs.c_dcgmPolicyCallbackResponse_v2), ctypes.c_uint64)
         self._callback = callback_type(self._on_violation)
         group.policy.Register(watched, self._callback, None)
         self._group = group
-        log.info("dcgm: connected to nv-hostengine at %s; watching health and policy violations", self._hostengine)
+        power = limits["DCGM_POLICY_POWER"]
+        log.info(
+            "dcgm: connected to nv-hostengine at %s; watching health and policy violations (over %d C, %s)",
+            self._hostengine,
+            limits["DCGM_POLICY_THERMAL"],
+            "power not watched" if power is None else f"over {power} W",
+        )
 
-    def _policy(self) -> tuple[Any, int]:
-        """The policy to set: every condition we watch, booleans on, limits where they need one."""
+    def _policy(self, limits: dict[str, int | None]) -> tuple[Any, int]:
+        """The policy to set: every condition we watch, booleans on, `limits` (by reason) where they need one."""
         structs = self.bindings.structs
         policy = structs.c_dcgmPolicy_v1()
         policy.version = structs.dcgmPolicy_version1
         watched = 0
         for bit, index, reason, member in conditions(structs):
-            if member == "mpr" or (member in ("thermal", "power") and self._limits[reason] is None):
+            if member == "mpr" or (member in ("thermal", "power") and limits[reason] is None):
                 continue
             watched |= bit
-            limit = self._limits.get(reason)
+            limit = limits.get(reason)
             policy.parms[index].tag = _BOOL if limit is None else _LLONG
             if limit is None:
                 policy.parms[index].val.boolean = True
