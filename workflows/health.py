@@ -379,7 +379,7 @@ class InstanceHealthWorkflow:
         # The tracker knows the game day too (it ignores receipts until it ends): heard again is heard again.
         self._state.last_heartbeat = max(self._state.last_heartbeat or now, change.last_heard or now)
         self._wake_if_dormant()
-        self._set_check(CheckType.AGENT_CONNECTIVITY, HealthState.OK, None, now)
+        self._set_check(CheckType.AGENT_CONNECTIVITY, *aws_checks.probe_heard_again(self._state), now)
 
     def _go_dormant(self, why: str, now: datetime) -> None:
         """It left on purpose but may come back (stopped, in standby, detached, deregistered): not a fault, never
@@ -454,8 +454,10 @@ class InstanceHealthWorkflow:
 
     def _set_check(self, check: CheckType, status: HealthState, reason: str | None, now: datetime) -> None:
         current = self._state.checks.get(check)
-        if current is not None and current.status is status and current.statusReason == reason:
-            current.lastUpdated = now
+        if current is not None and current.status is status:
+            # ECS's lastStatusChange is when the status changed: a new reason for it (dcgmi failing one way, then
+            # another) is an update, else a grace or age read from it would restart (Karpenter #2833).
+            current.statusReason, current.lastUpdated = reason, now
             return
         self._state.checks[check] = HealthCheckResult(
             type=check, status=status, statusReason=reason, lastUpdated=now, lastStatusChange=now

@@ -14,7 +14,8 @@ Runbook:
      never counted by the breaker: AWS planned it, it says nothing of the fleet's health.
   3. The ECS agent disconnected (DescribeContainerInstances `agentConnected` false) for agent_disconnect_grace makes
      AGENT_CONNECTIVITY IMPAIRED with a reason of its own (`ECS agent disconnected since ...`), apart from the
-     probe's heartbeat loss (`Agent disconnected since ...`, the liveness tracker's).
+     probe's heartbeat loss (`Agent disconnected since ...`, the liveness tracker's). A probe's loss takes the check
+     over; the probe heard again while AWS still says the agent is disconnected gives it back to the agent, as it was.
   4. Each grace runs from when the check went bad: new or alternating reasons while it stays bad never restart it
      (Karpenter #2833); only `ok` ends it. A blip shorter than the grace changes nothing, not even an event.
   5. Before an impairment takes effect, AWS is read once more (an activity): a picture a reader told before it died
@@ -52,6 +53,8 @@ with workflow.unsafe.imports_passed_through():
 
 STATUS_PREFIX = "EC2"
 ECS_AGENT_PREFIX = "ECS agent disconnected since"
+# The probe heard again no longer sets OK a check the ECS agent still impairs: other commands (no upsert, no timer).
+ECS_AGENT_OUTLASTS_PROBE = "ecs-agent-impairment-outlasts-probe-return"
 MAX_EVENT_KEYS = 20
 # A confirming read that AWS does not answer is not waited on for long: the reader's picture decides then.
 CONFIRM_RETRY = RetryPolicy(initial_interval=timedelta(seconds=2), maximum_attempts=3)
@@ -147,6 +150,17 @@ async def advance(wf: AwsHealth, group: CapacityGroup) -> None:
     wf._publish_if_changed(before)
 
 
+def probe_heard_again(state: HealthCarry) -> tuple[HealthState, str | None]:
+    """AGENT_CONNECTIVITY once the liveness tracker hears the probe again. OK, unless the ECS agent impaired it here
+    and AWS still says it is disconnected: then its reason again, since when it went. Set OK, the check would look
+    overridden and the agent's grace would restart (Karpenter #2833); only someone else's OK (a clear) restarts it."""
+    aws = state.aws
+    ecs = aws.agent_impaired_at is not None and aws.agent_down_since is not None
+    if ecs and _impaired(state, CheckType.AGENT_CONNECTIVITY) and workflow.patched(ECS_AGENT_OUTLASTS_PROBE):
+        return HealthState.IMPAIRED, _agent_reason(aws)
+    return HealthState.OK, None
+
+
 def planned_only(state: HealthCarry) -> bool:
     """The instance is IMPAIRED only because AWS scheduled an event for it: not for the breaker to count."""
     aws = state.aws
@@ -218,7 +232,7 @@ def _decide(state: HealthCarry, group: CapacityGroup, now: datetime) -> _Decisio
     if aws.agent_down_since is not None:
         at = aws.agent_down_since + group.agent_disconnect_grace
         if now >= at:
-            decision.agent_reason = f"{ECS_AGENT_PREFIX} {iso(aws.agent_down_since, 'seconds')}"
+            decision.agent_reason = _agent_reason(aws)
         else:
             decision.deadlines.append((at, "ECS agent disconnected: grace ends"))
     else:
@@ -230,6 +244,10 @@ def _status_reason(impaired: list[str], failed: list[str], aws: AwsChecks) -> st
     since = iso(aws.status_bad_since, "seconds") if aws.status_bad_since else "?"
     what = f" ({', '.join(failed)} failed)" if failed else ""
     return f"{STATUS_PREFIX} {' and '.join(impaired)} status check impaired since {since}{what}"
+
+
+def _agent_reason(aws: AwsChecks) -> str:
+    return f"{ECS_AGENT_PREFIX} {iso(aws.agent_down_since, 'seconds') if aws.agent_down_since else '?'}"
 
 
 def _apply_decision(wf: AwsHealth, decision: _Decision, now: datetime) -> None:
