@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from mypy_boto3_ec2 import EC2Client
     from mypy_boto3_ecs import ECSClient
     from mypy_boto3_events import EventBridgeClient
+    from mypy_boto3_s3 import S3Client
     from mypy_boto3_ssm import SSMClient
 
 P = ParamSpec("P")
@@ -49,6 +50,12 @@ class AwsClients:
         self.autoscaling: AutoScalingClient = session.client("autoscaling", endpoint_url=endpoint, config=config)
         # Run Command: the remediation ladder's GPU reset (activities/remediation.py).
         self.ssm: SSMClient = session.client("ssm", endpoint_url=endpoint, config=config)
+        # The evidence of a repair (activities/evidence.py). Signature v4: a presigned URL the host PUTs to names one
+        # key. Path-style at a custom endpoint (moto), whose host name has no bucket subdomains.
+        s3_config = config.merge(
+            Config(signature_version="s3v4", s3={"addressing_style": "path" if endpoint else "virtual"})
+        )
+        self.s3: S3Client = session.client("s3", endpoint_url=endpoint, config=s3_config)
 
 
 def call_name(method: Callable[..., Any]) -> str:

@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from temporalio import activity
 from temporalio.client import Client, WorkflowUpdateFailedError
@@ -39,6 +39,7 @@ from activities.models import (
     InstanceTasks,
     LaunchRequest,
     LaunchResult,
+    QuarantineResult,
     ReplacementRef,
     ReplacementWait,
     StopTasksRequest,
@@ -50,13 +51,10 @@ from activities.models import (
 )
 from activities.workflow_ops import live_group_config
 from contract import names
+from contract.evidence import QUARANTINE_TAG
 from contract.groups import CapacityGroup, GroupConfigOverrides
 from contract.ids import semaphore_workflow_id
 from contract.semaphore import ReplacementClaim, ReplacementClaimed
-
-if TYPE_CHECKING:
-    pass
-
 
 # The ECS agent's default (ECS_CONTAINER_STOP_TIMEOUT) for a container without stopTimeout, on EC2.
 ECS_DEFAULT_STOP_TIMEOUT = 30
@@ -113,6 +111,7 @@ class FleetActivities:
             self.list_instance_tasks,
             self.stop_tasks,
             self.terminate_instance,
+            self.quarantine_instance,
             self.instances_gone,
             self.subnet_zones,
         ]
@@ -370,21 +369,7 @@ class FleetActivities:
         """Deregister from ECS, then terminate the EC2 instance. Already gone is success."""
         group = self._group(ref.group)
         check_instance_id(ref.instance_id)
-        ci = await self._ecs.find_container_instance(group, ref.instance_id)
-        if ci is not None:
-            arn = ci["containerInstanceArn"]
-            try:
-                # force: the tasks had their stop timeouts already; what is left must not block the repair.
-                await aws_call(
-                    f"container instance {arn}",
-                    self._aws.ecs.deregister_container_instance,
-                    cluster=group.cluster,
-                    containerInstance=arn,
-                    force=True,
-                )
-            except ApplicationError as err:
-                if not _is_not_found(err):
-                    raise
+        await self._deregister(group, ref.instance_id)
         try:
             resp = await aws_call(
                 f"EC2 instance {ref.instance_id}",
@@ -397,6 +382,52 @@ class FleetActivities:
             raise
         previous = resp.get("TerminatingInstances", [{}])[0].get("PreviousState", {}).get("Name")
         return TerminateResult(previous_state=previous, already_terminated=previous in GONE_EC2_STATES)
+
+    @activity.defn(name="quarantine_instance")
+    async def quarantine_instance(self, ref: InstanceRef) -> QuarantineResult:
+        """The group's quarantine: deregister from ECS, take the instance out of the group (its group tag becomes
+        QUARANTINE_TAG, naming this repair), stop it. Already stopped is success; terminated by someone else is
+        said, not an error."""
+        group = self._group(ref.group)
+        check_instance_id(ref.instance_id)
+        await self._deregister(group, ref.instance_id)
+        instance = await self._ec2.instance(ref.instance_id)
+        state = (instance or {}).get("State", {}).get("Name")
+        if instance is None or state in GONE_EC2_STATES:
+            return QuarantineResult(previous_state=state, gone=True)
+        # Tagged and stopped while it still carries its group tag (IAM grants both on group members only), then out
+        # of the group: the ingest refuses its probe, and the group no longer counts it.
+        await self._ec2.tag(ref.instance_id, {QUARANTINE_TAG: activity.info().workflow_id or ""})
+        stopped = state in ("stopping", "stopped")
+        if not stopped:
+            await aws_call(
+                f"EC2 instance {ref.instance_id}", self._aws.ec2.stop_instances, InstanceIds=[ref.instance_id]
+            )
+        await aws_call(
+            f"EC2 instance {ref.instance_id}",
+            self._aws.ec2.delete_tags,
+            Resources=[ref.instance_id],
+            Tags=[{"Key": names.GROUP_TAG}],
+        )
+        return QuarantineResult(previous_state=state, already_stopped=stopped)
+
+    async def _deregister(self, group: CapacityGroup, instance_id: str) -> None:
+        ci = await self._ecs.find_container_instance(group, instance_id)
+        if ci is None:
+            return
+        arn = ci["containerInstanceArn"]
+        try:
+            # force: the tasks had their stop timeouts already; what is left must not block the repair.
+            await aws_call(
+                f"container instance {arn}",
+                self._aws.ecs.deregister_container_instance,
+                cluster=group.cluster,
+                containerInstance=arn,
+                force=True,
+            )
+        except ApplicationError as err:
+            if not _is_not_found(err):
+                raise
 
     # --- lookups ------------------------------------------------------------------------------------------
 

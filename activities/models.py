@@ -60,6 +60,12 @@ class EventType(StrEnum):
     # From the health workflow: EC2 scheduled an event that takes the instance away (retirement, stop, reboot,
     # maintenance); `deadline` is its NotBefore, `repair_at` when the repair starts (scheduled_event_lead before it).
     SCHEDULED_EVENT_FOUND = "ScheduledEventFound"
+    # Evidence before a termination (workflows/repair_evidence.py): `evidence` is the incident's S3 location,
+    # `objects` what is there, `missing` what is not and why; or why nothing could be stored.
+    EVIDENCE_STORED = "EvidenceStored"
+    EVIDENCE_NOT_STORED = "EvidenceNotStored"
+    # The group's quarantine: the impaired instance was stopped and kept instead of terminated.
+    QUARANTINED = "Quarantined"
 
 
 HEALTH_DETAIL_TYPE = "Instance Health Change"
@@ -353,7 +359,6 @@ class GpuResetRequest(BaseModel):
 
 class GpuResetCommand(BaseModel):
     command_id: str
-    already_sent: bool = False
 
 
 class GpuResetCheck(BaseModel):
@@ -409,3 +414,73 @@ class AwsStatusRequest(BaseModel):
 
     group: str
     instance_id: str
+
+
+# --- Evidence before a termination, and quarantine (activities/evidence.py, FleetActivities.quarantine_instance) -----
+
+
+class EvidenceRequest(BaseModel):
+    group: str
+    instance_id: str
+    repair_workflow_id: str
+    attempt: int = 0
+    reason: str = ""
+    finding: GpuFinding | None = None
+    # When the fault was seen (the finding's time, else the repair's start): the host's kernel log is read from a
+    # while before it.
+    fault_at: datetime
+    # In the SSM command's comment: a retry of the step finds the command it sent.
+    token: str = Field(min_length=1, max_length=64)
+
+
+class EvidenceStored(BaseModel):
+    """What the worker stored itself, and the host's command when the group asks for its part."""
+
+    bucket: str
+    prefix: str
+    objects: list[str] = Field(default_factory=list)  # keys, relative to prefix
+    command_id: str | None = None
+    command_error: str = ""  # the host's part could not be asked for (no SSM agent, no permission): why
+
+
+class EvidenceCommandCheck(BaseModel):
+    group: str
+    instance_id: str
+    command_id: str
+
+
+class CommandStatus(BaseModel):
+    """One look at an SSM Run Command on one instance: `done` false while it runs (or SSM does not know it yet)."""
+
+    done: bool
+    succeeded: bool = False
+    status: str = ""
+    exit_code: int | None = None
+    output: str = ""  # stdout and stderr, whitespace folded, cut short
+
+
+class EvidenceFinish(BaseModel):
+    group: str
+    bucket: str
+    prefix: str
+    repair_workflow_id: str
+    stored: list[str] = Field(default_factory=list)
+    # Why the host's part may be missing, from the workflow (the command's status or timeout), for the manifest.
+    host_note: str = ""
+    host_asked: bool = False
+
+
+class EvidenceManifest(BaseModel):
+    location: str  # s3://bucket/prefix
+    objects: list[str] = Field(default_factory=list)
+    missing: dict[str, str] = Field(default_factory=dict)  # object -> why it is not there
+
+    @property
+    def complete(self) -> bool:
+        return not self.missing
+
+
+class QuarantineResult(BaseModel):
+    previous_state: str | None = None
+    already_stopped: bool = False
+    gone: bool = False  # terminated by someone else before it could be stopped

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from temporalio import activity
 from temporalio.client import Client
@@ -40,18 +40,13 @@ from activities.models import (
     RecoveryCheck,
     RecoveryStatus,
 )
+from activities.ssm import command_status, send_once
 from contract import names
 from contract.groups import CapacityGroup
 from contract.ids import health_workflow_id
 
-if TYPE_CHECKING:
-    pass
-
-RESET_DOCUMENT = "AWS-RunShellScript"
 # nvidia-smi resets one GPU in seconds; a command still running after this is stopped by SSM and counts as refused.
 RESET_COMMAND_TIMEOUT_S = 300
-# SSM's terminal statuses of a command invocation; any other (Pending, InProgress, Delayed) is still running.
-TERMINAL_STATUSES = frozenset({"Success", "Failed", "Cancelled", "TimedOut", "Cancelling", "Undeliverable"})
 WHY_MAX = 500
 QUERY_TIMEOUT = timedelta(seconds=10)
 PCI_ADDRESS_CHARS = frozenset("0123456789abcdefABCDEF:.")
@@ -108,50 +103,16 @@ class RemediationActivities:
         self._group(request.group)
         comment = f"{names.GPU_RESET_COMMENT} {request.instance_id} {request.token}"
         command = reset_command(request.gpu)
-        sent = await aws_call(
-            f"SSM commands of {request.instance_id}", self._aws.ssm.list_commands, InstanceId=request.instance_id
-        )
-        for earlier in sent.get("Commands", []):
-            if earlier.get("Comment") == comment:
-                return GpuResetCommand(command_id=earlier["CommandId"], already_sent=True)
-        resp = await aws_call(
-            f"EC2 instance {request.instance_id}",
-            self._aws.ssm.send_command,
-            InstanceIds=[request.instance_id],
-            DocumentName=RESET_DOCUMENT,
-            Parameters={"commands": [command], "executionTimeout": [str(RESET_COMMAND_TIMEOUT_S)]},
-            Comment=comment,
-            TimeoutSeconds=RESET_COMMAND_TIMEOUT_S,
-        )
-        return GpuResetCommand(command_id=resp["Command"]["CommandId"])
+        command_id = await send_once(self._aws, request.instance_id, comment, [command], RESET_COMMAND_TIMEOUT_S)
+        return GpuResetCommand(command_id=command_id)
 
     @activity.defn(name="gpu_reset_status")
     async def gpu_reset_status(self, check: GpuResetCheck) -> GpuResetStatus:
         """One look at the reset command on the instance."""
-        try:
-            invocation = await aws_call(
-                f"SSM command {check.command_id} on {check.instance_id}",
-                self._aws.ssm.get_command_invocation,
-                CommandId=check.command_id,
-                InstanceId=check.instance_id,
-            )
-        except ApplicationError as err:
-            if err.type == "InvocationDoesNotExist":  # SSM has not registered it on the instance yet
-                return GpuResetStatus(done=False, status="Pending")
-            raise
-        status = invocation.get("Status", "")
-        if status not in TERMINAL_STATUSES:
-            return GpuResetStatus(done=False, status=status)
-        code = invocation.get("ResponseCode")
-        exit_code = code if isinstance(code, int) and code >= 0 else None
-        if status == "Success" and exit_code in (0, None):
-            return GpuResetStatus(done=True, reset=True, status=status, exit_code=exit_code)
-        output = " ".join(
-            " ".join(str(invocation.get(key) or "").split())
-            for key in ("StandardOutputContent", "StandardErrorContent")
-        ).strip()
-        why = output or invocation.get("StatusDetails") or status
-        return GpuResetStatus(done=True, status=status, exit_code=exit_code, why=why[:WHY_MAX])
+        look = await command_status(self._aws, check.instance_id, check.command_id)
+        if not look.done or look.succeeded:
+            return GpuResetStatus(done=look.done, reset=look.succeeded, status=look.status, exit_code=look.exit_code)
+        return GpuResetStatus(done=True, status=look.status, exit_code=look.exit_code, why=look.output[:WHY_MAX])
 
     @activity.defn(name="recovery_status")
     async def recovery_status(self, check: RecoveryCheck) -> RecoveryStatus:

@@ -136,6 +136,16 @@ class CapacityGroup(SettingsSection):
     # The same GPU (the same instance, when the GPU cannot be told) faulting again this soon after a fix in place:
     # replaced, not rebooted again.
     escalation_window: timedelta = timedelta(hours=24)
+    # Evidence before a replacement terminates anything (docs/operations.md, "Evidence and quarantine"): the
+    # findings and their kernel-log lines are stored under the incident in this bucket (none: nothing is stored),
+    # and with bug_report the host's kernel log and `nvidia-bug-report.sh` through SSM Run Command, waited for at most
+    # bug_report_timeout. With quarantine the impaired instance is stopped and kept, not terminated, for a hardware
+    # investigation (it leaves the group: deregistered from ECS, its group tag moved to QUARANTINE_TAG).
+    evidence_bucket: str | None = Field(default=None, min_length=3, max_length=63, pattern=r"^[a-z0-9][a-z0-9.-]+$")
+    evidence_prefix: str = Field(default="gpu-autorepair/", max_length=256)
+    bug_report: bool = False
+    bug_report_timeout: timedelta = timedelta(minutes=15)
+    quarantine: bool = False
     # Where a replacement launches when its AZ has no capacity (docs/operations.md, "Where a replacement launches").
     # ODCRs and Capacity Blocks are AZ-bound: by default it stays in the impaired instance's subnet and keeps trying.
     allow_other_azs: bool = False
@@ -177,6 +187,8 @@ class CapacityGroup(SettingsSection):
             problems.append(("impaired_window", problem))
         if self.allow_other_azs and not self.subnets and self.launch_template:
             problems.append(("subnets", "allow_other_azs needs the group's subnets to move a replacement to"))
+        if self.bug_report and self.evidence_bucket is None:
+            problems.append(("bug_report", "bug_report needs the group's evidence_bucket to upload the report to"))
         if self.repair_retry_delay > MAX_REPAIR_RETRY_DELAY:
             problems.append(
                 (

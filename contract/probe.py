@@ -21,6 +21,8 @@ STATE_TRANSITION_KINDS: Final = frozenset(
 )
 # The most sources one finding names: kernel log, kmsg, journald, NVML, DCGM, with room to spare.
 MAX_FINDING_SOURCES: Final = 8
+# The kernel-log lines around an impairing fault one finding carries (node_probe/classify/context.py).
+MAX_CONTEXT_LINES: Final = 20
 
 
 class GpuRef(BaseModel):
@@ -57,6 +59,9 @@ class GpuFinding(BaseModel):
     immediate_action: Name = ""
     message: Text = ""
     raw: Text = ""
+    # An impairing kernel-log fault's surrounding lines, its own among them: for the incident's evidence. Empty for
+    # other findings, and from probes before it.
+    context: list[Text] = Field(default_factory=list, max_length=MAX_CONTEXT_LINES)
     count: int = Field(default=1, ge=1, le=MAX_COUNT)
     observed_at: datetime
 

@@ -29,6 +29,10 @@ class RepairPhase(StrEnum):
     REBOOTING = "Rebooting"
     AWAITING_RECOVERY = "AwaitingRecovery"
     REACTIVATING = "Reactivating"
+    # Before anything destroys what the host knows (a reset, a reboot, a termination): the evidence to S3.
+    COLLECTING_EVIDENCE = "CollectingEvidence"
+    # The group's quarantine: the impaired instance stopped and kept, instead of TERMINATING.
+    QUARANTINING = "Quarantining"
 
 
 # NVIDIA's immediate actions (the Xid catalog's resolution bucket, GpuFinding.immediate_action) that a GPU reset or

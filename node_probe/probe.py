@@ -23,6 +23,7 @@ from pydantic import BaseModel, Field, field_validator
 from contract.health import HealthState
 from contract.probe import MAX_FINDING_SOURCES, STATE_TRANSITION_KINDS, GpuFinding, Heartbeat, ProbeSourceHealth
 from node_probe import host
+from node_probe.classify.context import RecentLines
 from node_probe.classify.correlate import Correlator, FaultKey, Release, fault_key
 from node_probe.classify.dedupe import Burst, BurstCollapser
 from node_probe.classify.findings import DedupeKey, burst_rollup, dedupe_key, make_finding
@@ -211,6 +212,7 @@ class Probe:
         # The records are this host's own: a log file's lines from before this boot are history, not faults now.
         self._policy = Policy(config.policy, config.policy_config, booted_at=host.boot_time())
         self._nvml = next((source for source in self._sources if isinstance(source, NvmlSource)), None)
+        self._by_name = {source.name: source for source in self._sources}
         self._bursts: BurstCollapser[DedupeKey, _Seen] = BurstCollapser(config.dedupe_window)
         # Copies need two sources that see GPU faults (the kernel log and NVML, say); with one there is nothing to
         # correlate, and nothing is held back.
@@ -386,6 +388,7 @@ class Probe:
         if record.uuid is None and record.pci is not None and self._nvml is not None:
             # The kernel log names a GPU by PCI address only; NVML knows its UUID.
             record = record._replace(uuid=self._nvml.uuid_of(record.pci))
+        recent: RecentLines | None = getattr(self._by_name.get(obs.source), "recent", None)
         return make_finding(
             record,
             seen.verdict,
@@ -394,6 +397,8 @@ class Probe:
             source=obs.source,
             observed_at=seen.at,
             position=obs.position,
+            # Only an impairing fault's: it may end in an incident's evidence; a warning's would only cost history.
+            context=recent.around(record.raw) if recent is not None and seen.verdict.impairs else (),
         )
 
     def _enqueue(self, finding: GpuFinding) -> None:

@@ -46,7 +46,19 @@ from operator_cli.output import iso, print_json, seconds_text, short_time, stdou
 from workflows.models import RepairResult, RepairStatus
 
 TERMINAL_PHASES = frozenset({RepairPhase.COMPLETED, RepairPhase.FAILED, RepairPhase.CANCELLED, RepairPhase.DISCARDED})
-COLUMNS = ("instance", "attempt", "reason", "action", "replacement", "outcome", "started", "took", "phases", "Web UI")
+COLUMNS = (
+    "instance",
+    "attempt",
+    "reason",
+    "action",
+    "replacement",
+    "outcome",
+    "started",
+    "took",
+    "phases",
+    "evidence",
+    "Web UI",
+)
 STATUS_WORDS = {
     WorkflowExecutionStatus.RUNNING: "Running",
     WorkflowExecutionStatus.COMPLETED: "Completed",
@@ -113,9 +125,10 @@ async def _repair_record(client: Client, temporal: TemporalSettings, execution: 
     replacement = status.replacement_instance_id if status else None
     action = status.action if status else None
     escalated = status.escalated if status else None
+    evidence = status.evidence if status else None
     if status is None and isinstance(timeline, RepairResult):
         replacement = timeline.replacement_instance_id
-        action, escalated = timeline.action, timeline.escalated
+        action, escalated, evidence = timeline.action, timeline.escalated, timeline.evidence
     steps = timeline.timeline if isinstance(timeline, RepairResult) else timeline
     execution_status = STATUS_WORDS.get(execution.status or WorkflowExecutionStatus.RUNNING, "Unknown")
     # The repair writes its own outcome (Completed, Failed, Cancelled); one terminated by an operator or timed out
@@ -135,6 +148,8 @@ async def _repair_record(client: Client, temporal: TemporalSettings, execution: 
         # The remediation ladder: replace, reboot or gpu-reset (None: not known yet), and why it escalated if it did.
         "action": action.value if action is not None else None,
         "escalated": escalated,
+        # Where the incident's evidence is in S3 (docs/operations.md §15); null when none was stored.
+        "evidence": evidence,
         "phase": status.phase.value if status else attrs.get(sa.REPAIR_PHASE),
         "outcome": outcome,
         "executionStatus": execution_status,
@@ -233,6 +248,7 @@ def _print_history(records: list[dict[str, Any]]) -> None:
             short_time(datetime.fromisoformat(record["startTime"])),
             seconds_text(record["durationSeconds"]),
             phases,
+            record["evidence"] or "",
             record["webUiUrl"],
         )
     console.print(table)

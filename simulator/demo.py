@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
+import boto3
 from rich.console import Console
 from rich.live import Live
 
@@ -43,6 +44,8 @@ from worker.settings import Settings
 DEMO_GROUP = "gpu-a"
 DEMO_CLUSTER = "gpu-demo"
 DEMO_LAUNCH_TEMPLATE = "gpu-demo-p5"
+# Every demo repair keeps its evidence here (in moto's S3), the host's bug report included (docs/operations.md §15).
+DEMO_EVIDENCE_BUCKET = "gpu-autorepair-demo-evidence"
 STATE_MARKER = ".autorepair-demo"  # only a directory holding this file is ever wiped
 HEARTBEAT_LOSS_THRESHOLD = timedelta(seconds=8)
 HEARTBEAT_INTERVAL = timedelta(seconds=2)  # the simulated probes', and the group's setting: 3 of them fit the threshold
@@ -208,6 +211,9 @@ def build_settings(plan: DemoPlan, temporal: TemporalDevServer, moto: MotoServer
                 replacement_ready_timeout=timedelta(seconds=60),
                 remediation=plan.remediation,
                 reboot_timeout=REBOOT_TIMEOUT,
+                evidence_bucket=DEMO_EVIDENCE_BUCKET,
+                bug_report=True,
+                bug_report_timeout=timedelta(seconds=60),
             )
         ],
     )
@@ -254,6 +260,7 @@ async def _run(plan: DemoPlan, console: Console) -> int:
         ):
             console.print(f"moto {moto.endpoint_url}, Temporal {temporal.address}, Web UI {temporal.ui_url}")
             identities = HostIdentities(moto.endpoint_url)
+            await asyncio.to_thread(_create_bucket, moto.endpoint_url, DEMO_EVIDENCE_BUCKET)
             settings = build_settings(plan, temporal, moto, await asyncio.to_thread(lambda: identities.account))
             client = await connect(settings.temporal, runtime=quiet_runtime())
             worker = asyncio.create_task(run_worker(settings, client), name="repair worker")
@@ -285,6 +292,10 @@ async def _run(plan: DemoPlan, console: Console) -> int:
     finally:
         for sig in handled:
             loop.remove_signal_handler(sig)
+
+
+def _create_bucket(endpoint_url: str, bucket: str) -> None:
+    boto3.client("s3", endpoint_url=endpoint_url, region_name="us-east-1").create_bucket(Bucket=bucket)
 
 
 async def _drive(

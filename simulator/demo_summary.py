@@ -72,6 +72,10 @@ def describe_event(event: dict[str, Any]) -> str:
         extra = f"error {event.get('error')}"
     elif kind == "Escalated":
         extra = f"{event.get('from_action')} -> {event.get('to_action')}: {event.get('why')}"
+    elif kind in ("EvidenceStored", "Quarantined"):
+        extra = str(event.get("evidence") or "")
+    elif kind == "EvidenceNotStored":
+        extra = str(event.get("why") or "")
     elif kind == "RepairCompleted":
         extra = str(event.get("action") or "")
     elif kind == "HealthChanged":

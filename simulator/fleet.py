@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gzip
 import logging
 import random
 import time
@@ -300,6 +301,10 @@ class SimulatedFleet:
                 and now - node.seen_at >= self.timing.boot_delay.total_seconds()
             ):
                 await self._boot(node)
+        for node in list(self.nodes.values()):
+            if node.booted and not node.terminated and node.instance_id not in instances:
+                # Out of the group (a quarantine takes its group tag off, then stops it): as good as gone here.
+                await self._bury(node)
         for instance_id, token in self.aws.reboot_tags.items():
             node = self.nodes.get(instance_id)
             if node is not None and node.booted and not node.terminated and token != node.reboot_token:
@@ -309,8 +314,9 @@ class SimulatedFleet:
             if node.terminated or node.container_instance_arn is None:
                 continue
             if node.container_instance_arn in draining:
-                # A reset comes only while the repair holds the node DRAINING: look for one only then.
+                # A reset or an evidence command comes only while the repair holds the node DRAINING: look then.
                 await self._play_resets(node)
+                await self._play_evidence(node)
             if node.container_instance_arn not in draining:
                 # Back to ACTIVE (or never drained): a later drain starts its grace afresh.
                 node.draining_since, node.drained = None, False
@@ -359,6 +365,24 @@ class SimulatedFleet:
             node.resets += 1
             log.info("fleet-sim: GPU %s of %s reset", gpu, node.instance_id)
             self._fault_again(node)
+
+    async def _play_evidence(self, node: SimNode) -> None:
+        """What the host's SSM agent would do with an evidence command: its kernel log and a bug report, each PUT
+        to its presigned URL (a host without SSM, or an SSM the engine may not use, is the fault proxy's to play)."""
+        for command_id, urls in await asyncio.to_thread(self.aws.evidence_commands, node.instance_id):
+            if command_id in node.evidence_seen or len(urls) != 2:
+                continue
+            node.evidence_seen.add(command_id)
+            kernel_url, report_url = urls
+            kernel_log = node.kernel_log.read_bytes() if node.kernel_log.exists() else b""
+            report = gzip.compress(f"simulated nvidia-bug-report.sh of {node.instance_id}\n".encode())
+            try:
+                await asyncio.to_thread(self.aws.upload, kernel_url, kernel_log)
+                await asyncio.to_thread(self.aws.upload, report_url, report)
+            except OSError as err:
+                log.warning("fleet-sim: %s could not upload its evidence: %s", node.instance_id, err)
+                continue
+            log.info("fleet-sim: %s uploaded its kernel log and bug report", node.instance_id)
 
     def _fault_again(self, node: SimNode) -> None:
         if node.fault_persists and node.last_fault is not None:

@@ -17,6 +17,7 @@ import contextlib
 import json
 import logging
 import random
+import re
 import urllib.request
 from collections import Counter
 from typing import TYPE_CHECKING
@@ -26,6 +27,7 @@ from botocore.config import Config
 from botocore.exceptions import ClientError
 from pydantic import BaseModel, Field, model_validator
 
+from contract.evidence import EVIDENCE_COMMENT
 from contract.names import GPU_RESET_COMMENT, GROUP_TAG, REBOOT_TAG
 from simulator.nodes import SimNode, SimTask
 
@@ -292,6 +294,27 @@ class FleetAws:
             gpu = words[words.index("-i") + 1] if "-i" in words[:-1] else ""
             found.append((command["CommandId"], gpu.removesuffix(".0")))
         return found
+
+    def evidence_commands(self, instance_id: str) -> list[tuple[str, list[str]]]:
+        """The engine's evidence commands sent to the instance: (command id, the presigned URLs in its script, in
+        the script's order: kernel log, bug report) each, oldest first."""
+        commands = self._ssm.list_commands(InstanceId=instance_id).get("Commands", [])
+        addressed = f"{EVIDENCE_COMMENT} {instance_id} "
+        found: list[tuple[str, list[str]]] = []
+        for command in sorted(commands, key=lambda c: str(c.get("RequestedDateTime", ""))):
+            if str(command.get("Comment", "")).startswith(addressed):
+                script = "\n".join(command.get("Parameters", {}).get("commands", []))
+                found.append((command["CommandId"], re.findall(r"'(https?://[^']+)'", script)))
+        return found
+
+    def upload(self, url: str, body: bytes) -> None:
+        """PUT to a presigned URL, as the host's curl does: no credentials, only the URL."""
+        # urllib would say form-urlencoded, and a server may read the body as a form: bytes, as curl -T sends them.
+        request = urllib.request.Request(
+            url, data=body, method="PUT", headers={"Content-Type": "application/octet-stream"}
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:
+            response.read()
 
     def _container_statuses(self) -> dict[str, str]:
         """Container instance ARN -> status, read from DescribeContainerInstances.

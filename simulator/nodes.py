@@ -60,6 +60,7 @@ class SimNode:
     fault_persists: bool = False
     reset_refused: bool = False
     reboot_hangs: bool = False
+    evidence_seen: set[str] = field(default_factory=set)  # evidence commands already played
 
     @property
     def registered(self) -> bool:

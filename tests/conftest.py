@@ -28,6 +28,8 @@ LONGEST_FIRST = (
     "test_aws_signals.py",
     "test_breaker.py",
     "test_liveness.py",
+    "test_evidence.py",
+    "test_grace_from_first_bad.py",
 )
 
 

@@ -11,6 +11,7 @@ from temporalio.client import Client
 from activities.aws import AwsClients
 from activities.aws_status import AwsStatusActivities
 from activities.events import EventActivities
+from activities.evidence import EvidenceActivities
 from activities.fleet import FleetActivities
 from activities.remediation import RemediationActivities
 from activities.workflow_ops import WorkflowOps
@@ -36,6 +37,7 @@ def test_each_activity_class_lists_exactly_its_declared_activities(client: Clien
         WorkflowOps(client, "tq"),
         AwsStatusActivities(aws, {"g": group}.__getitem__),
         RemediationActivities(aws, {"g": group}.__getitem__, client),
+        EvidenceActivities(aws, {"g": group}.__getitem__, client),
     ]
     for instance in instances:
         registered = _registered(instance)

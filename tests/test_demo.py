@@ -61,6 +61,9 @@ async def test_demo_until_repaired_heals_faults_and_heartbeat_loss_but_not_blips
     events = read_events(tmp_path / "events.jsonl")
     counts = Counter(e["type"] for e in events)
     assert counts["RepairStarted"] == 3 and counts["RepairCompleted"] == 3 and counts["Terminated"] == 3
+    # Each repair kept its evidence first, the host's kernel log and bug report included.
+    stored = [e for e in events if e["type"] == "EvidenceStored"]
+    assert len(stored) == 3 and all(e["complete"] and e["evidence"].startswith("s3://") for e in stored)
     reasons = sorted(e["reason"].split(" ")[0] for e in events if e["type"] == "RepairStarted")
     assert reasons[0] == "Agent" and all(r.startswith("XID_") for r in reasons[1:])
     for event in events:

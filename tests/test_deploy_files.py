@@ -30,8 +30,11 @@ TOML_FILES = sorted(DEPLOY.rglob("*.toml"))
 UNITS = sorted((DEPLOY / "systemd").glob("*.service"))
 
 # boto3 client attribute in the activities -> IAM service prefix.
-IAM_PREFIX = {"ecs": "ecs", "ec2": "ec2", "events": "events", "autoscaling": "autoscaling", "ssm": "ssm"}
-AWS_CALL = re.compile(r"self\._aws\.(ecs|ec2|events|autoscaling|ssm)\.([a-z0-9_]+)\b")
+IAM_PREFIX = {"ecs": "ecs", "ec2": "ec2", "events": "events", "autoscaling": "autoscaling", "ssm": "ssm", "s3": "s3"}
+AWS_CALL = re.compile(r"(?:self\._aws|\baws)\.(ecs|ec2|events|autoscaling|ssm|s3)\.([a-z0-9_]+)\b")
+# Calls whose IAM action is not their operation's name: HeadObject is authorised as GetObject, and a presigned PUT
+# (the host's upload of its evidence) as the signer's PutObject.
+IAM_ACTION = {"s3:HeadObject": "s3:GetObject", "s3:GeneratePresignedUrl": "s3:PutObject"}
 # Not a call of its own: RunInstances with a launch template that names an instance profile needs it.
 IMPLIED_ACTIONS = {"iam:PassRole"}
 READ_ONLY = re.compile(r":(Describe|List|Get)[A-Za-z]+$")
@@ -58,7 +61,8 @@ def _actions_called_by_activities() -> set[str]:
     for source in (ROOT / "activities").glob("*.py"):
         for service, method in AWS_CALL.findall(source.read_text()):
             operation = "".join(part.capitalize() for part in method.split("_"))
-            actions.add(f"{IAM_PREFIX[service]}:{operation}")
+            action = f"{IAM_PREFIX[service]}:{operation}"
+            actions.add(IAM_ACTION.get(action, action))
     return actions
 
 
@@ -182,9 +186,18 @@ def test_worker_policy_mutations_are_guarded():
         at_launch = cond.get("StringEquals", {}).get("ec2:CreateAction") == "RunInstances"
         own_keys = cond.get("ForAllValues:StringLike", {}).get("aws:TagKeys") == ["gpu-autorepair:*"]
         assert at_launch or own_keys, cond
-    for action in ["ec2:TerminateInstances", "ec2:RebootInstances", "autoscaling:DetachInstances"]:
+    for action in ["ec2:TerminateInstances", "ec2:RebootInstances", "ec2:StopInstances", "ec2:DeleteTags"]:
         for cond in conditions(action):
             assert "aws:ResourceTag/gpu-autorepair:group" in cond["StringLike"], action
+    for cond in conditions("autoscaling:DetachInstances"):
+        assert "aws:ResourceTag/gpu-autorepair:group" in cond["StringLike"]
+    # Untagging: the group tag alone (a quarantine takes the instance out of its group), nobody else's tags.
+    for cond in conditions("ec2:DeleteTags"):
+        assert cond["ForAllValues:StringEquals"]["aws:TagKeys"] == ["gpu-autorepair:group"]
+    # Evidence: objects under the evidence prefix of one bucket, never a bucket-wide or account-wide grant.
+    for action in ["s3:PutObject", "s3:GetObject"]:
+        for st in by_action[action]:
+            assert all(r.startswith("arn:aws:s3:::") and r.endswith("/*") and "/" in r[13:-2] for r in st["Resource"])
     for cond in conditions("iam:PassRole"):
         assert cond["StringEquals"]["iam:PassedToService"] == "ec2.amazonaws.com"
     # Run Command: the shell document alone, and only on the groups' instances.

@@ -13,6 +13,7 @@ from activities.aws import AwsClients
 from activities.aws_status import AwsStatusActivities
 from activities.breaker_ops import BreakerOps
 from activities.events import EventActivities, event_delivery
+from activities.evidence import EvidenceActivities
 from activities.fleet import FleetActivities
 from activities.remediation import RemediationActivities
 from activities.workflow_ops import WorkflowOps
@@ -59,6 +60,7 @@ def build_worker(settings: Settings, client: Client) -> Worker:
     ops = WorkflowOps(client, settings.temporal.task_queue)
     aws_status = AwsStatusActivities(aws, settings.group)
     remediation = RemediationActivities(aws, settings.group, client)
+    evidence = EvidenceActivities(aws, settings.group, client)
     fleet_breaker = FleetBreakerConfig(
         rule=settings.fleet_breaker.rule(), groups=[group.name for group in settings.groups]
     )
@@ -74,6 +76,7 @@ def build_worker(settings: Settings, client: Client) -> Worker:
             *ops.activities(),
             *breaker.activities(),
             *remediation.activities(),
+            *evidence.activities(),
             *aws_status.activities(),
         ],
     )

@@ -62,6 +62,8 @@ with workflow.unsafe.imports_passed_through():
     from activities.models import EventType, FleetEvent
 
 RECENT_FINDINGS = 20
+# Recent findings that keep the kernel-log lines around them (the first: a root cause comes before its echoes).
+FINDINGS_WITH_CONTEXT = 4
 REMEMBERED_FINDING_IDS = 500
 # Bounds of the rest of the carried state: past them, new entries are counted as dropped instead of kept.
 MAX_WARNING_KINDS = 256
@@ -308,7 +310,7 @@ class InstanceHealthWorkflow:
             self._reject(Rejected(f"duplicate finding {finding.finding_id}"))
             return
         self._state.seen_finding_ids = [*self._state.seen_finding_ids, finding.finding_id][-REMEMBERED_FINDING_IDS:]
-        self._state.findings = [*self._state.findings, finding][-RECENT_FINDINGS:]
+        self._state.findings = _bounded_context([*self._state.findings, finding][-RECENT_FINDINGS:])
         now = workflow.now()
         # A critical daemon or container runtime down (or back) is ECS's DAEMON or CONTAINER_RUNTIME check.
         if services.took(self._state, finding, now, self._set_check):
@@ -568,3 +570,11 @@ class InstanceHealthWorkflow:
             lines += ["", f"{self._state.dropped_entries} warning kinds or daemons not kept (state is bounded)"]
         lines += controls.details_lines(self._state)
         return "\n".join(lines)
+
+
+def _bounded_context(findings: list[GpuFinding]) -> list[GpuFinding]:
+    """The carried state stays small: the surrounding lines are kept on the first few findings that have them."""
+    with_context = [index for index, f in enumerate(findings) if f.context][FINDINGS_WITH_CONTEXT:]
+    for index in with_context:
+        findings[index] = findings[index].model_copy(update={"context": []})
+    return findings

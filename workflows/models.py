@@ -338,6 +338,7 @@ class RepairStatus(BaseModel):
     # The remediation ladder: what was done (None: not decided yet), and why a rung was skipped or did not work.
     action: RepairAction | None = None
     escalated: str | None = None
+    evidence: str | None = None  # the incident's evidence in S3, once stored
 
 
 class RepairResult(BaseModel):
@@ -348,6 +349,7 @@ class RepairResult(BaseModel):
     timeline: list[PhaseStep] = Field(default_factory=list)
     action: RepairAction = RepairAction.REPLACE
     escalated: str | None = None
+    evidence: str | None = None
 
 
 class FleetBreakerRun(FleetBreakerInput):

@@ -8,7 +8,9 @@ Runbook:
      terminated and another launched (3-4 again), at most max_replacement_attempts; then the repair fails, leaving
      the instance DRAINING (workflows/repair_replacement.py).
   5. Let the instance's tasks stop, each within its own stop timeout (durable timers); stop what is left.
-  6. Terminate the impaired instance. Only now: its replacement is already serving.
+  6. Terminate the impaired instance. Only now: its replacement is already serving. Where the group keeps
+     evidence, it is stored in S3 first; with its quarantine, the instance is stopped and kept instead
+     (workflows/repair_evidence.py).
   7. Release the permit, whatever happened above.
 Under a group's `remediation = "reboot-first"`, a fault NVIDIA says a GPU reset or a reboot clears is first handled
 in place after step 2, and replaced (3-6) only when that does not work (workflows/repair_reboot.py).
@@ -33,6 +35,7 @@ from contract.ids import health_workflow_id, semaphore_workflow_id
 from contract.instances import RepairWithdrawal, RepairWithdrawalResult
 from contract.repair import PhaseStep, RepairInput, RepairPhase
 from contract.semaphore import PermitDenial
+from workflows import repair_evidence as evidence
 from workflows import repair_reboot as ladder
 from workflows.group_config import read_group_config
 from workflows.group_events import publish
@@ -91,11 +94,17 @@ class InstanceRepairWorkflow:
         self._avoid_azs: list[str] = []  # from the grant: AZs the group's launches found out of capacity
         self._timeline = [PhaseStep(phase=RepairPhase.WAITING_FOR_PERMIT, started_at=workflow.now())]
         self._ladder = ladder.Ladder()
+        self._evidence_taken = False
+        self._evidence: str | None = None  # the incident's evidence in S3, once stored (workflows/repair_evidence.py)
+        self._runbook = RUNBOOK
+        self._evidence_step = False  # the group keeps evidence: the ladder's runbook shows the step too
 
     @workflow.run
     async def run(self, input: RepairInput) -> RepairResult:
         group = await read_group_config(input.group, "read group config")
         ladder.choose(self, group)
+        self._runbook = evidence.runbook(RUNBOOK, group)
+        self._evidence_step = group.evidence_bucket is not None
         try:
             await self._event(EventType.REPAIR_STARTED, reason=input.reason)
             await self._acquire_permit()
@@ -121,15 +130,19 @@ class InstanceRepairWorkflow:
             self._notes[RepairPhase.STOPPING_TASKS] = f"{stopped} tasks, {forced} stopped at their timeout"
             await self._event(EventType.TASKS_STOPPED, tasks=stopped, forced=forced)
 
-            await self._enter(RepairPhase.TERMINATING)
-            await workflow.execute_activity_method(
-                FleetActivities.terminate_instance,
-                self._instance,
-                summary=f"terminate impaired instance {input.instance_id}",
-                start_to_close_timeout=CALL_TIMEOUT,
-                retry_policy=CALL_RETRY,
-            )
-            await self._event(EventType.TERMINATED)
+            await evidence.keep_evidence(self, group)
+            if group.quarantine:
+                await evidence.quarantine(self)
+            else:
+                await self._enter(RepairPhase.TERMINATING)
+                await workflow.execute_activity_method(
+                    FleetActivities.terminate_instance,
+                    self._instance,
+                    summary=f"terminate impaired instance {input.instance_id}",
+                    start_to_close_timeout=CALL_TIMEOUT,
+                    retry_policy=CALL_RETRY,
+                )
+                await self._event(EventType.TERMINATED, **self._evidence_link())
 
             return await self._completed(stopped, forced)
         except _Withdrawn as withdrawn:
@@ -185,6 +198,7 @@ class InstanceRepairWorkflow:
             reason=self._input.reason,
             action=self._ladder.action.value,
             timeline=self._steps(),
+            **self._evidence_link(),
         )
         return RepairResult(
             instance_id=self._input.instance_id,
@@ -194,6 +208,7 @@ class InstanceRepairWorkflow:
             timeline=self._timeline,
             action=self._ladder.action,
             escalated=self._ladder.escalated,
+            evidence=self._evidence,
         )
 
     async def _acquire_permit(self) -> None:
@@ -312,6 +327,9 @@ class InstanceRepairWorkflow:
         except FailureError as err:
             workflow.logger.info("health workflow not told of %s: %s", self._phase.value, err)
 
+    def _evidence_link(self) -> dict[str, str]:
+        return {"evidence": self._evidence} if self._evidence is not None else {}
+
     def _steps(self) -> list[dict[str, Any]]:
         # Closing events carry the phase timeline; activities/metrics.py turns it into per-phase durations.
         return [s.model_dump(mode="json") for s in self._timeline]
@@ -413,6 +431,7 @@ class InstanceRepairWorkflow:
             forged_signals=self._forged,
             action=self._ladder.action,
             escalated=self._ladder.escalated,
+            evidence=self._evidence,
         )
 
     def _runbook_markdown(self) -> str:
@@ -422,9 +441,9 @@ class InstanceRepairWorkflow:
         lines = [title, f"Reason: **{reason}**" + (f" on GPU `{gpu}`" if gpu else ""), ""]
         rung = ladder.runbook_lines(self)  # the remediation ladder's steps, when it takes the rung in place
         lines += rung if rung is not None else ladder.header_lines(self)
-        order = [phase for phase, _ in RUNBOOK]
+        order = [phase for phase, _ in self._runbook]
         current = order.index(self._phase) if self._phase in order else len(order)
-        for index, (phase, text) in enumerate(RUNBOOK if rung is None else []):
+        for index, (phase, text) in enumerate(self._runbook if rung is None else []):
             mark = "done" if index < current else ("**now**" if index == current else "next")
             note = self._notes.get(phase)
             lines.append(f"{index + 1}. [{mark}] {text}" + (f" — {note}" if note else ""))

@@ -32,6 +32,7 @@ from contract.groups import CapacityGroup, Remediation
 from contract.health import HealthState
 from contract.probe import STATE_TRANSITION_KINDS
 from contract.repair import IN_PLACE_ACTIONS, RESET_GPU, InPlaceFix, RepairAction, RepairInput, RepairPhase
+from workflows import repair_evidence as evidence
 from workflows.options import CALL_RETRY, CALL_TIMEOUT
 from workflows.repair_replacement import describe_error, permanent_error
 
@@ -53,12 +54,17 @@ if TYPE_CHECKING:
 
 MIN_POLL = timedelta(seconds=1)
 
-REPLACEMENT_STEPS = [
-    (RepairPhase.LAUNCHING_REPLACEMENT, "Launch a replacement in the same AZ"),
-    (RepairPhase.WAITING_FOR_REPLACEMENT, "Wait for the replacement to be ACTIVE"),
-    (RepairPhase.STOPPING_TASKS, "Stop what is left of the tasks"),
-    (RepairPhase.TERMINATING, "Terminate the impaired instance"),
-]
+# After an escalation, the repair's own steps from the launch on (its runbook for the group: with a quarantine in
+# place of the termination; the evidence, if kept, was stored before the reset or the reboot).
+REPLACEMENT_PHASES = frozenset(
+    {
+        RepairPhase.LAUNCHING_REPLACEMENT,
+        RepairPhase.WAITING_FOR_REPLACEMENT,
+        RepairPhase.STOPPING_TASKS,
+        RepairPhase.TERMINATING,
+        RepairPhase.QUARANTINING,
+    }
+)
 
 
 @dataclass
@@ -131,6 +137,8 @@ async def fix_in_place(wf: InstanceRepairWorkflow, group: CapacityGroup) -> bool
     await wf._event(EventType.TASKS_STOPPED, tasks=stopped, forced=forced)
     ladder.tasks = (stopped, forced)
 
+    # What the host knows of its fault goes before a reset or a reboot clears it.
+    await evidence.keep_evidence(wf, group)
     before = await _look(wf, "look at the instance before touching it")
     known = {f.finding_id for f in before.probe.recent_findings} if before.probe is not None else set()
     old_boot = before.probe.boot_id if before.probe is not None else None
@@ -342,6 +350,8 @@ def runbook_lines(wf: InstanceRepairWorkflow) -> list[str] | None:
         (RepairPhase.DRAINING, "Set the container instance DRAINING"),
         (RepairPhase.STOPPING_TASKS, "Let tasks stop within their stop timeouts"),
     ]
+    if wf._evidence_step:
+        steps.append((RepairPhase.COLLECTING_EVIDENCE, evidence.EVIDENCE_STEP))
     if ladder.first is RepairAction.GPU_RESET:
         pci = wf._input.finding.gpu.pci if wf._input.finding is not None else None
         steps.append((RepairPhase.RESETTING_GPU, f"Reset GPU {pci} (nvidia-smi -r through SSM)"))
@@ -349,7 +359,11 @@ def runbook_lines(wf: InstanceRepairWorkflow) -> list[str] | None:
         steps.append((RepairPhase.REBOOTING, "Reboot the instance (EC2 RebootInstances)"))
     steps.append((RepairPhase.AWAITING_RECOVERY, "Wait for it to come back: GPUs OK, ECS agent connected"))
     if ladder.action is RepairAction.REPLACE:
-        steps += REPLACEMENT_STEPS
+        steps += [
+            (p, "Stop what is left of the tasks" if p is RepairPhase.STOPPING_TASKS else t)
+            for p, t in wf._runbook
+            if p in REPLACEMENT_PHASES
+        ]
     else:
         steps.append((RepairPhase.REACTIVATING, "Set the container instance ACTIVE"))
     marks = _marks([phase for phase, _ in steps], [step.phase for step in wf._timeline])

@@ -7,6 +7,7 @@ and re-reads the same log sends the same ids and the workflow drops them as rede
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from datetime import datetime
 
 from contract.probe import GpuFinding, GpuRef
@@ -47,6 +48,7 @@ def make_finding(
     source: str,
     observed_at: datetime,
     position: str | None = None,
+    context: Sequence[str] = (),
 ) -> GpuFinding:
     """`position` overrides `record_position(record)` where the source knows more (the file generation)."""
     return GpuFinding(
@@ -68,6 +70,7 @@ def make_finding(
         ),
         message=_clip(record.message, MAX_MESSAGE_CHARS),
         raw=_clip(record.raw, MAX_RAW_CHARS),
+        context=list(context),
         observed_at=observed_at,
     )
 

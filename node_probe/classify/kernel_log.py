@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, NamedTuple
 
 from node_probe.classify.bodies import FUNC, PCI, parse_body
+from node_probe.classify.context import RecentLines
 from node_probe.classify.log_prefix import NO_PREFIX, Prefix, PrefixReader, unwrap_docker_json, wall_time
 from node_probe.classify.record import FaultRecord
 from node_probe.classify.wall_clock import WallClock
@@ -162,8 +163,10 @@ class KernelLogParser:
     texts, the UUIDs the log gave the GPUs) lives in the instance. `now` is the clock a syslog time without a
     year is placed by."""
 
-    def __init__(self, now: Callable[[], float] = time.time) -> None:
+    def __init__(self, now: Callable[[], float] = time.time, recent: RecentLines | None = None) -> None:
         self._line_no = 0
+        # The source's ring of latest lines, every line fed, for the context of an impairing fault.
+        self._recent = recent
         self._banner: _Banner | None = None
         self._templates: dict[str, FaultRecord | None] = {}
         self._uuids: dict[str, str] = {}  # PCI address (dddd:bb:dd, lower case) -> GPU UUID, oldest first
@@ -189,6 +192,8 @@ class KernelLogParser:
 
     def feed(self, line: str) -> list[FaultRecord]:
         self._line_no += 1
+        if self._recent is not None:
+            self._recent.append(line)
         if "NVRM" not in line and "SXid" not in line:
             return []
         line = line.rstrip("\r\n")

@@ -15,6 +15,7 @@ from typing import Protocol
 
 from contract.health import HealthState
 from contract.limits import MAX_NAME
+from node_probe.classify.context import RecentLines
 from node_probe.classify.kernel_log import KernelLogParser
 from node_probe.classify.record import FaultRecord
 
@@ -111,8 +112,8 @@ async def polled(poll: Callable[[], Awaitable[list[Observation]]], interval: flo
 class LineAssembler:
     """Bytes in, complete lines out, parsed; keeps the partial last line between chunks."""
 
-    def __init__(self) -> None:
-        self.parser = KernelLogParser()
+    def __init__(self, recent: RecentLines | None = None) -> None:
+        self.parser = KernelLogParser(recent=recent)
         self._partial = b""
 
     @property

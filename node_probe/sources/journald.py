@@ -25,6 +25,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from node_probe import host
+from node_probe.classify.context import RecentLines
 from node_probe.classify.findings import record_position
 from node_probe.classify.kernel_log import KernelLogParser
 from node_probe.classify.record import FaultRecord
@@ -110,7 +111,8 @@ class JournaldSource(TrackedStatus):
         self._directory = directory
         self._boot_id = boot_id
         # One parser for the life of the source: a banner's entries may straddle a journalctl restart.
-        self._parser = KernelLogParser()
+        self.recent = RecentLines()  # for an impairing fault's context
+        self._parser = KernelLogParser(recent=self.recent)
         self._last: str | None = None  # cursor of the last entry handled: a restarted journalctl continues after it
         self._last_boot: str | None = None
         self._banner: tuple[str | None, int] | None = None  # cursor before a banner's first entry, that line's number

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from node_probe import host
+from node_probe.classify.context import RecentLines
 from node_probe.classify.findings import record_position
 from node_probe.delivery.cursor import CursorStore, KmsgCursor
 from node_probe.sources.base import LineAssembler, Observation, SourceStatus, source_name
@@ -37,6 +38,7 @@ class KmsgSource:
     ) -> None:
         self.path = path
         self.name = source_name("kmsg", None if path == KMSG_PATH else path)
+        self.recent = RecentLines()  # for an impairing fault's context
         self._poll = poll_interval
         self._status = SourceStatus.down(f"{path}: not read yet")
         self._cursor = cursor
@@ -93,7 +95,7 @@ class KmsgSource:
             await asyncio.sleep(self._poll)
 
     async def _follow(self, fd: int, cursor: CursorStore[KmsgCursor] | None) -> AsyncIterator[Observation]:
-        lines = LineAssembler()
+        lines = LineAssembler(self.recent)
         while True:
             self._save(cursor)
             try:

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import BinaryIO
 
+from node_probe.classify.context import RecentLines
 from node_probe.classify.record import FaultRecord
 from node_probe.delivery.cursor import CursorStore, FileCursor
 from node_probe.sources.base import LineAssembler, Observation, SourceStatus, source_name
@@ -64,8 +65,8 @@ class _ResumableLines(LineAssembler):
     """A LineAssembler that knows where its complete lines end, so a cursor can resume there, and that numbers
     lines from where it resumed."""
 
-    def __init__(self, offset: int = 0, line: int = 0, tail: bytes = b"") -> None:
-        super().__init__()
+    def __init__(self, offset: int = 0, line: int = 0, tail: bytes = b"", recent: RecentLines | None = None) -> None:
+        super().__init__(recent)
         self._first_line = line
         self._end = offset
         self._tail = tail
@@ -104,6 +105,7 @@ class KernelLogFileSource:
     def __init__(self, path: Path, poll_interval: float = 0.5, cursor: CursorStore[FileCursor] | None = None) -> None:
         self.path = path
         self.name = source_name("kernel_log", path)
+        self.recent = RecentLines()  # every generation's lines, for an impairing fault's context
         self._poll = poll_interval
         self._status = SourceStatus.down(f"kernel log {path}: not read yet")
         self._cursor = cursor
@@ -157,17 +159,17 @@ class KernelLogFileSource:
         start."""
         saved = self._position
         if saved is None or saved.offset == 0:
-            return _ResumableLines()
+            return _ResumableLines(recent=self.recent)
         if saved.path != str(self.path) or saved.inode != inode:
             log.info("%s is not the file the cursor was saved for (rotated?); reading it from the start", self.path)
-            return _ResumableLines()
+            return _ResumableLines(recent=self.recent)
         tail = _tail_if_cursor_fits(handle, saved)
         if tail is None:
             log.info("%s changed since the cursor was saved (truncated?); reading it from the start", self.path)
             handle.seek(0)
-            return _ResumableLines()
+            return _ResumableLines(recent=self.recent)
         log.info("%s: resuming after line %d (byte %d)", self.path, saved.line, saved.offset)
-        return _ResumableLines(saved.offset, saved.line, tail)
+        return _ResumableLines(saved.offset, saved.line, tail, self.recent)
 
     async def _rest_of_rotated_file(self) -> AsyncIterator[Observation]:
         """After a restart: if the log was rotated while the probe was down, the lines the cursor had not reached
@@ -189,7 +191,7 @@ class KernelLogFileSource:
         try:
             with open(rotated, "rb") as handle:
                 handle.seek(saved.offset)
-                lines = _ResumableLines(saved.offset, saved.line)
+                lines = _ResumableLines(saved.offset, saved.line, recent=self.recent)
                 while chunk := handle.read(CHUNK_BYTES):
                     for record in lines.feed(chunk):
                         yield Observation(record, self.name, f"ino:{saved.inode}:line:{record.line}")
@@ -242,7 +244,7 @@ class KernelLogFileSource:
     async def _follow(self, handle: BinaryIO) -> AsyncIterator[Observation]:
         """Read one file generation; return when the path names another file (rotation)."""
         inode = os.fstat(handle.fileno()).st_ino
-        lines = self._start(handle, inode) if self._cursor is not None else _ResumableLines()
+        lines = self._start(handle, inode) if self._cursor is not None else _ResumableLines(recent=self.recent)
         while True:
             self._save(lines, inode)
             try:
@@ -274,6 +276,6 @@ class KernelLogFileSource:
             if stat.st_size < handle.tell():
                 log.info("%s was truncated; reading it from the start", self.path)
                 handle.seek(0)
-                lines = _ResumableLines()
+                lines = _ResumableLines(recent=self.recent)
             self._status = SourceStatus.ok()
             await asyncio.sleep(self._poll)

@@ -11,6 +11,7 @@ import os
 import tempfile
 from pathlib import Path
 
+import boto3
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 
@@ -40,7 +41,13 @@ async def record() -> None:
     ):
         client = await Client.connect(temporal.address, data_converter=pydantic_data_converter)
         group = "recorded"
-        async with simulated_fleet(client, moto.endpoint_url, state, instances=3, group=group, seed=1) as fleet:
+        # The repair keeps its evidence, the host's part included: its history has those steps too.
+        bucket = "recorded-evidence"
+        boto3.client("s3", endpoint_url=moto.endpoint_url, region_name="us-east-1").create_bucket(Bucket=bucket)
+        evidence = {"evidence_bucket": bucket, "bug_report": True}
+        async with simulated_fleet(
+            client, moto.endpoint_url, state, instances=3, group=group, seed=1, group_settings=evidence
+        ) as fleet:
             await eventually(fleet.sim.snapshot, lambda s: s.healthy == 3)
             faulty = fleet.sim.live_instances()[0]
             fleet.sim.inject_fault(faulty, xid=79)
