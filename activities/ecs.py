@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from temporalio.exceptions import ApplicationError
 
@@ -92,3 +92,40 @@ class Ecs:
             return None
         # A re-registered instance (agent state reset) has two; the newest is the live one.
         return max(matches, key=lambda ci: ci.get("registeredAt") or datetime.min.replace(tzinfo=UTC))
+
+    async def registered(self, group: CapacityGroup, instance_id: str, to_be: str) -> ContainerInstanceTypeDef:
+        """The instance's container instance; not registered is an error no retry fixes."""
+        ci = await self.find_container_instance(group, instance_id)
+        if ci is None:
+            raise ApplicationError(
+                f"EC2 instance {instance_id} is not registered in ECS cluster {group.cluster} (capacity group "
+                f"{group.name}): it cannot be set {to_be}",
+                type="ContainerInstanceNotFound",
+                non_retryable=True,
+            )
+        return ci
+
+    async def set_status(
+        self, cluster: str, ci: ContainerInstanceTypeDef, status: Literal["ACTIVE", "DRAINING"]
+    ) -> bool:
+        """Set the container instance ACTIVE or DRAINING; False when it already was (success: the step is done)."""
+        if ci.get("status") == status:
+            return False
+        arn = ci["containerInstanceArn"]
+        resp = await aws_call(
+            f"container instance {arn}",
+            self._aws.ecs.update_container_instances_state,
+            cluster=cluster,
+            containerInstances=[arn],
+            status=status,
+        )
+        for failure in resp.get("failures", []):
+            reason = failure.get("reason", "unknown")
+            # MISSING: deregistered meanwhile, which no retry undoes; anything else may pass.
+            missing = reason == "MISSING"
+            raise ApplicationError(
+                f"ecs:UpdateContainerInstancesState on container instance {arn} failed: {reason}",
+                type="ContainerInstanceNotFound" if missing else "UpdateContainerInstancesStateFailed",
+                non_retryable=missing,
+            )
+        return True

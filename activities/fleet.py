@@ -188,31 +188,9 @@ class FleetActivities:
     async def set_draining(self, ref: InstanceRef) -> DrainResult:
         """Stop ECS placing tasks on the instance. Already DRAINING is success."""
         group = self._group(ref.group)
-        ci = await self._ecs.find_container_instance(group, ref.instance_id)
-        if ci is None:
-            raise ApplicationError(
-                f"ecs:ListContainerInstances: EC2 instance {ref.instance_id} is not registered in ECS "
-                f"cluster {group.cluster} (capacity group {group.name})",
-                type="ContainerInstanceNotFound",
-                non_retryable=True,
-            )
+        ci = await self._ecs.registered(group, ref.instance_id, "DRAINING")
         arn = ci["containerInstanceArn"]
-        if ci.get("status") != "DRAINING":
-            resp = await aws_call(
-                f"container instance {arn}",
-                self._aws.ecs.update_container_instances_state,
-                cluster=group.cluster,
-                containerInstances=[arn],
-                status="DRAINING",
-            )
-            for failure in resp.get("failures", []):
-                reason = failure.get("reason", "unknown")
-                missing = reason == "MISSING"
-                raise ApplicationError(
-                    f"ecs:UpdateContainerInstancesState on container instance {arn} failed: {reason}",
-                    type="ContainerInstanceNotFound" if missing else "UpdateContainerInstancesStateFailed",
-                    non_retryable=missing,
-                )
+        await self._ecs.set_status(group.cluster, ci, "DRAINING")
         instance = await self._ec2.instance(ref.instance_id)
         return DrainResult(
             container_instance_arn=arn,

@@ -139,31 +139,9 @@ class RemediationActivities:
     async def set_active(self, ref: InstanceRef) -> ActivateResult:
         """Let ECS place tasks on the instance again. Already ACTIVE is success."""
         group = self._group(ref.group)
-        ci = await self._ecs.find_container_instance(group, ref.instance_id)
-        if ci is None:
-            raise ApplicationError(
-                f"EC2 instance {ref.instance_id} is not registered in ECS cluster {group.cluster}: it cannot be set "
-                "ACTIVE",
-                type="ContainerInstanceNotFound",
-                non_retryable=True,
-            )
-        arn = ci["containerInstanceArn"]
-        if ci.get("status") == "ACTIVE":
-            return ActivateResult(container_instance_arn=arn, already_active=True)
-        resp = await aws_call(
-            f"container instance {arn}",
-            self._aws.ecs.update_container_instances_state,
-            cluster=group.cluster,
-            containerInstances=[arn],
-            status="ACTIVE",
-        )
-        for failure in resp.get("failures", []):
-            raise ApplicationError(
-                f"ecs:UpdateContainerInstancesState on container instance {arn} failed: "
-                f"{failure.get('reason', 'unknown')}",
-                type="UpdateContainerInstancesStateFailed",
-            )
-        return ActivateResult(container_instance_arn=arn)
+        ci = await self._ecs.registered(group, ref.instance_id, "ACTIVE")
+        changed = await self._ecs.set_status(group.cluster, ci, "ACTIVE")
+        return ActivateResult(container_instance_arn=ci["containerInstanceArn"], already_active=not changed)
 
     # --- lookups ------------------------------------------------------------------------------------------
 
