@@ -40,6 +40,7 @@ from activities.models import (
     LaunchRequest,
     LaunchResult,
     QuarantineResult,
+    ReplacementCheck,
     ReplacementRef,
     ReplacementWait,
     StopTasksRequest,
@@ -108,6 +109,7 @@ class FleetActivities:
             self.launch_replacement,
             self.await_container_instance_active,
             self.terminate_replacement,
+            self.check_replacement,
             self.list_instance_tasks,
             self.stop_tasks,
             self.terminate_instance,
@@ -281,6 +283,24 @@ class FleetActivities:
         # Not found by the lookup (EC2 lags, or it is long gone): TerminateInstances decides, NotFound is success.
         return await self.terminate_instance(InstanceRef(group=ref.group, instance_id=ref.instance_id))
 
+    @activity.defn(name="check_replacement")
+    async def check_replacement(self, ref: ReplacementRef) -> ReplacementCheck:
+        """One look: does this replacement, launched by an earlier attempt of the repair, serve the group now?"""
+        group = self._group(ref.group)
+        check_instance_id(ref.instance_id)
+        instance = await self._ec2.instance(ref.instance_id)
+        state = (instance or {}).get("State", {}).get("Name")
+        if instance is None or state != "running":
+            return ReplacementCheck(serving=False, why=f"{state or 'not found'} in EC2")
+        owner = tags_of(instance.get("Tags")).get(REPLACES_TAG)
+        if owner != ref.impaired_instance_id:
+            return ReplacementCheck(serving=False, why=f"tagged {REPLACES_TAG}={owner or '(none)'}")
+        ci = await self._ecs.find_container_instance(group, ref.instance_id)
+        status = ci.get("status") if ci is not None else "not registered"
+        if ci is None or status != "ACTIVE" or ci.get("agentConnected") is False:
+            return ReplacementCheck(serving=False, why=f"{status} in ECS cluster {group.cluster}")
+        return ReplacementCheck(serving=True)
+
     @activity.defn(name="list_instance_tasks")
     async def list_instance_tasks(self, ref: InstanceRef) -> InstanceTasks:
         """Tasks still meant to run on the instance, each with how long ECS gives it to stop."""
@@ -344,10 +364,13 @@ class FleetActivities:
 
     @activity.defn(name="terminate_instance")
     async def terminate_instance(self, ref: InstanceRef) -> TerminateResult:
-        """Deregister from ECS, then terminate the EC2 instance. Already gone is success."""
+        """Terminate the EC2 instance, then deregister it from ECS. Already gone is success.
+
+        In that order: a termination refused (an IAM policy, say) leaves the instance DRAINING in ECS, where the next
+        attempt of the repair finds it; deregistered first, it would be running outside ECS, and no later attempt
+        could drain it again."""
         group = self._group(ref.group)
         check_instance_id(ref.instance_id)
-        await self._deregister(group, ref.instance_id)
         try:
             resp = await aws_call(
                 f"EC2 instance {ref.instance_id}",
@@ -355,23 +378,27 @@ class FleetActivities:
                 InstanceIds=[ref.instance_id],
             )
         except ApplicationError as err:
-            if err.type == "InvalidInstanceID.NotFound":
-                return TerminateResult(previous_state=None, already_terminated=True)
-            raise
+            if err.type != "InvalidInstanceID.NotFound":
+                raise
+            await self._deregister(group, ref.instance_id)
+            return TerminateResult(previous_state=None, already_terminated=True)
+        # ECS lets go of a terminated instance by itself, in time: at once here, so the cluster counts it out now.
+        await self._deregister(group, ref.instance_id)
         previous = resp.get("TerminatingInstances", [{}])[0].get("PreviousState", {}).get("Name")
         return TerminateResult(previous_state=previous, already_terminated=previous in GONE_EC2_STATES)
 
     @activity.defn(name="quarantine_instance")
     async def quarantine_instance(self, ref: InstanceRef) -> QuarantineResult:
-        """The group's quarantine: deregister from ECS, take the instance out of the group (its group tag becomes
-        QUARANTINE_TAG, naming this repair), stop it. Already stopped is success; terminated by someone else is
-        said, not an error."""
+        """The group's quarantine: tag the instance QUARANTINE_TAG (naming this repair), stop it, deregister it from
+        ECS, take it out of the group (its group tag removed). Already stopped is success; terminated by someone
+        else is said, not an error. Stopped before deregistered, as terminate_instance terminates first: a refused
+        stop leaves it DRAINING, where the repair's next attempt finds it."""
         group = self._group(ref.group)
         check_instance_id(ref.instance_id)
-        await self._deregister(group, ref.instance_id)
         instance = await self._ec2.instance(ref.instance_id)
         state = (instance or {}).get("State", {}).get("Name")
         if instance is None or state in GONE_EC2_STATES:
+            await self._deregister(group, ref.instance_id)
             return QuarantineResult(previous_state=state, gone=True)
         # Tagged and stopped while it still carries its group tag (IAM grants both on group members only), then out
         # of the group: the ingest refuses its probe, and the group no longer counts it.
@@ -381,6 +408,7 @@ class FleetActivities:
             await aws_call(
                 f"EC2 instance {ref.instance_id}", self._aws.ec2.stop_instances, InstanceIds=[ref.instance_id]
             )
+        await self._deregister(group, ref.instance_id)
         await aws_call(
             f"EC2 instance {ref.instance_id}",
             self._aws.ec2.delete_tags,

@@ -336,6 +336,13 @@ class ReplacementRef(BaseModel):
     impaired_instance_id: str
 
 
+class ReplacementCheck(BaseModel):
+    """Whether an earlier attempt's replacement serves: running, tagged for this impaired instance, ACTIVE in ECS."""
+
+    serving: bool
+    why: str = ""  # when it does not
+
+
 # --- The remediation ladder's rung in place (activities/remediation.py) ----------------------------------------------
 
 

@@ -81,3 +81,6 @@ class RepairInput(BaseModel):
     # Which attempt at repairing the instance this is (from 1; contract/ids.py repair_workflow_id). 0: one started
     # before attempts had ids of their own, as `repair/<instance>`.
     attempt: int = Field(default=0, ge=0)
+    # The replacement an earlier attempt of this incident launched, when that attempt ended unrepaired (its
+    # termination failed, say): adopted if it is still ACTIVE in ECS, so a retry never launches a second one.
+    earlier_replacement: Id | None = None

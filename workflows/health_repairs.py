@@ -169,6 +169,9 @@ async def start(wf: RepairingHealth) -> None:
         critical=breaker.critical(state),
         attempt=attempt,
         last_in_place_fix=state.last_in_place_fix,  # the remediation ladder's (workflows/health_ladder.py)
+        earlier_replacement=previous.replacement_instance_id
+        if previous is not None and previous.phase in controls.ENDED_UNREPAIRED
+        else None,
     )
     started = await workflow.execute_activity_method(
         WorkflowOps.start_repair,

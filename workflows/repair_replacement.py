@@ -63,7 +63,11 @@ def client_token(instance_id: str, attempt: int, repair_attempt: int = 0) -> str
 
 
 async def replace(wf: InstanceRepairWorkflow, group: CapacityGroup, drained: DrainResult) -> str:
-    """Launch replacements until one is ACTIVE in ECS, at most `max_replacement_attempts`; returns its id."""
+    """Launch replacements until one is ACTIVE in ECS, at most `max_replacement_attempts`; returns its id. An earlier
+    attempt's replacement that still serves is adopted instead: a retried repair never launches a second one."""
+    adopted = await _adopt(wf)
+    if adopted is not None:
+        return adopted
     limit = group.max_replacement_attempts
     given_up: list[str] = []
     for attempt in range(1, limit + 1):
@@ -90,6 +94,28 @@ async def replace(wf: InstanceRepairWorkflow, group: CapacityGroup, drained: Dra
         f"{wf._input.instance_id} is left DRAINING and running, not terminated: a repair never terminates an "
         "instance without a ready replacement"
     )
+
+
+async def _adopt(wf: InstanceRepairWorkflow) -> str | None:
+    earlier, input = wf._input.earlier_replacement, wf._input
+    if earlier is None:
+        return None
+    await wf._enter(RepairPhase.WAITING_FOR_REPLACEMENT)
+    check = await workflow.execute_activity_method(
+        FleetActivities.check_replacement,
+        ReplacementRef(group=input.group, instance_id=earlier, impaired_instance_id=input.instance_id),
+        summary=f"does {earlier}, launched by an earlier attempt, still serve? then it is this repair's replacement",
+        start_to_close_timeout=CALL_TIMEOUT,
+        retry_policy=CALL_RETRY,
+    )
+    if not check.serving:
+        wf._notes[RepairPhase.WAITING_FOR_REPLACEMENT] = f"{earlier} of an earlier attempt not adopted: {check.why}"
+        return None
+    wf._replacement = earlier
+    wf._notes[RepairPhase.LAUNCHING_REPLACEMENT] = f"{earlier}, launched by an earlier attempt: adopted"
+    wf._notes[RepairPhase.WAITING_FOR_REPLACEMENT] = f"{earlier} ACTIVE"
+    await wf._event(EventType.REPLACEMENT_READY, replacement_instance_id=earlier, attempt=0, adopted=True)
+    return earlier
 
 
 def _of(attempt: int, limit: int) -> str:
