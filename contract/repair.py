@@ -63,6 +63,9 @@ class InPlaceFix(BaseModel):
     reason: Name = ""
     gpu: Name | None = None  # PCI address of the GPU the finding named; None: the instance as a whole
     fixed_at: datetime
+    # When the reset or reboot began: a finding the probe observed before it, delivered after the fix (spooled through
+    # the outage), is what the fix dealt with, not the fault coming back. None from repairs before it.
+    started_at: datetime | None = None
 
 
 class RepairInput(BaseModel):

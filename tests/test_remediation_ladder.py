@@ -10,7 +10,7 @@ fault-injecting proxy in front of it serves (tests/flaky_aws.py).
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,8 @@ from temporalio.client import Client
 from contract import names
 from contract.groups import Remediation
 from contract.health import HealthState
-from contract.ids import repair_workflow_id
+from contract.ids import health_workflow_id, repair_workflow_id
+from contract.probe import GpuFinding, GpuRef
 from contract.repair import RepairAction
 from tests.flaky_aws import FlakyAws
 from tests.fleet import START_BEFORE_STOP, Fleet, assert_start_before_stop, simulated_fleet
@@ -115,6 +116,31 @@ async def test_reboot_clears_in_place_and_the_same_gpu_faulting_again_is_replace
         assert view.last_in_place_fix is not None
         assert (view.last_in_place_fix.action, view.last_in_place_fix.gpu) == (RepairAction.REBOOT, pci)
         assert not [f for f in view.recent_findings if f.impairs]
+        assert view.last_in_place_fix.started_at is not None
+        assert view.last_in_place_fix.started_at <= datetime.fromisoformat(started["time"])
+
+        # The probe saw the fault again just before the reboot, and could deliver it only after (spooled through the
+        # outage): the fault the reboot dealt with, kept as a warning, never the fault coming back.
+        stale = GpuFinding(
+            finding_id="seen-before-the-reboot",
+            instance_id=faulty,
+            group=fleet.settings.groups[0].name,
+            kind="xid",
+            code=79,
+            reason="XID_79",
+            impairs=True,
+            gpu=GpuRef(pci=pci),
+            immediate_action="RESTART_BM",
+            observed_at=view.last_in_place_fix.started_at - timedelta(seconds=1),
+        )
+        await client.get_workflow_handle(health_workflow_id(faulty)).signal(names.SIGNAL_GPU_FINDING, stale)
+        view = await eventually(
+            lambda: fleet.sim.health(faulty),
+            lambda v: v is not None and any(f.finding_id == stale.finding_id for f in v.recent_findings),
+        )
+        assert view is not None and view.healthStatus.overallStatus is HealthState.OK
+        [kept] = [f for f in view.recent_findings if f.finding_id == stale.finding_id]
+        assert (kept.impairs, kept.rule) == (False, "before-in-place-fix")
 
         # The Web UI's runbook and `autorepair history` say which rung was taken.
         details = await current_details(client, repair_workflow_id(faulty, 1))

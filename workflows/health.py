@@ -310,6 +310,7 @@ class InstanceHealthWorkflow:
             self._reject(Rejected(f"duplicate finding {finding.finding_id}"))
             return
         self._state.seen_finding_ids = [*self._state.seen_finding_ids, finding.finding_id][-REMEMBERED_FINDING_IDS:]
+        finding = ladder.from_before_fix(self._state, finding)
         self._state.findings = _bounded_context([*self._state.findings, finding][-RECENT_FINDINGS:])
         now = workflow.now()
         # A critical daemon or container runtime down (or back) is ECS's DAEMON or CONTAINER_RUNTIME check.

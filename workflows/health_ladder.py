@@ -14,12 +14,31 @@ from __future__ import annotations
 from datetime import datetime
 
 from contract.health import CheckType, HealthState
-from contract.probe import STATE_TRANSITION_KINDS, Heartbeat
+from contract.probe import STATE_TRANSITION_KINDS, GpuFinding, Heartbeat
 from workflows.models import HealthCarry, HealthCheckResult, RepairProgress
 
 # Checks a fix in place clears: the GPU fault it dealt with, and the agent silence the reboot itself caused (the
 # repair saw the new boot's heartbeat and ECS's agent connected before it finished).
 CLEARED_BY_FIX = (CheckType.ACCELERATED_COMPUTE, CheckType.AGENT_CONNECTIVITY)
+
+
+BEFORE_FIX_RULE = "before-in-place-fix"
+
+
+def from_before_fix(state: HealthCarry, finding: GpuFinding) -> GpuFinding:
+    """A GPU fault the probe observed before the last fix in place began, delivered only after it (spooled through
+    the reboot): the fault that fix dealt with. Kept as a warning, never an impairment: counted as the fault coming
+    back, it would replace an instance the reboot had fixed."""
+    fix = state.last_in_place_fix
+    if (
+        fix is None
+        or fix.started_at is None
+        or not finding.impairs
+        or finding.kind in STATE_TRANSITION_KINDS
+        or finding.observed_at >= fix.started_at
+    ):
+        return finding
+    return finding.model_copy(update={"impairs": False, "rule": BEFORE_FIX_RULE})
 
 
 def heard(state: HealthCarry, beat: Heartbeat) -> None:

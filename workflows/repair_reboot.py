@@ -176,6 +176,7 @@ async def fix_in_place(wf: InstanceRepairWorkflow, group: CapacityGroup) -> bool
         reason=finding.reason if finding is not None else wf._input.reason[:128],
         gpu=finding.gpu.pci if finding is not None else None,
         fixed_at=workflow.now(),
+        started_at=started,
     )
     return True
 
