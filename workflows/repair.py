@@ -101,11 +101,13 @@ class InstanceRepairWorkflow:
 
     @workflow.run
     async def run(self, input: RepairInput) -> RepairResult:
-        group = await read_group_config(input.group, "read group config")
-        ladder.choose(self, group)
-        self._runbook = evidence.runbook(RUNBOOK, group)
-        self._evidence_step = group.evidence_bucket is not None
         try:
+            # Inside the try: a cancellation or a failure while the group is read is told to the health workflow like
+            # any other, which would otherwise wait for this repair's progress for ever.
+            group = await read_group_config(input.group, "read group config")
+            ladder.choose(self, group)
+            self._runbook = evidence.runbook(RUNBOOK, group)
+            self._evidence_step = group.evidence_bucket is not None
             await self._event(EventType.REPAIR_STARTED, reason=input.reason)
             await self._acquire_permit()
             await self._event(EventType.DRAIN_PERMIT_GRANTED)
