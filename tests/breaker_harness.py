@@ -27,6 +27,7 @@ from simulator.servers import find_binary
 from tests.breaker_example import Example, ExampleReport
 from tests.breaker_schedules import Schedule
 from tests.breaker_stubs import HOLDER_QUEUE_SUFFIX, StubActivities, StubRepair
+from tests.harness import SERVER_STARTUP_TIMEOUT
 from worker.main import SANDBOX
 from workflows.drain_semaphore import DrainSemaphoreWorkflow
 
@@ -117,7 +118,9 @@ class BreakerHarness:
 
     async def _start(self) -> None:
         self.env = await WorkflowEnvironment.start_time_skipping(
-            test_server_existing_path=find_binary("temporal-test-server"), data_converter=pydantic_data_converter
+            test_server_existing_path=find_binary("temporal-test-server"),
+            data_converter=pydantic_data_converter,
+            test_server_startup_timeout=SERVER_STARTUP_TIMEOUT,
         )
         self.client = self.env.client
         # In this process: a relay process of its own was slower on two cores (measured), not faster.

@@ -15,6 +15,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from contract import search_attributes
 from simulator.servers import find_binary, free_port
+from tests.harness import SERVER_STARTUP_TIMEOUT
 
 # The longest files (minutes each, end to end), started first when files run side by side (`make test`): started last,
 # they would run alone at the end while the other workers idle.
@@ -85,6 +86,7 @@ async def temporal_env() -> AsyncIterator[WorkflowEnvironment]:
             "--dynamic-config-value",
             "limit.historyCount.suggestContinueAsNew=200",
         ],
+        dev_server_startup_timeout=SERVER_STARTUP_TIMEOUT,
     )
     try:
         yield env

@@ -25,6 +25,11 @@ def unique(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
 
 
+# How long a Temporal dev or test server may take to answer after it is spawned: the SDK's 5 s default is too short
+# on two cores busy with three test workers.
+SERVER_STARTUP_TIMEOUT = timedelta(seconds=60)
+
+
 def make_settings(
     client: Client,
     moto_endpoint: str,
