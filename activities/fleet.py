@@ -371,6 +371,12 @@ class FleetActivities:
         could drain it again."""
         group = self._group(ref.group)
         check_instance_id(ref.instance_id)
+        instance = await self._ec2.instance(ref.instance_id)
+        state = (instance or {}).get("State", {}).get("Name")
+        if state in GONE_EC2_STATES:
+            # A retry after the termination went through (the deregistration after it failed): not terminated twice.
+            await self._deregister(group, ref.instance_id)
+            return TerminateResult(previous_state=state, already_terminated=True)
         try:
             resp = await aws_call(
                 f"EC2 instance {ref.instance_id}",
