@@ -34,9 +34,11 @@ REPLACEMENT_LAUNCH_FAILURES = "autorepair_replacement_launch_failures"
 FINDING_TO_IMPAIRED = "autorepair_finding_to_impaired_seconds"
 REPAIR_DURATION = "autorepair_repair_duration_seconds"
 REPAIR_PHASE_DURATION = "autorepair_repair_phase_duration_seconds"
-WEBHOOK_OUTBOX_EVENTS = "autorepair_webhook_outbox_events"
-WEBHOOK_DELIVERY_FAILURES = "autorepair_webhook_delivery_failures"
-WEBHOOK_DROPPED = "autorepair_webhook_dropped"
+# The event outboxes (activities/events.py, workflows/event_outbox.py), per sink (`sink`: eventbridge, jsonl, webhook).
+EVENTS_QUEUED = "autorepair_events_queued"
+EVENT_RETRIES = "autorepair_event_retries"
+EVENTS_DEAD_LETTERED = "autorepair_events_dead_lettered"
+EVENT_OUTBOX_EVENTS = "autorepair_event_outbox_events"
 
 # Temporal's exporter gives every histogram the same default buckets, meant for milliseconds (50 ... 10,000); ours
 # are in seconds, so worker/telemetry.py passes these overrides to PrometheusConfig.
@@ -92,13 +94,6 @@ class EventMetrics:
         self._phase_duration = meter.create_histogram_float(
             REPAIR_PHASE_DURATION, "Time spent in each phase of closed repairs", "s"
         )
-        self._webhook_dropped = meter.create_counter(
-            WEBHOOK_DROPPED, "Events dropped from a full webhook outbox (oldest first)"
-        )
-
-    def webhook_dropped(self, count: int) -> None:
-        if count:
-            self._webhook_dropped.add(count)
 
     def record(self, event: FleetEvent) -> None:
         group = {"group": event.group}
@@ -166,3 +161,28 @@ def _finding_to_impaired(event: FleetEvent) -> float | None:
     observed = finding.observed_at if finding.observed_at.tzinfo else finding.observed_at.replace(tzinfo=UTC)
     # The probe's clock is not the workflow's: a host clock running ahead must not record a negative latency.
     return max((event.time - observed).total_seconds(), 0.0)
+
+
+class OutboxMetrics:
+    """The event outboxes' counters, from the activity's meter (none: counted nowhere)."""
+
+    def __init__(self, meter: MetricMeter | None) -> None:
+        meter = meter or MetricMeter.noop
+        self._queued = meter.create_counter(
+            EVENTS_QUEUED, "Events publish_event handed to an outbox, by sink and cause (error kind or backlog)"
+        )
+        self._retries = meter.create_counter(
+            EVENT_RETRIES, "Tries from an outbox, by sink and outcome (delivered, transient_error, permanent_error)"
+        )
+        self._dead = meter.create_counter(
+            EVENTS_DEAD_LETTERED, "Events given up on, by sink and reason (deadline, rejected, outbox_full)"
+        )
+
+    def queued(self, sink: str, cause: str) -> None:
+        self._queued.add(1, {"sink": sink, "cause": cause})
+
+    def retried(self, sink: str, outcome: str) -> None:
+        self._retries.add(1, {"sink": sink, "outcome": outcome})
+
+    def dead_lettered(self, sink: str, reason: str) -> None:
+        self._dead.add(1, {"sink": sink, "reason": reason})

@@ -1,5 +1,6 @@
 """Settings sections every process shares, and where settings come from: AUTOREPAIR_* environment variables (nested
-with `__`) over an optional TOML file named by AUTOREPAIR_CONFIG.
+with `__`) over an optional TOML file named by AUTOREPAIR_CONFIG, or the same TOML text itself in AUTOREPAIR_CONFIG_TOML
+(for a container platform that hands settings over as a variable: an ECS task's SSM parameter or secret).
 
 The worker's one settings object (worker/settings.py) is made of these sections; the probe and the CLI read the
 sections they need from the same sources. Reading settings is strict at every depth: an unknown key, a duration that
@@ -42,6 +43,7 @@ from pydantic_settings import (
 from contract import names
 
 CONFIG_ENV = "AUTOREPAIR_CONFIG"
+CONFIG_TEXT_ENV = "AUTOREPAIR_CONFIG_TOML"
 ENV_PREFIX = "AUTOREPAIR_"
 
 # True while ConfigSources validates: the settings rules below apply only then. A model that is also a wire type
@@ -159,17 +161,13 @@ class EventSettings(SettingsSection):
     webhook_timeout: PositiveDuration = Field(
         default=timedelta(seconds=2), description="Per request; publish_event waits at most this"
     )
-    # Every sink fails open (activities/webhook.py has the outbox): publish_event tries each once, and what a sink
-    # refuses waits on the worker's disk for a background retry, so an outage never holds up a repair.
-    webhook_outbox_dir: Path = Field(
-        default=Path("/var/lib/autorepair/webhook-outbox"),
-        description=(
-            "Events a sink has not accepted yet wait here, one file each, and survive restarts: the webhook's at the "
-            "top, EventBridge's in eventbridge/ and the JSON-lines file's in jsonl/, each with a dead-letter.jsonl"
-        ),
-    )
-    webhook_outbox_max_events: int = Field(
-        default=10_000, ge=1, description="Per outbox; when full, the oldest event is dead-lettered"
+    # Every sink fails open: publish_event tries each once, and what a sink refuses waits in that sink's event outbox,
+    # a Temporal workflow (workflows/event_outbox.py), so an outage never holds up a repair and no worker keeps it.
+    outbox_max_events: int = Field(
+        default=1_000,
+        ge=1,
+        le=10_000,
+        description="Events each sink's outbox keeps waiting; when full, the oldest is dead-lettered",
     )
     sink_timeout: PositiveDuration = Field(
         default=timedelta(seconds=2),
@@ -177,7 +175,7 @@ class EventSettings(SettingsSection):
     )
     outbox_deadline: PositiveDuration = Field(
         default=timedelta(hours=24),
-        description="How long an event waiting in an outbox is retried before it goes to the dead-letter file",
+        description="How long an event waiting in an outbox is retried before it is dead-lettered",
     )
 
 
@@ -187,9 +185,17 @@ class IngestSettings(SettingsSection):
     # Signed into every proof: a proof made for another ingest (another id) is refused here.
     id: str = Field(default="gpu-autorepair-ingest", min_length=1, max_length=128)
     bind: str = "127.0.0.1:8480"
-    # HTTPS with this certificate and key; plain HTTP is allowed only on a loopback bind (the demo, the tests).
+    # HTTPS with this certificate and key; plain HTTP is allowed only on a loopback bind (the demo, the tests), or
+    # behind a load balancer that terminates TLS (`tls_terminated_by_load_balancer`).
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    tls_terminated_by_load_balancer: bool = Field(
+        default=False,
+        description=(
+            "Serve plain HTTP on a non-loopback bind because a load balancer in front terminates TLS (an AWS ALB "
+            "with an ACM certificate); only its security group may reach this port"
+        ),
+    )
     # Where the ingest sends the hosts' signed GetCallerIdentity: the regional STS endpoint (moto in the demo).
     # The signed Host header must name this endpoint's host.
     sts_endpoint: str = "https://sts.us-east-1.amazonaws.com"
@@ -213,6 +219,11 @@ class IngestSettings(SettingsSection):
     def _cert_and_key_together(self) -> IngestSettings:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("ingest.tls_cert and ingest.tls_key must be set together")
+        if self.tls_cert is not None and self.tls_terminated_by_load_balancer:
+            raise ValueError(
+                "ingest.tls_cert and ingest.tls_terminated_by_load_balancer are both set: TLS ends at the ingest or "
+                "at the load balancer, not both"
+            )
         return self
 
 
@@ -250,8 +261,13 @@ class ConfigSources(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
         config_path = os.environ.get(CONFIG_ENV)
+        config_text = os.environ.get(CONFIG_TEXT_ENV)
+        if config_path and config_text:
+            raise ConfigError(f"{CONFIG_ENV} and {CONFIG_TEXT_ENV} are both set: keep one (a file, or its text)")
         if config_path:
             sources.append(_toml_source(settings_cls, Path(config_path)))
+        elif config_text:
+            sources.append(_toml_text_source(settings_cls, config_text))
         return tuple(sources)
 
 
@@ -281,6 +297,27 @@ def _toml_source(settings_cls: type[BaseSettings], path: Path) -> TomlConfigSett
         raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}): save it as UTF-8") from None
     except OSError as err:
         raise ConfigError(f"{path}: cannot read it: {err.strerror or err}") from None
+
+
+class _TomlText(PydanticBaseSettingsSource):
+    """The TOML settings handed over as text (CONFIG_TEXT_ENV) rather than as a file."""
+
+    def __init__(self, settings_cls: type[BaseSettings], data: dict[str, Any]) -> None:
+        super().__init__(settings_cls)
+        self._data = data
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return self._data.get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(self._data)
+
+
+def _toml_text_source(settings_cls: type[BaseSettings], text: str) -> PydanticBaseSettingsSource:
+    try:
+        return _TomlText(settings_cls, tomllib.loads(text))
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"environment variable {CONFIG_TEXT_ENV}: not valid TOML: {err}") from None
 
 
 def _toml_key_at(path: Path, message: str) -> str | None:
@@ -350,6 +387,8 @@ def _source_of(loc: tuple[str | int, ...]) -> str:
         name = ENV_PREFIX + "__".join(keys[:end])
         if name in os.environ:
             return f"environment variable {name}"
+    if os.environ.get(CONFIG_TEXT_ENV):
+        return f"environment variable {CONFIG_TEXT_ENV}"
     return os.environ.get(CONFIG_ENV) or "settings"
 
 

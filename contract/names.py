@@ -14,6 +14,8 @@ REPAIR_WORKFLOW: Final = "InstanceRepairWorkflow"
 SEMAPHORE_WORKFLOW: Final = "DrainSemaphoreWorkflow"
 LIVENESS_WORKFLOW: Final = "LivenessTrackerWorkflow"
 FLEET_BREAKER_WORKFLOW: Final = "FleetBreakerWorkflow"
+# One per event sink target: events the sink did not take at once wait here (contract/event_outbox.py).
+EVENT_OUTBOX_WORKFLOW: Final = "EventOutboxWorkflow"
 
 # Signals to a health workflow: the probe's two, the repair's progress, and the game-day injection.
 SIGNAL_GPU_FINDING: Final = "gpu_finding"
@@ -42,6 +44,9 @@ SIGNAL_PERMIT_DENIED: Final = "permit_denied"  # a held repair let go by `--resu
 SIGNAL_IMPAIRED: Final = "impaired"
 SIGNAL_FLEET_HOLD: Final = "fleet_hold"
 
+# To an event outbox, from publish_event (signal-with-start): one OutboxEntry.
+SIGNAL_OUTBOX_ENQUEUE: Final = "enqueue"
+
 # Queries and updates.
 QUERY_HEALTH: Final = "health"  # health workflow: InstanceHealthView
 QUERY_STATUS: Final = "status"  # repair workflow: RepairStatus
@@ -58,6 +63,7 @@ UPDATE_REPAIR_INSTANCE: Final = "repair_instance"  # InstanceRepairNow
 UPDATE_CLEAR_FINDINGS: Final = "clear_findings"  # FindingsClear
 # On a repair, from its health workflow (through an activity): RepairWithdrawal -> RepairWithdrawalResult.
 UPDATE_WITHDRAW_REPAIR: Final = "withdraw_repair"
+QUERY_OUTBOX: Final = "outbox"  # event outbox: OutboxView
 QUERY_FLEET_BREAKER: Final = "fleet_breaker"  # fleet breaker: FleetBreakerView
 UPDATE_FLEET_RESUME: Final = "resume"  # fleet breaker: FleetResume -> FleetBreakerView
 

@@ -26,6 +26,7 @@ from ingest.server import Ingest, build_app
 from ingest.sessions import Sessions
 from node_probe.delivery.liveness_relay import LivenessRelay, routes_of
 from node_probe.delivery.reporter import Reporter
+from worker.health_endpoint import TemporalReachability
 from worker.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -60,14 +61,16 @@ def is_loopback(host: str) -> bool:
 
 
 def tls_context(settings: Settings, host: str) -> ssl.SSLContext | None:
-    """HTTPS with ingest.tls_cert/tls_key; plain HTTP only on a loopback bind (the demo, the tests), since the
-    proofs and reports would otherwise cross the network readable and replayable."""
+    """HTTPS with ingest.tls_cert/tls_key; plain HTTP only on a loopback bind (the demo, the tests) or behind a load
+    balancer that terminates TLS, since the proofs and reports would otherwise cross the network readable and
+    replayable."""
     ingest = settings.ingest
     if ingest.tls_cert is None or ingest.tls_key is None:
-        if not is_loopback(host):
+        if not is_loopback(host) and not ingest.tls_terminated_by_load_balancer:
             raise IngestConfigError(
                 f"refusing plain HTTP on {host}, which is not a loopback address: set ingest.tls_cert and "
-                "ingest.tls_key (or bind 127.0.0.1 behind a TLS-terminating proxy)"
+                "ingest.tls_key, or ingest.tls_terminated_by_load_balancer = true behind a load balancer that "
+                "terminates TLS"
             )
         return None
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
@@ -79,7 +82,12 @@ def tls_context(settings: Settings, host: str) -> ssl.SSLContext | None:
     return context
 
 
-def build_ingest(settings: Settings, reporter: Reporter, session: aiohttp.ClientSession) -> Ingest:
+def build_ingest(
+    settings: Settings,
+    reporter: Reporter,
+    session: aiohttp.ClientSession,
+    temporal: TemporalReachability | None = None,
+) -> Ingest:
     ingest = settings.ingest
     lookup = AwsMembershipLookup(settings.aws)
     ttl_s = ingest.membership_ttl.total_seconds()
@@ -92,6 +100,7 @@ def build_ingest(settings: Settings, reporter: Reporter, session: aiohttp.Client
         task_queue=settings.temporal.task_queue,
         metrics=IngestMetrics(),
         sessions=Sessions(ingest),
+        temporal=temporal,
     )
 
 
@@ -116,7 +125,8 @@ async def running_ingest(settings: Settings, client: Client, bind: str | None = 
     host, port = parse_bind(bind or settings.ingest.bind)
     ssl_context = tls_context(settings, host)
     async with aiohttp.ClientSession() as session:
-        app = build_app(build_ingest(settings, Reporter(client), session))
+        # Its /healthz says 503 while Temporal does not answer (the load balancer's target health check).
+        app = build_app(build_ingest(settings, Reporter(client), session, TemporalReachability(client)))
         async with serving(app, host, port, ssl_context):
             yield f"{'https' if ssl_context else 'http'}://{host}:{port}"
 

@@ -15,6 +15,9 @@ Checks, cheapest first, and what a failure answers (JSON contract.ingest.Refusal
     a group not in the settings -> 403 (unknown_group: the probe's --group is wrong, no AWS call is made)
     not a member of the group it names -> 403 (503 when AWS cannot say)
     Temporal failed -> 503;  relayed -> 202 (contract.ingest.Accepted: after a proof, with a session token)
+
+GET HEALTH_PATH (the load balancer's target health check): "ok", or 503 (a Refusal) while Temporal has not answered
+for a while (worker/health_endpoint.py): the hosts' reports then go to a replica that can relay them.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from ingest.metrics import IngestMetrics
 from ingest.rate_limit import RateLimiter, retry_after
 from ingest.sessions import SESSION_ARN, Sessions
 from node_probe.delivery.liveness_relay import LivenessRelay
+from worker.health_endpoint import TemporalReachability
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +74,9 @@ class Ingest:
     task_queue: str
     metrics: IngestMetrics
     sessions: Sessions
+    # What HEALTH_PATH answers from (checked in the background, and told of each relay that went through); None:
+    # not checked, always "ok".
+    temporal: TemporalReachability | None = None
 
 
 class _Refuse(Exception):
@@ -147,6 +154,8 @@ class _Reports:
             self.ingest.metrics.accepted(kind)
             try:
                 await send(report)
+                if self.ingest.temporal is not None:
+                    self.ingest.temporal.answered()
             except Exception as err:  # unreachable, timed out, refused: the host keeps it and tries again
                 log.warning("%s of %s not relayed to Temporal: %s", kind, claimed, err)
                 raise _Refuse(503, "temporal", "Temporal is unavailable; try again later", retry_after_s=5) from err
@@ -245,9 +254,22 @@ def build_app(ingest: Ingest) -> web.Application:
             yield
 
     app.cleanup_ctx.append(liveness_batches)
+    temporal = ingest.temporal
+    if temporal is not None:
+
+        async def reachability(app: web.Application) -> AsyncIterator[None]:
+            async with temporal.checking():
+                yield
+
+        app.cleanup_ctx.append(reachability)
 
     async def health(request: web.Request) -> web.Response:
-        return web.Response(text="ok")
+        # 503 while Temporal has not answered recently: every report would be refused (503) here, and the load
+        # balancer should send the hosts to a replica that can relay them. Never asks Temporal while it waits.
+        problem = temporal.problem() if temporal is not None else None
+        if problem is None:
+            return web.Response(text="ok")
+        return _refusal_response(_Refuse(503, "temporal", problem))
 
     async def metrics(request: web.Request) -> web.Response:
         return web.Response(text=ingest.metrics.render(), content_type="text/plain", charset="utf-8")

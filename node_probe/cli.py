@@ -1,5 +1,4 @@
-"""`autorepair classify`, `autorepair probe` and `autorepair probe-report`; operator_cli/main.py wires them into the
-`autorepair` command."""
+"""`autorepair classify`, `probe` and `probe-report`; operator_cli/main.py wires them into the `autorepair` command."""
 
 from __future__ import annotations
 
@@ -32,6 +31,7 @@ from node_probe.classify.kernel_log import parse_lines
 from node_probe.classify.manual import DEFAULT_PCI, manual_findings, pci_address, records_from_text, xid_line
 from node_probe.classify.policy import POLICY_ECS, POLICY_NAMES, Policy, PolicyConfig, Verdict
 from node_probe.classify.record import FaultRecord
+from node_probe.health import add_health_arguments, run_with_health
 from node_probe.imds import ImdsError, imds_instance_id
 from node_probe.probe import Probe, ProbeConfig
 from node_probe.sources import dcgm_bindings as dcgm
@@ -386,6 +386,7 @@ def add_probe_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"where undelivered findings wait (default: {DEFAULT_SPOOL_DIR}, or memory if not writable)",
     )
     add_policy_arguments(parser)
+    add_health_arguments(parser)
 
 
 async def _resolve_instance_id(given: str | None) -> str:
@@ -439,8 +440,7 @@ def _ingest_url(url: str) -> str:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise CliError(f"--ingest {url!r} is not an https:// URL")
-    loopback = parts.hostname in ("localhost", "127.0.0.1", "::1")
-    if parts.scheme == "http" and not loopback:
+    if parts.scheme == "http" and parts.hostname not in ("localhost", "127.0.0.1", "::1"):  # loopback only
         raise CliError(f"--ingest {url}: plain http only to a loopback address; use https://")
     return url
 
@@ -513,7 +513,7 @@ async def run_probe_command(args: argparse.Namespace) -> int:
     except CliError as exc:
         return _fail("probe", exc)
     loop = asyncio.get_running_loop()
-    task = asyncio.create_task(probe.run())
+    task = asyncio.create_task(run_with_health(probe, getattr(args, "health_bind", None)))
     handled: list[signal.Signals] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):

@@ -119,6 +119,17 @@ class ProbeStats:
 
 
 @dataclass(slots=True)
+class DeliveryState:
+    """How delivery goes, for the health endpoint (node_probe/health.py): time.monotonic() times, None for never."""
+
+    running_since: float | None = None  # run() began; None once it ended
+    heartbeat_at: float | None = None  # the last heartbeat delivered
+    heartbeat_error: str | None = None  # why the last one was not; None once one is
+    findings_failing_since: float | None = None  # the first failure since a finding was last delivered
+    finding_error: str | None = None
+
+
+@dataclass(slots=True)
 class _SourceFailure:
     reason: str
     restarted_at: float | None = None  # time.monotonic() of the restart; None while it waits for it
@@ -205,6 +216,7 @@ class Probe:
     ) -> None:
         self.config = config
         self.stats = ProbeStats()
+        self.delivery = DeliveryState()
         self._reporter = reporter
         self._clock = clock
         self._spool = open_spool(config.spool_dir, config.instance_id, config.spool_max_bytes)
@@ -301,6 +313,7 @@ class Probe:
         if self.pending:
             log.info("%d findings from an earlier run wait in the spool", self.pending)
             self._pending.set()
+        self.delivery.running_since = time.monotonic()
         try:
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self._heartbeats())
@@ -309,6 +322,7 @@ class Probe:
                 for source in self._sources:
                     tasks.create_task(self._consume(source))
         finally:
+            self.delivery.running_since = None
             # Held faults and open bursts' counts would be lost on shutdown; with a file spool they go out next run.
             if self._correlator is not None:
                 self._release(self._correlator.flush())
@@ -451,6 +465,9 @@ class Probe:
                 await self._reporter.send_finding(finding, self.config.task_queue)
             except Exception as exc:  # unreachable server, timeouts: all mean "try again later"
                 self.stats.delivery_failures += 1
+                if self.delivery.findings_failing_since is None:
+                    self.delivery.findings_failing_since = time.monotonic()
+                self.delivery.finding_error = str(exc) or type(exc).__name__
                 refused = _ingest_refusal(exc)
                 if refused is not None and refused.unknown_group:
                     # Every report is refused until the group or the settings are fixed: no point trying sooner.
@@ -462,6 +479,7 @@ class Probe:
                 continue
             self._spool.pop()
             self.stats.delivered += 1
+            self.delivery.findings_failing_since = self.delivery.finding_error = None
             backoff = initial
             if self._refused_for is not None:
                 log.info("the ingest accepts group %r now: %d findings left to deliver", finding.group, self.pending)
@@ -488,6 +506,8 @@ class Probe:
             try:
                 await self._reporter.send_heartbeat(heartbeat, self.config.task_queue)
                 self.stats.heartbeats_sent += 1
+                self.delivery.heartbeat_at, self.delivery.heartbeat_error = time.monotonic(), None
             except Exception as exc:  # a lost heartbeat is replaced by the next one; nothing to retry
                 log.warning("heartbeat not delivered: %s", exc)
+                self.delivery.heartbeat_error = str(exc) or type(exc).__name__
             await asyncio.sleep(interval)

@@ -13,6 +13,7 @@ from typing import Any, NoReturn
 from pydantic import ValidationError
 
 from contract.config import ConfigError
+from operator_cli.extras import missing_extra, version
 from worker.logging_setup import configure_logging
 
 Runner = Callable[[argparse.Namespace], Any]
@@ -104,6 +105,13 @@ def _ingest(parser: argparse.ArgumentParser) -> Runner:
     return run_ingest
 
 
+def _healthcheck(parser: argparse.ArgumentParser) -> Runner:
+    from operator_cli.healthcheck import add_healthcheck_arguments, run_healthcheck
+
+    add_healthcheck_arguments(parser)
+    return run_healthcheck
+
+
 def _classify(parser: argparse.ArgumentParser) -> Runner:
     from node_probe.cli import add_classify_arguments, run_classify
 
@@ -165,6 +173,7 @@ def _instance(parser: argparse.ArgumentParser) -> Runner:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(prog="autorepair", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
 
     def command(name: str, help: str, setup: Setup) -> None:
@@ -183,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     command("ingest", "serve the ingest: GPU hosts report here over HTTPS, proven by AWS identity", _ingest)
     command("classify", "classify kernel log text under a repair policy", _classify)
+    command("healthcheck", "GET a /healthz URL: exit 0 on 200, else 1 and why (container health checks)", _healthcheck)
     command("describe-instances", "health status, GPU findings and repair of instances", _describe)
     command("history", "past and running repairs, phase by phase, from Temporal", _history)
     command("inject", "game day: inject a GPU fault or a heartbeat loss, as a real one arrives", _inject)
@@ -215,6 +225,8 @@ _PROBE_SIDE = frozenset({"probe", "probe-report", "classify"})
 def _log_format(command: str) -> str:
     """The command's settings, read for their log format; each side's settings class is imported only by its own
     commands (the worker's would bring the groups' and breaker's models onto a GPU host)."""
+    if command == "healthcheck":  # an orchestrator runs it every few seconds: no settings to read (or to fail on)
+        return "auto"
     if command in _PROBE_SIDE:
         from node_probe.cli import ProbeSettings
 
@@ -224,7 +236,7 @@ def _log_format(command: str) -> str:
     return Settings.load().log_format
 
 
-def main(argv: list[str] | None = None) -> int:
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     try:
         # Every command's settings are read here first: a missing file, bad TOML or a bad value is one line naming
@@ -255,6 +267,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"autorepair: cannot reach Temporal: {err}", file=sys.stderr)
             return 3
         raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except ModuleNotFoundError as err:
+        # A command whose extra is not installed here (the probe's image has no Temporal SDK): one line naming it.
+        hint = missing_extra(err, sys.argv[1:] if argv is None else argv)
+        if hint is None:
+            raise
+        print(hint, file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -65,10 +65,15 @@ def worker_environment(settings: Settings) -> dict[str, str]:
         AUTOREPAIR_AWS__ENDPOINT_URL=settings.aws.endpoint_url or "",
         AUTOREPAIR_AWS__REGION=settings.aws.region,
         AUTOREPAIR_EVENTS__JSONL_PATH=str(settings.events.jsonl_path),
-        AUTOREPAIR_EVENTS__WEBHOOK_OUTBOX_DIR=str(settings.events.webhook_outbox_dir),
+        AUTOREPAIR_EVENTS__EVENTBRIDGE=str(settings.events.eventbridge).lower(),
+        AUTOREPAIR_GRACEFUL_SHUTDOWN_TIMEOUT=f"PT{settings.graceful_shutdown_timeout.total_seconds():g}S",
+        # Several workers share this machine: the health endpoint's port only where a test asks for one.
+        AUTOREPAIR_HEALTH_BIND_ADDRESS=settings.health_bind_address or "off",
         AUTOREPAIR_GROUPS=json.dumps([g.model_dump(mode="json") for g in settings.groups]),
         AUTOREPAIR_LOG_FORMAT="json",
     )
+    if settings.events.webhook_url:
+        env["AUTOREPAIR_EVENTS__WEBHOOK_URL"] = settings.events.webhook_url
     return env
 
 
@@ -102,6 +107,12 @@ class WorkerProcess:
         assert self._proc is not None and self.alive, f"the worker is not running; log:\n{self.log_tail()}"
         self._proc.send_signal(signal.SIGKILL)
         assert await self._proc.wait() == -signal.SIGKILL
+
+    async def terminate(self, within: float) -> int:
+        """SIGTERM, as an orchestrator stops a container, and the exit status once the process ended."""
+        assert self._proc is not None and self.alive, f"the worker is not running; log:\n{self.log_tail()}"
+        self._proc.send_signal(signal.SIGTERM)
+        return await asyncio.wait_for(self._proc.wait(), timeout=within)
 
     async def stop(self) -> None:
         if self._proc is not None and self.alive:
@@ -277,9 +288,11 @@ async def durable_fleet(
     timing: Mapping[str, Any] | None = None,
     workload: SimWorkload | None = None,
     group_settings: Mapping[str, Any] | None = None,
+    events: Mapping[str, Any] | None = None,
 ) -> AsyncIterator[DurableFleet]:
     """`instances` healthy simulated instances of a new group, repaired by a worker process that talks to AWS through
-    a `HoldingAws`. `timing` overrides the compressed simulation timings, `group_settings` the group's settings."""
+    a `HoldingAws`. `timing` overrides the compressed simulation timings, `group_settings` the group's settings,
+    `events` the event settings."""
     group = unique("gpu")
     sim_timing = SimTiming.compressed().model_copy(update=dict(timing or {}))
     events_path = tmp_path / "events.jsonl"
@@ -296,7 +309,12 @@ async def durable_fleet(
         )
         # A dead permit holder is not what these tests make: its check may wait, and so fires less often mid-kill.
         changes = {"permit_reclaim_interval": timedelta(seconds=30), **(group_settings or {})}
-        settings = settings.model_copy(update={"groups": [settings.groups[0].model_copy(update=changes)]})
+        settings = settings.model_copy(
+            update={
+                "groups": [settings.groups[0].model_copy(update=changes)],
+                "events": settings.events.model_copy(update=dict(events or {})),
+            }
+        )
         sim = SimulatedFleet(
             group=group,
             cluster=group,

@@ -12,7 +12,6 @@ from typing import TypeVar
 
 from temporalio.client import Client
 
-from activities.events import event_delivery
 from contract.config import AwsSettings, EventSettings, TemporalSettings
 from contract.groups import AutoRepair, CapacityGroup
 from worker.main import build_worker
@@ -50,8 +49,9 @@ def make_settings(
             task_queue=task_queue or unique("tq"),
         ),
         aws=AwsSettings(endpoint_url=moto_endpoint, region="us-east-1"),
-        # The outbox beside the events: a publish that fails in a test never lands in the default /var/lib folder.
-        events=EventSettings(jsonl_path=events_path, webhook_outbox_dir=events_path.parent / "outbox"),
+        events=EventSettings(jsonl_path=events_path),
+        # Many workers share a test machine: a test that wants the health endpoint gives it a port of its own.
+        health_bind_address=None,
         groups=[
             CapacityGroup(
                 name=group,
@@ -71,7 +71,7 @@ def make_settings(
 
 @asynccontextmanager
 async def running_worker(settings: Settings, client: Client) -> AsyncIterator[None]:
-    async with event_delivery(settings.events), build_worker(settings, client):
+    async with build_worker(settings, client):
         yield
 
 

@@ -33,7 +33,7 @@ def test_each_activity_class_lists_exactly_its_declared_activities(client: Clien
     group = CapacityGroup(name="g", cluster="c")
     instances = [
         FleetActivities(aws, {"g": group}.__getitem__),
-        EventActivities(aws, EventSettings(webhook_outbox_dir=tmp_path)),
+        EventActivities(aws, EventSettings(), client),
         WorkflowOps(client, "tq"),
         AwsStatusActivities(aws, {"g": group}.__getitem__),
         RemediationActivities(aws, {"g": group}.__getitem__, client),

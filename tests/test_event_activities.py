@@ -10,6 +10,7 @@ from typing import Any
 
 import boto3
 import pytest
+from temporalio.client import Client
 from temporalio.testing import ActivityEnvironment
 
 from activities.aws import AwsClients
@@ -82,9 +83,9 @@ DETAILS = [
 ]
 
 
-async def test_put_to_event_bus(aws: AwsClients, bus: tuple[str, str, Any, str]) -> None:
+async def test_put_to_event_bus(client: Client, aws: AwsClients, bus: tuple[str, str, Any, str]) -> None:
     name, source, sqs, queue_url = bus
-    acts = EventActivities(aws, EventSettings(bus_name=name, source=source))
+    acts = EventActivities(aws, EventSettings(bus_name=name, source=source), client)
     event = health_event(overallStatus="IMPAIRED", details=DETAILS, xid=79, gpu_pci="0000:10:1c")
 
     await ActivityEnvironment().run(acts.publish_event, event)
@@ -107,9 +108,11 @@ async def test_put_to_event_bus(aws: AwsClients, bus: tuple[str, str, Any, str])
     assert detail["healthChecks"][0]["lastUpdated"] == "2026-03-01T12:30:05Z"
 
 
-async def test_repair_event_detail_type_and_no_health_checks(aws: AwsClients, bus: tuple[str, str, Any, str]) -> None:
+async def test_repair_event_detail_type_and_no_health_checks(
+    client: Client, aws: AwsClients, bus: tuple[str, str, Any, str]
+) -> None:
     name, source, sqs, queue_url = bus
-    acts = EventActivities(aws, EventSettings(bus_name=name, source=source))
+    acts = EventActivities(aws, EventSettings(bus_name=name, source=source), client)
 
     await ActivityEnvironment().run(acts.publish_event, repair_event())
 
@@ -119,14 +122,14 @@ async def test_repair_event_detail_type_and_no_health_checks(aws: AwsClients, bu
     assert "healthChecks" not in envelope["detail"]
 
 
-async def test_put_to_default_bus(aws: AwsClients) -> None:
-    acts = EventActivities(aws, EventSettings())
+async def test_put_to_default_bus(client: Client, aws: AwsClients) -> None:
+    acts = EventActivities(aws, EventSettings(), client)
     await ActivityEnvironment().run(acts.publish_event, repair_event(EventType.TERMINATED))
 
 
-async def test_jsonl_lines(aws: AwsClients, tmp_path: Path) -> None:
+async def test_jsonl_lines(client: Client, aws: AwsClients, tmp_path: Path) -> None:
     path = tmp_path / "nested" / "dir" / "events.jsonl"
-    acts = EventActivities(aws, EventSettings(eventbridge=False, jsonl_path=path))
+    acts = EventActivities(aws, EventSettings(eventbridge=False, jsonl_path=path), client)
     events = [health_event(overallStatus="IMPAIRED", details=DETAILS), repair_event(), repair_event()]
 
     for event in events:
@@ -149,10 +152,10 @@ async def test_jsonl_lines(aws: AwsClients, tmp_path: Path) -> None:
     assert lines[1]["replacement_instance_id"] == "i-0fedcba9876543210"
 
 
-async def test_both_sinks(aws: AwsClients, bus: tuple[str, str, Any, str], tmp_path: Path) -> None:
+async def test_both_sinks(client: Client, aws: AwsClients, bus: tuple[str, str, Any, str], tmp_path: Path) -> None:
     name, source, sqs, queue_url = bus
     path = tmp_path / "events.jsonl"
-    acts = EventActivities(aws, EventSettings(bus_name=name, source=source, jsonl_path=path))
+    acts = EventActivities(aws, EventSettings(bus_name=name, source=source, jsonl_path=path), client)
     event = repair_event()
 
     await ActivityEnvironment().run(acts.publish_event, event)

@@ -1,10 +1,11 @@
 """Event sinks fail open: a deleted bus, a throttling storm or an unwritable JSON-lines file never holds up
-publish_event (so never a health change or a repair step); what a sink refuses is kept on disk, retried by the
-worker's delivery task, delivered in order once the sink is back, or dead-lettered past `events.outbox_deadline`.
+publish_event (so never a health change or a repair step); what a sink refuses waits in that sink's event outbox, a
+Temporal workflow, is retried from there, delivered in order once the sink is back, or dead-lettered past
+`events.outbox_deadline`. Nothing waits on a worker's disk.
 
-Real moto (EventBridge routed to SQS to read back), the fault-injecting proxy where EventBridge must misbehave, real
-Temporal for the repairs. Every wait is a poll; the only bounds on time are wide ones that tell "waited for the
-sink's outage" from "did not" (PROMPT), never how fast this machine is.
+Real moto (EventBridge routed to SQS to read back), the fault-injecting proxy where EventBridge must misbehave, a real
+Temporal dev server for the outboxes and the repairs. Every wait is a poll; the only bounds on time are wide ones that
+tell "waited for the sink's outage" from "did not" (PROMPT), never how fast this machine is.
 """
 
 from __future__ import annotations
@@ -12,40 +13,38 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
-import urllib.request
-import uuid
-from collections.abc import AsyncIterator, Iterator
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import boto3
 import pytest
-from botocore.stub import Stubber
 from temporalio.client import Client
-from temporalio.common import MetricMeter
 from temporalio.exceptions import ApplicationError
-from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
+from temporalio.runtime import Runtime
 from temporalio.testing import ActivityEnvironment
 
 from activities.aws import AwsClients
-from activities.events import EVENTBRIDGE, JSONL, EventActivities, event_delivery
-from activities.models import EventType, FleetEvent
-from activities.webhook import EVENT_RETRIES, EVENTS_DEAD_LETTERED, EVENTS_QUEUED, DrainTiming, Outbox
+from activities.events import EventActivities
+from activities.metrics import EVENT_RETRIES, EVENTS_DEAD_LETTERED, EVENTS_QUEUED
+from contract import names
 from contract.config import AwsSettings, EventSettings
+from contract.event_outbox import Sink, SinkTarget, outbox_workflow_id
 from simulator.servers import free_port
 from tests.flaky_aws import FlakyAws
 from tests.fleet import START_BEFORE_STOP, Fleet, simulated_fleet
 from tests.harness import eventually, unique
+from tests.outbox_harness import Publisher, events, metered_client, metric, prometheus_runtime, publisher
 from worker.main import build_worker
+
+__all__ = ["prometheus_runtime"]  # a fixture, used by name
 
 # The sink's one try is 2 s by default; a publish that returns within PROMPT did not wait for the outage (which
 # lasts far longer in every test below), whatever the load on this machine.
 PROMPT = 10.0
-FAST = DrainTiming(idle_poll=0.05, first_backoff=0.1, max_backoff=0.5)
 
 
 # --- an event bus whose events land in an SQS queue, read back in arrival order ----------------------------------
@@ -98,189 +97,116 @@ def routed_bus(endpoint: str) -> RoutedBus:
     return bus
 
 
-# --- events, publishing, what waits on disk ----------------------------------------------------------------------
-
-
-def events(count: int) -> list[FleetEvent]:
-    run = uuid.uuid4().hex[:8]
-    steps = [EventType.REPAIR_STARTED, EventType.DRAIN_PERMIT_GRANTED, EventType.DRAINING]
-    return [
-        FleetEvent(
-            event_id=f"evt-{run}-{i:03d}",
-            time=datetime.now(UTC),
-            type=steps[i % len(steps)],
-            group="gpu-a",
-            instance_id="i-0123456789abcdef0",
-            workflow_id="repair/i-0123456789abcdef0",
-            fields={"reason": "XID_79", "step": i},
-        )
-        for i in range(count)
-    ]
-
-
-async def publish_all(acts: EventActivities, batch: list[FleetEvent], meter: MetricMeter | None = None) -> list[float]:
-    """Publish one after another, as a workflow does; returns how long each publish took."""
-    took = []
-    for event in batch:
-        env = ActivityEnvironment()
-        if meter is not None:
-            env.metric_meter = meter
-        started = time.monotonic()
-        await env.run(acts.publish_event, event)
-        took.append(time.monotonic() - started)
-    return took
-
-
-def waiting(settings: EventSettings, sink: str) -> list[dict[str, Any]]:
-    """The events waiting in a sink's outboxes, oldest first."""
-    found = Outbox.under(settings.webhook_outbox_dir / sink, 10_000, sink)
-    return [json.loads(path.read_bytes())["event"] for outbox in found for path in outbox.entries()]
-
-
-def dead_letters(settings: EventSettings, sink: str) -> list[dict[str, Any]]:
-    path = settings.webhook_outbox_dir / sink / "dead-letter.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def dead_letters_of(settings: EventSettings, workflow_id: str) -> list[dict[str, Any]]:
-    return [r for r in dead_letters(settings, EVENTBRIDGE) if r["event"]["workflow_id"] == workflow_id]
-
-
-def delivery(settings: EventSettings, meter: MetricMeter | None = None) -> AbstractAsyncContextManager[None]:
-    """The worker's delivery tasks, polling and backing off in tenths of seconds rather than seconds."""
-    return event_delivery(settings, meter, timing=FAST)
-
-
-# --- metrics, as the worker exports them --------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def prometheus() -> Iterator[tuple[MetricMeter, int]]:
-    port = free_port()
-    runtime = Runtime(telemetry=TelemetryConfig(metrics=PrometheusConfig(bind_address=f"127.0.0.1:{port}")))
-    yield runtime.metric_meter, port  # the endpoint lives as long as the runtime
-    del runtime
-
-
-def metric(port: int, name: str, **labels: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+def bus_target(bus: RoutedBus) -> SinkTarget:
+    return SinkTarget(
+        sink=Sink.EVENTBRIDGE, region="us-east-1", endpoint_url=bus.endpoint, bus_name=bus.name, source=bus.source
+    )
 
 
 # --- the sinks, one by one ----------------------------------------------------------------------------------------
 
 
 async def test_a_bus_deleted_mid_run_keeps_the_events_then_dead_letters_them_with_a_log_line_and_a_metric(
-    aws_env: str, tmp_path: Path, caplog: pytest.LogCaptureFixture, prometheus: tuple[MetricMeter, int]
+    client: Client, aws_env: str, caplog: pytest.LogCaptureFixture, prometheus_runtime: tuple[Runtime, int]
 ) -> None:
-    meter, port = prometheus
-    case = unique("case")
-    labelled = meter.with_additional_attributes({"case": case})
+    runtime, port = prometheus_runtime
     bus = routed_bus(aws_env)
-    settings = EventSettings(
-        bus_name=bus.name,
-        source=bus.source,
-        webhook_outbox_dir=tmp_path / "outbox",
-        outbox_deadline=timedelta(seconds=3),
-    )
-    acts = EventActivities(AwsClients(AwsSettings(endpoint_url=aws_env)), settings)
+    settings = EventSettings(bus_name=bus.name, source=bus.source, outbox_deadline=timedelta(seconds=3))
+    events_of = publisher(await metered_client(client, runtime), AwsSettings(endpoint_url=aws_env), settings)
+    target = bus_target(bus)
     first, *later = events(4)
 
-    await publish_all(acts, [first], labelled)
+    await events_of.publish([first])
     assert await eventually(lambda: asyncio.to_thread(bus.ids), bool) == [first.event_id]
+    assert await events_of.outbox(target) == (None, False)  # a healthy sink costs no outbox
 
     bus.delete()
     with caplog.at_level(logging.WARNING):
-        took = await publish_all(acts, later, labelled)
+        took = await events_of.publish(later)
     assert max(took) < PROMPT, took
-    assert [e["event_id"] for e in waiting(settings, EVENTBRIDGE)] == [e.event_id for e in later]
     # The first to meet the missing bus tried it and says why, as an error (it needs an operator); the rest queued
-    # behind it without a request of their own.
+    # behind it (its outbox runs: a backlog) without a request of their own.
     [refused] = [r for r in caplog.records if "queued for retry" in r.getMessage()]
     assert refused.levelno == logging.ERROR and later[0].event_id in refused.getMessage()
     assert "ResourceNotFoundException" in refused.getMessage() and bus.name in refused.getMessage()
-    assert metric(port, EVENTS_QUEUED, sink=EVENTBRIDGE, cause="permanent_error", case=case) == 1
-    assert metric(port, EVENTS_QUEUED, sink=EVENTBRIDGE, cause="backlog", case=case) == 2
 
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        async with delivery(settings, labelled):
-            records = await eventually(
-                lambda: asyncio.sleep(0, dead_letters(settings, EVENTBRIDGE)), lambda r: len(r) == 3, within=60
+        async with events_of.outbox_worker():
+            assert await events_of.waiting_ids(target) == [e.event_id for e in later]
+            view = await eventually(
+                lambda: events_of.outbox(target), lambda found: not found[1] and found[0] is not None, within=60
             )
     # Kept and retried until the deadline, then dead-lettered in order, each with the event whole and the last error.
-    assert metric(port, EVENT_RETRIES, sink=EVENTBRIDGE, outcome="permanent_error", case=case) >= 1
-    assert [r["event_id"] for r in records] == [e.event_id for e in later]
-    assert [r["event"]["event_id"] for r in records] == [e.event_id for e in later]
-    assert all(r["sink"] == EVENTBRIDGE and r["reason"] == "deadline" for r in records)
-    assert all("ResourceNotFoundException" in r["error"] for r in records)
-    assert all(r["target"]["bus_name"] == bus.name and r["event"]["reason"] == "XID_79" for r in records)
-    assert waiting(settings, EVENTBRIDGE) == []
-    gave_up = [r for r in caplog.records if "dead-lettered" in r.getMessage()]
+    result = view[0]
+    assert result is not None and result.waiting == 0 and result.dead_lettered == 3
+    assert [d.entry.event_id for d in result.dead_letters] == [e.event_id for e in later]
+    assert all(d.reason == "deadline" and "ResourceNotFoundException" in d.error for d in result.dead_letters)
+    assert all(d.entry.event["reason"] == "XID_79" for d in result.dead_letters)
+    gave_up = [r for r in caplog.records if "dead-lettered (deadline)" in r.getMessage()]
     assert len(gave_up) == 3 and all(r.levelno == logging.ERROR for r in gave_up)
-    assert metric(port, EVENTS_DEAD_LETTERED, sink=EVENTBRIDGE, reason="deadline", case=case) == 3
+    assert all(e.event_id in r.getMessage() for e, r in zip(later, gave_up, strict=True))
+    assert metric(port, EVENTS_QUEUED, sink="eventbridge", cause="permanent_error") >= 1
+    assert metric(port, EVENTS_QUEUED, sink="eventbridge", cause="backlog") >= 2
+    assert metric(port, EVENT_RETRIES, sink="eventbridge", outcome="permanent_error") >= 1
+    assert metric(port, EVENTS_DEAD_LETTERED, sink="eventbridge", reason="deadline") >= 3
 
 
 async def test_a_throttling_storm_on_put_events_delays_the_events_which_arrive_in_order_once_it_stops(
-    aws_env: str, tmp_path: Path
+    client: Client, aws_env: str
 ) -> None:
     bus = routed_bus(aws_env)
-    settings = EventSettings(bus_name=bus.name, source=bus.source, webhook_outbox_dir=tmp_path / "outbox")
+    settings = EventSettings(bus_name=bus.name, source=bus.source)
     batch = events(8)
     with FlakyAws(aws_env) as proxy:
+        events_of = publisher(client, AwsSettings(endpoint_url=proxy.url), settings)
+        target = bus_target(bus).model_copy(update={"endpoint_url": proxy.url})
         storm = proxy.fail("PutEvents", "ThrottlingException")
-        acts = EventActivities(AwsClients(AwsSettings(endpoint_url=proxy.url)), settings)
-        took = await publish_all(acts, batch[:4])
+        took = await events_of.publish(batch[:4])
         assert max(took) < PROMPT, took
         # One request, no retry of it by botocore: the outbox is the retry, and the rest queued behind the first.
         assert proxy.calls("PutEvents") == 1
 
-        async with delivery(settings):
-            # The storm goes on: the delivery task keeps trying, and events published meanwhile queue behind.
-            await eventually(lambda: asyncio.sleep(0, storm.failed), lambda failed: failed >= 5, within=60)
-            took = await publish_all(acts, batch[4:])
+        async with events_of.outbox_worker():
+            # The storm goes on: the outbox keeps trying, and events published meanwhile queue behind.
+            await eventually(lambda: asyncio.sleep(0, storm.failed), lambda failed: failed >= 3, within=60)
+            took = await events_of.publish(batch[4:])
             assert max(took) < PROMPT, took
             assert await asyncio.to_thread(bus.ids) == []
-            assert len(waiting(settings, EVENTBRIDGE)) == len(batch)
+            assert await events_of.waiting_ids(target) == [e.event_id for e in batch]
 
             proxy.heal()
-            await eventually(lambda: asyncio.to_thread(bus.ids), lambda ids: len(ids) >= len(batch), within=60)
-            # An entry is removed from the outbox once the bus took it: the last removal follows the last put.
-            await eventually(lambda: asyncio.sleep(0, waiting(settings, EVENTBRIDGE)), lambda left: left == [])
+            await eventually(lambda: asyncio.to_thread(bus.ids), lambda ids: len(ids) >= len(batch), within=120)
+            # The outbox ends once the bus took its last event.
+            view, _ = await eventually(lambda: events_of.outbox(target), lambda found: not found[1])
     assert bus.ids() == [e.event_id for e in batch]
     assert [d["step"] for d in bus.received()] == list(range(len(batch)))
-    assert waiting(settings, EVENTBRIDGE) == [] and dead_letters(settings, EVENTBRIDGE) == []
+    assert view is not None and view.delivered == len(batch) and view.dead_letters == []
 
 
 async def test_an_unwritable_json_lines_file_keeps_the_events_and_writes_them_in_order_once_it_can(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, prometheus: tuple[MetricMeter, int]
+    client: Client, tmp_path: Path, caplog: pytest.LogCaptureFixture, prometheus_runtime: tuple[Runtime, int]
 ) -> None:
-    meter, port = prometheus
-    case = unique("case")
-    labelled = meter.with_additional_attributes({"case": case})
+    runtime, port = prometheus_runtime
     # A file where the folder should be: no process, root included, can create the events file under it.
     blocker = tmp_path / "logs"
     blocker.write_text("not a folder\n")
     path = blocker / "events.jsonl"
-    settings = EventSettings(eventbridge=False, jsonl_path=path, webhook_outbox_dir=tmp_path / "outbox")
-    acts = EventActivities(AwsClients(AwsSettings(region="us-east-1")), settings)
+    settings = EventSettings(eventbridge=False, jsonl_path=path)
+    events_of = publisher(await metered_client(client, runtime), AwsSettings(region="us-east-1"), settings)
+    target = SinkTarget(sink=Sink.JSONL, path=str(path))
     batch = events(5)
 
     with caplog.at_level(logging.WARNING):
-        took = await publish_all(acts, batch, labelled)
+        took = await events_of.publish(batch)
     assert max(took) < PROMPT, took
-    assert [e["event_id"] for e in waiting(settings, JSONL)] == [e.event_id for e in batch]
     [refused] = [r for r in caplog.records if "queued for retry" in r.getMessage()]
     assert str(path) in refused.getMessage()
 
-    async with delivery(settings, labelled):
+    async with events_of.outbox_worker():
+        assert await events_of.waiting_ids(target) == [e.event_id for e in batch]
         await eventually(
-            lambda: asyncio.to_thread(metric, port, EVENT_RETRIES, sink=JSONL, outcome="transient_error", case=case),
+            lambda: asyncio.to_thread(metric, port, EVENT_RETRIES, sink="jsonl", outcome="transient_error"),
             lambda failed: failed >= 2,
             within=60,
         )
@@ -289,45 +215,55 @@ async def test_an_unwritable_json_lines_file_keeps_the_events_and_writes_them_in
         await eventually(
             lambda: asyncio.sleep(0, path.read_text().splitlines() if path.exists() else []),
             lambda lines: len(lines) >= len(batch),
-            within=60,
+            within=120,
         )
+        view, _ = await eventually(lambda: events_of.outbox(target), lambda found: not found[1])
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert [line["event_id"] for line in lines] == [e.event_id for e in batch]
     assert lines[0]["type"] == "RepairStarted" and lines[0]["time"].endswith("Z")
-    assert waiting(settings, JSONL) == [] and dead_letters(settings, JSONL) == []
+    assert view is not None and view.dead_letters == [] and view.delivered == len(batch)
 
 
-async def test_a_retried_publish_queues_its_event_once(aws_env: str, tmp_path: Path) -> None:
-    settings = EventSettings(bus_name=unique("no-such-bus"), webhook_outbox_dir=tmp_path / "outbox")
-    acts = EventActivities(AwsClients(AwsSettings(endpoint_url=aws_env)), settings)
+async def test_a_retried_publish_queues_its_event_once(client: Client, aws_env: str) -> None:
+    settings = EventSettings(bus_name=unique("no-such-bus"))
+    events_of = publisher(client, AwsSettings(endpoint_url=aws_env), settings)
     [event] = events(1)
-    # As when Temporal retries the activity (the worker died after queueing, before completing).
-    await publish_all(acts, [event, event, event])
-    assert [e["event_id"] for e in waiting(settings, EVENTBRIDGE)] == [event.event_id]
+    # As when Temporal retries the activity (the worker died after handing it over, before completing).
+    await events_of.publish([event, event, event])
+    target = SinkTarget(
+        sink=Sink.EVENTBRIDGE,
+        region="us-east-1",
+        endpoint_url=aws_env,
+        bus_name=settings.bus_name,
+        source=settings.source,
+    )
+    async with events_of.outbox_worker():
+        assert await events_of.waiting_ids(target) == [event.event_id]
 
 
-async def test_an_entry_no_sink_can_take_is_dead_lettered_at_once_and_does_not_block_the_rest(tmp_path: Path) -> None:
+async def test_a_signal_no_outbox_can_read_is_counted_and_dropped_and_the_events_still_flow(
+    client: Client, tmp_path: Path
+) -> None:
     blocker = tmp_path / "logs"
     blocker.write_text("not a folder\n")
     path = blocker / "events.jsonl"
-    settings = EventSettings(eventbridge=False, jsonl_path=path, webhook_outbox_dir=tmp_path / "outbox")
-    acts = EventActivities(AwsClients(AwsSettings(region="us-east-1")), settings)
+    settings = EventSettings(eventbridge=False, jsonl_path=path)
+    events_of = publisher(client, AwsSettings(region="us-east-1"), settings)
+    target = SinkTarget(sink=Sink.JSONL, path=str(path))
     batch = events(2)
-    # Two events queued while the file cannot be written, and a damaged entry (a torn copy, a hand edit) between.
-    await publish_all(acts, batch[:1])
-    [outbox] = Outbox.under(settings.webhook_outbox_dir / JSONL, 10, JSONL)
-    (outbox.directory / f"{time.time_ns():020d}-damaged.json").write_bytes(b"{not json")
-    await publish_all(acts, batch[1:])
-    assert len(outbox.entries()) == 3
+    # Two events queued while the file cannot be written, and garbage between them (a hand-made signal, a bug).
+    await events_of.publish(batch[:1])
+    handle = client.get_workflow_handle(outbox_workflow_id(target, events_of.task_queue))
+    await handle.signal(names.SIGNAL_OUTBOX_ENQUEUE, {"not": "an entry"})
+    await handle.signal("no-such-signal", "x")
+    await events_of.publish(batch[1:])
     blocker.unlink()
 
-    async with delivery(settings):
-        await eventually(lambda: asyncio.sleep(0, outbox.entries()), lambda left: left == [], within=30)
+    async with events_of.outbox_worker():
+        view, _ = await eventually(lambda: events_of.outbox(target), lambda found: not found[1], within=60)
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert [line["event_id"] for line in lines] == [e.event_id for e in batch]
-    [record] = dead_letters(settings, JSONL)
-    assert record["reason"] == "rejected" and record["event"] == "{not json"
-    assert "unreadable outbox entry" in record["error"]
+    assert view is not None and view.rejected_signals == 2 and view.dead_letters == []
 
 
 # --- a repair while EventBridge misbehaves ---------------------------------------------------------------------
@@ -337,7 +273,7 @@ async def test_an_entry_no_sink_can_take_is_dead_lettered_at_once_and_does_not_b
 async def repairing_fleet(
     client: Client, aws_env: str, tmp_path: Path, proxy: FlakyAws, bus: RoutedBus, **events_settings: Any
 ) -> AsyncIterator[Fleet]:
-    """The simulated fleet, with the engine's EventBridge behind `proxy` and its outboxes under tmp_path."""
+    """The simulated fleet, with the engine's EventBridge behind `proxy`."""
     async with simulated_fleet(
         client, aws_env, tmp_path, instances=2, engine_endpoint=proxy.url, in_process_worker=False
     ) as fleet:
@@ -345,11 +281,20 @@ async def repairing_fleet(
             jsonl_path=fleet.events_path,
             bus_name=bus.name,
             source=bus.source,
-            webhook_outbox_dir=tmp_path / "outbox",
             **events_settings,
         )
-        async with delivery(fleet.settings.events), build_worker(fleet.settings, client):
+        async with build_worker(fleet.settings, client):
             yield fleet
+
+
+def fleet_outbox(client: Client, fleet: Fleet, proxy: FlakyAws, bus: RoutedBus) -> Publisher:
+    """The fleet's events as their outbox sees them (the publisher's own activities are not used)."""
+    return Publisher(
+        client=client,
+        aws=AwsSettings(endpoint_url=proxy.url),
+        settings=fleet.settings.events,
+        task_queue=fleet.settings.temporal.task_queue,
+    )
 
 
 async def publish_durations(client: Client, workflow_id: str) -> list[tuple[int, float]]:
@@ -405,8 +350,10 @@ async def test_a_repair_under_a_put_events_throttling_storm_is_not_held_up_and_i
             _, workflow_id = await repair_one(fleet)
             await assert_no_publish_waited(client, workflow_id, len(START_BEFORE_STOP))
             assert storm.failed >= 1
-            kept = [e["type"] for e in waiting(fleet.settings.events, EVENTBRIDGE) if e["workflow_id"] == workflow_id]
-            assert kept == START_BEFORE_STOP
+            outbox = fleet_outbox(client, fleet, proxy, bus)
+            waiting = await outbox.waiting_ids(bus_target(bus).model_copy(update={"endpoint_url": proxy.url}))
+            steps = {e["event_id"]: e["type"] for e in fleet.events() if e["workflow_id"] == workflow_id}
+            assert [steps[i] for i in waiting if i in steps] == START_BEFORE_STOP
 
             proxy.heal()
 
@@ -431,13 +378,19 @@ async def test_a_repair_goes_on_when_its_event_bus_is_deleted_and_its_events_are
             bus.delete()
             faulty, workflow_id = await repair_one(fleet)
             await assert_no_publish_waited(client, workflow_id, len(START_BEFORE_STOP))
-            # The repair's events wait for the bus until the deadline, then go to the dead-letter file, in order.
-            records = await eventually(
-                lambda: asyncio.sleep(0, dead_letters_of(fleet.settings.events, workflow_id)),
-                lambda r: len(r) >= len(START_BEFORE_STOP),
-                within=120,
-            )
-    assert [r["event"]["type"] for r in records] == START_BEFORE_STOP
+            # The repair's events wait for the bus until the deadline, then are dead-lettered, in order.
+            outbox = fleet_outbox(client, fleet, proxy, bus)
+            target = bus_target(bus).model_copy(update={"endpoint_url": proxy.url})
+
+            async def dead_letters() -> list[dict[str, Any]]:
+                view, _ = await outbox.outbox(target)
+                letters = view.dead_letters if view is not None else []
+                return [
+                    d.entry.event | {"error": d.error} for d in letters if d.entry.event["workflow_id"] == workflow_id
+                ]
+
+            records = await eventually(dead_letters, lambda r: len(r) >= len(START_BEFORE_STOP), within=120)
+    assert [r["type"] for r in records] == START_BEFORE_STOP
     assert all("ResourceNotFoundException" in r["error"] for r in records)
     assert fleet.ec2_state(faulty) == "terminated"
 
@@ -452,37 +405,49 @@ async def test_a_repair_goes_on_when_its_event_bus_is_deleted_and_its_events_are
     ],
 )
 async def test_a_failed_put_events_entry_is_kept_or_dead_lettered_by_its_error_code(
-    aws_env: str, tmp_path: Path, code: str, kind: str
+    client: Client, aws_env: str, code: str, kind: str
 ) -> None:
-    # moto never fails an entry of a well-formed event, so the sink's answer is stubbed here.
-    settings = EventSettings(webhook_outbox_dir=tmp_path / "outbox")
-    acts = EventActivities(AwsClients(AwsSettings(endpoint_url=aws_env)), settings)
-    assert acts._eventbridge is not None
-    [event] = events(1)
-    with Stubber(acts._eventbridge._put._aws.events) as stub:
-        stub.add_response(
-            "put_events", {"FailedEntryCount": 1, "Entries": [{"ErrorCode": code, "ErrorMessage": "boom"}]}
+    # moto never fails an entry of a well-formed event, so the bus's answer is canned by the proxy.
+    with FlakyAws(aws_env) as proxy:
+        proxy.answer("PutEvents", {"FailedEntryCount": 1, "Entries": [{"ErrorCode": code, "ErrorMessage": "boom"}]})
+        settings = EventSettings(bus_name=unique("bus"))
+        events_of = publisher(client, AwsSettings(endpoint_url=proxy.url), settings)
+        target = SinkTarget(
+            sink=Sink.EVENTBRIDGE,
+            region="us-east-1",
+            endpoint_url=proxy.url,
+            bus_name=settings.bus_name,
+            source=settings.source,
         )
-        took = await publish_all(acts, [event])
-    assert max(took) < PROMPT, took
-    kept = [e["event_id"] for e in waiting(settings, EVENTBRIDGE)]
-    buried = dead_letters(settings, EVENTBRIDGE)
-    if kind == "rejected":
-        # No retry can make the sink take it, and it must not block the events behind it.
-        assert kept == [] and [(r["event_id"], r["reason"]) for r in buried] == [(event.event_id, "rejected")]
-        assert code in buried[0]["error"] and event.event_id in buried[0]["error"]
-    else:
-        assert kept == [event.event_id] and buried == []
+        [event] = events(1)
+        took = await events_of.publish([event])
+        assert max(took) < PROMPT, took
+        async with events_of.outbox_worker():
+            if kind == "rejected":
+                # No retry can make the sink take it, and it must not block the events behind it.
+                view, _ = await eventually(lambda: events_of.outbox(target), lambda found: not found[1])
+                assert view is not None and [(d.entry.event_id, d.reason) for d in view.dead_letters] == [
+                    (event.event_id, "rejected")
+                ]
+                assert code in view.dead_letters[0].error and event.event_id in view.dead_letters[0].error
+            else:
+                view, running = await events_of.outbox(target)
+                assert running and view is not None and view.waiting_event_ids == [event.event_id]
+                assert view.dead_letters == []
+                assert view.last_error is None or view.last_error.kind == kind
 
 
-async def test_an_event_neither_delivered_nor_kept_fails_the_activity_for_a_bounded_retry(
-    aws_env: str, tmp_path: Path
+async def test_an_event_neither_delivered_nor_handed_to_temporal_fails_the_activity_for_a_bounded_retry(
+    aws_env: str,
 ) -> None:
-    # The bus is missing and the outbox cannot be created (a file where its folder should be): a broken disk.
-    blocker = tmp_path / "outbox"
-    blocker.write_text("")
-    settings = EventSettings(bus_name=unique("no-such-bus"), webhook_outbox_dir=blocker)
-    acts = EventActivities(AwsClients(AwsSettings(endpoint_url=aws_env)), settings)
+    # The bus is missing and Temporal cannot be reached (nothing listens where the client points).
+    from contract.config import TemporalSettings
+    from contract.temporal_client import connect
+
+    unreachable = await connect(TemporalSettings(address=f"127.0.0.1:{free_port()}"), lazy=True)
+    acts = EventActivities(
+        AwsClients(AwsSettings(endpoint_url=aws_env)), EventSettings(bus_name=unique("no-such-bus")), unreachable
+    )
     [event] = events(1)
     with pytest.raises(ApplicationError) as raised:
         await ActivityEnvironment().run(acts.publish_event, event)

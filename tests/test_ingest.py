@@ -474,6 +474,16 @@ def test_plain_http_on_a_non_loopback_bind_is_refused_in_one_line(
     assert "ingest.tls_cert" in err
 
 
+def test_plain_http_behind_a_tls_terminating_load_balancer_is_served(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ingest.cli import tls_context
+    from worker.settings import Settings
+
+    for name in [n for n in os.environ if n.startswith("AUTOREPAIR_")]:
+        monkeypatch.delenv(name)
+    settings = Settings(ingest={"tls_terminated_by_load_balancer": True})
+    assert tls_context(settings, "0.0.0.0") is None  # an ALB with an ACM certificate ends TLS in front of it
+
+
 def test_retry_after_is_whole_seconds_and_at_least_one() -> None:
     from ingest.rate_limit import RateLimiter, retry_after
 

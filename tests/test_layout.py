@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-MAX_LINES = 600
+# A guard against god files, not a splitter: a module is split where a seam is, long before it reaches this.
+MAX_LINES = 800
 
 # What each product folder may import of ours. Everything sits on the contract; the worker, the ingest, the operator
 # CLI and the simulator sit on top; workflows may call activities by their typed methods, never the reverse. The

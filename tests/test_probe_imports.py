@@ -35,6 +35,9 @@ NONE_LOADED = dict.fromkeys(HEAVY, False)
         ["probe", "--group", "g", "--direct-temporal"],
         ["probe-report", "--ingest", "https://ingest.example", "--group", "g", "--xid", "79"],
         ["classify", "--collapse"],
+        ["probe", "--group", "g", "--ingest", "https://ingest.example", "--health-bind", "127.0.0.1:8482"],
+        # What a container's health check runs every few seconds, on a GPU host too.
+        ["healthcheck", "http://127.0.0.1:8482/healthz"],
     ],
 )
 def test_parsing_a_probe_side_command_loads_no_temporal_or_aws_client(argv: list[str]) -> None:
@@ -54,7 +57,7 @@ def test_the_probe_help_loads_no_temporal_or_aws_client() -> None:
 
 
 def test_the_probe_and_its_sources_load_no_temporal_or_aws_client() -> None:
-    assert loaded_after("import node_probe.probe, node_probe.cli") == NONE_LOADED
+    assert loaded_after("import node_probe.probe, node_probe.cli, node_probe.health") == NONE_LOADED
 
 
 def test_an_operator_command_still_gets_its_temporal_client() -> None:

@@ -97,3 +97,43 @@ def test_invalid_group_values_are_rejected() -> None:
         Settings(groups=[{"name": "g", "cluster": "c", "max_draining_percent": 0}])
     with pytest.raises(ValidationError, match="auto_repair"):
         Settings(groups=[{"name": "g", "cluster": "c", "auto_repair": "SOMETIMES"}])
+
+
+def test_the_toml_text_itself_in_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    # An ECS task hands its settings over as a variable (an SSM parameter or a secret), not as a file.
+    monkeypatch.delenv("AUTOREPAIR_CONFIG", raising=False)
+    monkeypatch.setenv("AUTOREPAIR_CONFIG_TOML", TOML)
+    monkeypatch.setenv("AUTOREPAIR_AWS__REGION", "us-west-2")
+
+    settings = Settings.load()
+
+    assert settings.aws.region == "us-west-2"
+    assert [g.name for g in settings.groups] == ["p5", "g6"]
+    assert settings.group("p5").auto_repair is AutoRepair.DISABLED
+
+
+def test_toml_text_errors_name_the_variable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AUTOREPAIR_CONFIG", raising=False)
+    typo = "[[groups]]\nname = 'p5'\ncluster = 'c'\nlaunch_template = 'lt'\nauto_repiar = 1\n"
+    monkeypatch.setenv("AUTOREPAIR_CONFIG_TOML", typo)
+    with pytest.raises(ConfigError, match=r"^environment variable AUTOREPAIR_CONFIG_TOML: groups\[0\]\.auto_repiar"):
+        Settings.load()
+    monkeypatch.setenv("AUTOREPAIR_CONFIG_TOML", "[temporal\n")
+    with pytest.raises(ConfigError, match="AUTOREPAIR_CONFIG_TOML: not valid TOML"):
+        Settings.load()
+    config = tmp_path / "autorepair.toml"
+    config.write_text(TOML)
+    monkeypatch.setenv("AUTOREPAIR_CONFIG", str(config))
+    with pytest.raises(ConfigError, match="both set: keep one"):
+        Settings.load()
+
+
+def test_tls_ends_at_the_ingest_or_at_the_load_balancer_not_both(tmp_path: Path) -> None:
+    with pytest.raises(ValidationError, match="not both"):
+        Settings(
+            ingest={
+                "tls_cert": tmp_path / "c.pem",
+                "tls_key": tmp_path / "k.pem",
+                "tls_terminated_by_load_balancer": True,
+            }
+        )

@@ -18,38 +18,28 @@ import threading
 import time
 import urllib.error
 import urllib.request
-import uuid
 from collections import deque
 from collections.abc import Iterator
-from contextlib import AbstractAsyncContextManager, contextmanager
-from datetime import UTC, datetime, timedelta
+from contextlib import contextmanager
+from datetime import timedelta
 from email.message import Message
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 import pytest
 from pydantic import SecretStr
-from temporalio.common import MetricMeter
-from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
-from temporalio.testing import ActivityEnvironment
+from temporalio.client import Client
+from temporalio.runtime import Runtime
 
-from activities.aws import AwsClients
-from activities.events import EventActivities, event_delivery
-from activities.metrics import WEBHOOK_DELIVERY_FAILURES
-from activities.models import EventType, FleetEvent
-from activities.webhook import (
-    EVENT_ID_HEADER,
-    EVENT_TYPE_HEADER,
-    SIGNATURE_HEADER,
-    TIMESTAMP_HEADER,
-    DrainTiming,
-    Outbox,
-    sign,
-)
+from activities.metrics import EVENT_RETRIES
+from activities.webhook import EVENT_ID_HEADER, EVENT_TYPE_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, sign
 from contract.config import AwsSettings, EventSettings
+from contract.event_outbox import Sink, SinkTarget
 from simulator.servers import free_port
 from tests.harness import eventually
+from tests.outbox_harness import Publisher, events, metered_client, metric, prometheus_runtime, publisher
+
+__all__ = ["prometheus_runtime"]  # a fixture, used by name
 
 SECRET = "webhook-test-secret"
 TIMEOUT = timedelta(seconds=0.5)
@@ -207,67 +197,41 @@ def post(port: int, headers: dict[str, str], body: bytes) -> int:
         return err.code
 
 
-def webhook_settings(port: int, outbox: Path, max_events: int = 10_000) -> EventSettings:
+WEBHOOK = SinkTarget(sink=Sink.WEBHOOK)
+
+
+def webhook_settings(port: int, max_events: int = 1_000) -> EventSettings:
     return EventSettings(
         eventbridge=False,
         webhook_url=f"http://127.0.0.1:{port}/autorepair",
         webhook_secret=SecretStr(SECRET),
         webhook_timeout=TIMEOUT,
-        webhook_outbox_dir=outbox,
-        webhook_outbox_max_events=max_events,
+        outbox_max_events=max_events,
     )
 
 
-def events(count: int) -> list[FleetEvent]:
-    run = uuid.uuid4().hex[:8]
-    steps = [EventType.REPAIR_STARTED, EventType.DRAIN_PERMIT_GRANTED, EventType.DRAINING]
-    return [
-        FleetEvent(
-            event_id=f"evt-{run}-{i:03d}",
-            time=datetime.now(UTC),
-            type=steps[i % len(steps)],
-            group="gpu-a",
-            instance_id=f"i-{i:017x}",
-            workflow_id=f"repair/i-{i:017x}",
-            fields={"reason": "XID_79"},
-        )
-        for i in range(count)
-    ]
+def webhook_of(client: Client, port: int, max_events: int = 1_000) -> Publisher:
+    # EventBridge is off: AWS is never called.
+    return publisher(client, AwsSettings(region="us-east-1"), webhook_settings(port, max_events))
 
 
-async def publish_all(acts: EventActivities, batch: list[FleetEvent]) -> list[float]:
-    """Publish one after another, as a workflow does; returns how long each publish took."""
-    took = []
-    for event in batch:
-        started = time.monotonic()
-        await ActivityEnvironment().run(acts.publish_event, event)
-        took.append(time.monotonic() - started)
-    return took
+async def ended(events_of: Publisher) -> Any:
+    """The webhook outbox's last view, once it ended (nothing left waiting)."""
+    view, _ = await eventually(lambda: events_of.outbox(WEBHOOK), lambda found: not found[1], within=60)
+    return view
 
 
-def fast_delivery(settings: EventSettings) -> AbstractAsyncContextManager[None]:
-    """The worker's delivery task, polling and backing off in tenths of seconds rather than seconds."""
-    return event_delivery(settings, timing=DrainTiming(idle_poll=0.05, first_backoff=0.1, max_backoff=0.5))
-
-
-@pytest.fixture
-def aws() -> AwsClients:
-    return AwsClients(AwsSettings(region="us-east-1"))  # EventBridge is off: never called
-
-
-async def test_failing_then_slow_receiver_gets_every_event_in_order_and_publish_stays_prompt(
-    aws: AwsClients, tmp_path: Path
-) -> None:
+async def test_failing_then_slow_receiver_gets_every_event_in_order_and_publish_stays_prompt(client: Client) -> None:
     port = free_port()
-    settings = webhook_settings(port, tmp_path / "outbox")
-    acts = EventActivities(aws, settings)
-    batch = events(12)
+    events_of = webhook_of(client, port)
+    batch = events(12, instance_ids=True)
     # The first event's own try meets a slow receiver that stores it but answers too late; redeliveries from the
     # outbox then meet a refusal, a dropped connection and another slow answer before the receiver recovers.
     with receiving(port, ["slow-ok", "fail", "drop", "slow-fail", "fail"]) as receiver:
-        async with fast_delivery(settings):
-            took = await publish_all(acts, batch)
-            await eventually(lambda: asyncio.sleep(0, receiver.ids()), lambda ids: len(ids) == len(batch), within=60)
+        async with events_of.outbox_worker():
+            took = await events_of.publish(batch)
+            await eventually(lambda: asyncio.sleep(0, receiver.ids()), lambda ids: len(ids) == len(batch), within=120)
+            view = await ended(events_of)
 
     assert max(took) < PROMPT, took
     assert receiver.ids() == [e.event_id for e in batch]
@@ -277,59 +241,55 @@ async def test_failing_then_slow_receiver_gets_every_event_in_order_and_publish_
     # Each event acted on once, the first one's redelivery dropped as a duplicate.
     assert [e["event_id"] for e in receiver.handled] == [e.event_id for e in batch]
     assert receiver.received[0]["type"] == "RepairStarted" and receiver.received[0]["reason"] == "XID_79"
-    assert Outbox(settings.webhook_outbox_dir, 10).is_empty()
+    assert view.delivered == len(batch) and view.dead_letters == []
 
 
-async def test_events_published_while_the_receiver_is_down_survive_a_worker_restart(
-    aws: AwsClients, tmp_path: Path
+async def test_events_published_while_no_worker_runs_wait_in_temporal_and_the_next_worker_sends_them(
+    client: Client,
 ) -> None:
     port = free_port()  # nothing listens here yet: connection refused
-    settings = webhook_settings(port, tmp_path / "outbox")
-    batch = events(5)
-    # A worker whose delivery task never ran (it died): the events wait on disk.
-    took = await publish_all(EventActivities(aws, settings), batch)
+    events_of = webhook_of(client, port)
+    batch = events(5, instance_ids=True)
+    # No worker runs the outbox (they all died): the events wait in Temporal, on no worker's disk.
+    took = await events_of.publish(batch)
     assert max(took) < PROMPT, took
-    assert len(Outbox(settings.webhook_outbox_dir, 10).entries()) == 5
 
-    # The next worker process drains what the last one left.
+    # Any worker that starts later sends what waited.
     with receiving(port, []) as receiver:
-        async with fast_delivery(settings):
-            await eventually(lambda: asyncio.sleep(0, receiver.ids()), lambda ids: len(ids) == 5, within=30)
+        async with events_of.outbox_worker():
+            await eventually(lambda: asyncio.sleep(0, receiver.ids()), lambda ids: len(ids) == 5, within=60)
+            view = await ended(events_of)
     assert receiver.ids() == [e.event_id for e in batch]
-    assert len(receiver.received) == 5
-    assert Outbox(settings.webhook_outbox_dir, 10).is_empty()
+    assert len(receiver.received) == 5 and view.delivered == 5
 
 
-async def test_a_hanging_receiver_costs_one_timeout_then_events_queue_behind_it(
-    aws: AwsClients, tmp_path: Path
-) -> None:
+async def test_a_hanging_receiver_costs_one_timeout_then_events_queue_behind_it(client: Client) -> None:
     port = free_port()
-    settings = webhook_settings(port, tmp_path / "outbox")
-    batch = events(4)
+    events_of = webhook_of(client, port)
+    batch = events(4, instance_ids=True)
     with receiving(port, ["slow-fail"] * 10) as receiver:
-        took = await publish_all(EventActivities(aws, settings), batch)
+        took = await events_of.publish(batch)
         # Only the first event waited for the receiver, one timeout and not its slowness; the rest went straight
         # behind it into the outbox without a request of their own.
         assert TIMEOUT.total_seconds() <= took[0] < PROMPT, took
         assert max(took[1:]) < PROMPT, took
         assert receiver.requests == 1
-    assert len(Outbox(settings.webhook_outbox_dir, 10).entries()) == 4
+        async with events_of.outbox_worker():
+            assert await events_of.waiting_ids(WEBHOOK) == [e.event_id for e in batch]
 
 
-async def test_a_full_outbox_drops_the_oldest_and_says_so(
-    aws: AwsClients, tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+async def test_a_full_outbox_drops_the_oldest_and_says_so(client: Client, caplog: pytest.LogCaptureFixture) -> None:
     port = free_port()
-    settings = webhook_settings(port, tmp_path / "outbox", max_events=3)
-    batch = events(5)
-    with caplog.at_level(logging.WARNING, logger="activities.webhook"):
-        await publish_all(EventActivities(aws, settings), batch)
-    assert len([r for r in caplog.records if "full: dropped the oldest" in r.getMessage()]) == 2
-
-    with receiving(port, []) as receiver:
-        async with fast_delivery(settings):
-            await eventually(lambda: asyncio.sleep(0, receiver.ids()), lambda ids: len(ids) == 3, within=30)
+    events_of = webhook_of(client, port, max_events=3)
+    batch = events(5, instance_ids=True)
+    await events_of.publish(batch)
+    with caplog.at_level(logging.ERROR, logger="activities.events"), receiving(port, []) as receiver:
+        async with events_of.outbox_worker():
+            await eventually(lambda: asyncio.sleep(0, receiver.ids()), lambda ids: len(ids) == 3, within=60)
+            view = await ended(events_of)
     assert receiver.ids() == [e.event_id for e in batch[2:]]
+    assert [(d.entry.event_id, d.reason) for d in view.dead_letters] == [(e.event_id, "outbox_full") for e in batch[:2]]
+    assert len([r for r in caplog.records if "dead-lettered (outbox_full)" in r.getMessage()]) == 2
 
 
 def test_webhook_settings_validate() -> None:
@@ -343,14 +303,14 @@ def test_webhook_settings_validate() -> None:
 
 
 async def test_a_receiver_verifying_as_documented_accepts_a_delivery_and_refuses_tampered_or_replayed_copies(
-    aws: AwsClients, tmp_path: Path
+    client: Client,
 ) -> None:
     port = free_port()
-    settings = webhook_settings(port, tmp_path / "outbox")
+    events_of = webhook_of(client, port)
     [event] = events(1)
     with receiving(port, []) as receiver:
         before = int(time.time())
-        took = await publish_all(EventActivities(aws, settings), [event])
+        took = await events_of.publish([event])
         after = int(time.time())
         assert max(took) < PROMPT, took
         assert receiver.rejected == 0 and [e["event_id"] for e in receiver.handled] == [event.event_id]
@@ -394,86 +354,54 @@ async def test_a_receiver_verifying_as_documented_accepts_a_delivery_and_refuses
         assert [e["event_id"] for e in receiver.handled] == [event.event_id]
 
 
-async def test_each_attempt_is_signed_with_its_own_time(aws: AwsClients, tmp_path: Path) -> None:
+async def test_each_attempt_is_signed_with_its_own_time(client: Client) -> None:
     port = free_port()
-    settings = webhook_settings(port, tmp_path / "outbox")
+    events_of = webhook_of(client, port)
     [event] = events(1)
-    # The event's own try and the outbox's first are refused; the second outbox try, over a second later, gets in.
+    # The event's own try and the outbox's first are refused; the outbox's second, a second later, gets in.
     with receiving(port, ["fail", "fail"]) as receiver:
-        async with event_delivery(settings, timing=DrainTiming(idle_poll=0.05, first_backoff=1.1, max_backoff=1.1)):
-            await publish_all(EventActivities(aws, settings), [event])
+        async with events_of.outbox_worker():
+            await events_of.publish([event])
             await eventually(
-                lambda: asyncio.sleep(0, receiver.ids()), lambda ids: ids == [event.event_id], within=30, every=0.1
+                lambda: asyncio.sleep(0, receiver.ids()), lambda ids: ids == [event.event_id], within=60, every=0.1
             )
     stamps = receiver.timestamps()
     assert len(stamps) == 3 and receiver.rejected == 0, stamps
     assert stamps[0] <= stamps[1] < stamps[2], stamps
 
 
-@pytest.fixture(scope="module")
-def prometheus() -> Iterator[tuple[MetricMeter, int]]:
-    """A metric meter exported on a Prometheus endpoint, as the worker's is; yields it and the endpoint's port."""
-    port = free_port()
-    runtime = Runtime(telemetry=TelemetryConfig(metrics=PrometheusConfig(bind_address=f"127.0.0.1:{port}")))
-    yield runtime.metric_meter, port  # the endpoint lives as long as the runtime: hold it until the module is done
-    del runtime
-
-
-def delivery_failures(metrics_port: int, case: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(WEBHOOK_DELIVERY_FAILURES + "{") and f'case="{case}"' in line
-    )
-
-
 @pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
 async def test_a_redirect_is_a_failed_delivery_and_the_event_waits_for_the_right_url(
-    aws: AwsClients,
-    tmp_path: Path,
-    caplog: pytest.LogCaptureFixture,
-    prometheus: tuple[MetricMeter, int],
-    status: int,
+    client: Client, caplog: pytest.LogCaptureFixture, prometheus_runtime: tuple[Runtime, int], status: int
 ) -> None:
-    meter, metrics_port = prometheus
-    case = f"{status}-{uuid.uuid4().hex[:8]}"
+    runtime, metrics_port = prometheus_runtime
     port, right_port = free_port(), free_port()
     location = f"http://127.0.0.1:{right_port}/autorepair"
-    outbox = tmp_path / "outbox"
+    events_of = webhook_of(await metered_client(client, runtime), port)
     [event] = events(1)
     # The receiver the redirect points at accepts anything, a GET too: following the redirect would "deliver".
     with receiving(right_port, []) as right:
-        with redirecting(port, status, location) as redirected, caplog.at_level(logging.WARNING, "activities.webhook"):
-            settings = webhook_settings(port, outbox)
-            took = await publish_all(EventActivities(aws, settings), [event])
-            async with event_delivery(
-                settings,
-                meter.with_additional_attributes({"case": case}),
-                timing=DrainTiming(idle_poll=0.05, first_backoff=0.1, max_backoff=0.2),
-            ):
+        with redirecting(port, status, location) as redirected, caplog.at_level(logging.WARNING, "activities.events"):
+            took = await events_of.publish([event])
+            async with events_of.outbox_worker():
                 await eventually(
-                    lambda: asyncio.to_thread(delivery_failures, metrics_port, case),
-                    lambda failures: failures >= 2,
-                    within=30,
-                    every=0.1,
+                    lambda: asyncio.sleep(0, len(redirected)), lambda posts: posts >= 3, within=60, every=0.1
                 )
+                assert await events_of.waiting_ids(WEBHOOK) == [event.event_id]
         assert max(took) < PROMPT, took
-        assert len(redirected) >= 3 and set(redirected) == {"POST"}, redirected
+        assert set(redirected) == {"POST"}, redirected
         assert right.requests == 0 and right.not_posts == 0 and right.received == []
-        assert [p.name for p in Outbox(outbox, 10).entries()] != []
-        assert json.loads(Outbox(outbox, 10).entries()[0].read_bytes())["event_id"] == event.event_id
-        failures = [r.getMessage() for r in caplog.records if "webhook delivery" in r.getMessage()]
+        assert metric(metrics_port, EVENT_RETRIES, sink="webhook", outcome="transient_error") >= 2
+        failures = [r.getMessage() for r in caplog.records if "webhook" in r.getMessage() and "HTTP" in r.getMessage()]
         assert len(failures) >= 3  # the event's own try, then each try from the outbox
         assert all(f"HTTP {status}" in m and location in m for m in failures), failures
 
-        # With the URL fixed, the next start of the delivery task sends what waited.
-        fixed = webhook_settings(right_port, outbox)
-        async with fast_delivery(fixed):
+        # With the URL fixed, the next worker sends what waited: the outbox names no URL, the worker's settings do.
+        async with events_of.outbox_worker(webhook_settings(right_port)):
             await eventually(
-                lambda: asyncio.sleep(0, right.ids()), lambda ids: ids == [event.event_id], within=30, every=0.1
+                lambda: asyncio.sleep(0, right.ids()), lambda ids: ids == [event.event_id], within=60, every=0.1
             )
+            view = await ended(events_of)
         assert right.rejected == 0 and right.not_posts == 0
         assert [e["event_id"] for e in right.handled] == [event.event_id]
-        assert Outbox(outbox, 10).is_empty()
+        assert view.delivered == 1 and view.dead_letters == []

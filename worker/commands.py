@@ -4,6 +4,9 @@ the operator's tools filter by. operator_cli/main.py wires them into the `autore
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import signal
 
 import structlog
 
@@ -32,7 +35,15 @@ async def run_worker_command(args: argparse.Namespace) -> int:
         groups=[g.name for g in settings.groups],
         metrics=settings.metrics_bind_address,
     )
-    await run_worker(settings, client)
+    # SIGTERM (a rolling update, `docker stop`, systemd) and SIGINT end the worker gracefully: it stops polling, lets
+    # in-flight activities finish within graceful_shutdown_timeout, and exits 0.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, stop.set)
+    await run_worker(settings, client, stop)
+    log.info("worker stopped")
     return 0
 
 

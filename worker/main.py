@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import AsyncExitStack
 
+import structlog
 from temporalio.client import Client
 from temporalio.runtime import Runtime
 from temporalio.worker import Worker
@@ -12,20 +14,24 @@ from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxR
 from activities.aws import AwsClients
 from activities.aws_status import AwsStatusActivities
 from activities.breaker_ops import BreakerOps
-from activities.events import EventActivities, event_delivery
+from activities.events import EventActivities
 from activities.evidence import EvidenceActivities
 from activities.fleet import FleetActivities
 from activities.remediation import RemediationActivities
 from activities.workflow_ops import WorkflowOps
 from contract.breaker import FleetBreakerConfig
 from worker.aws_watch import aws_watch
+from worker.health_endpoint import worker_health
 from worker.health_gauges import health_gauges
 from worker.settings import Settings
 from workflows.drain_semaphore import DrainSemaphoreWorkflow
+from workflows.event_outbox import EventOutboxWorkflow
 from workflows.fleet_breaker import FleetBreakerWorkflow
 from workflows.health import InstanceHealthWorkflow
 from workflows.liveness import LivenessTrackerWorkflow
 from workflows.repair import InstanceRepairWorkflow
+
+log = structlog.get_logger(__name__)
 
 WORKFLOWS = [
     InstanceHealthWorkflow,
@@ -33,6 +39,7 @@ WORKFLOWS = [
     DrainSemaphoreWorkflow,
     LivenessTrackerWorkflow,
     FleetBreakerWorkflow,
+    EventOutboxWorkflow,
 ]
 
 # The contract and the models are shared with activities and clients: passing them through keeps one class per
@@ -56,7 +63,9 @@ SANDBOX = SandboxedWorkflowRunner(
 def build_worker(settings: Settings, client: Client) -> Worker:
     aws = AwsClients(settings.aws)
     fleet = FleetActivities(aws, settings.group, client=client)
-    events = EventActivities(aws, settings.events, ui_url=settings.temporal.ui_url)
+    events = EventActivities(
+        aws, settings.events, client, settings.temporal.task_queue, ui_url=settings.temporal.ui_url
+    )
     ops = WorkflowOps(client, settings.temporal.task_queue)
     aws_status = AwsStatusActivities(aws, settings.group)
     remediation = RemediationActivities(aws, settings.group, client)
@@ -79,18 +88,34 @@ def build_worker(settings: Settings, client: Client) -> Worker:
             *evidence.activities(),
             *aws_status.activities(),
         ],
+        # On shutdown the worker stops polling at once and gives in-flight activities this long to finish (the SDK's
+        # default is none: a rolling update would cancel every AWS call in flight).
+        graceful_shutdown_timeout=settings.graceful_shutdown_timeout,
     )
 
 
-async def run_worker(settings: Settings, client: Client) -> None:
-    """Run until cancelled; in-flight activities are given a chance to finish, workflows simply resume elsewhere."""
-    # The webhook outbox is drained by this process while it runs (see activities/webhook.py).
+async def run_worker(settings: Settings, client: Client, stop: asyncio.Event | None = None) -> None:
+    """Run until `stop` is set (SIGTERM or SIGINT, worker/commands.py) or the task is cancelled: then stop polling,
+    give in-flight activities `graceful_shutdown_timeout` to finish, and return. Workflows carry on on the other
+    workers; an activity cut short is retried there."""
     meter = (client.service_client.config.runtime or Runtime.default()).metric_meter
     async with AsyncExitStack() as stack:
-        await stack.enter_async_context(event_delivery(settings.events, meter))
         # What AWS says of each group's instances, told to their health workflows on change (worker/aws_watch.py).
         await stack.enter_async_context(aws_watch(settings, client))
+        # GET /healthz (worker/health_endpoint.py): 503 once Temporal is out of reach, or once shutdown began.
+        health = await stack.enter_async_context(worker_health(settings, client))
         if settings.metrics_bind_address:
             groups = [group.name for group in settings.groups]
             await stack.enter_async_context(health_gauges(client, groups, meter, settings.health_gauge_interval))
-        await build_worker(settings, client).run()
+        worker = build_worker(settings, client)
+        running = asyncio.create_task(worker.run(), name="temporal worker")
+        stopped = asyncio.create_task((stop or asyncio.Event()).wait(), name="wait for a stop signal")
+        try:
+            await asyncio.wait({running, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+            if not running.done():
+                health.begin_shutdown()
+                log.info("worker shutting down", graceful_shutdown_timeout=str(settings.graceful_shutdown_timeout))
+                await worker.shutdown()
+            await running

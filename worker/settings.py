@@ -16,6 +16,7 @@ from contract.config import (
     TemporalSettings,
 )
 from contract.groups import CapacityGroup
+from contract.healthz import DEFAULT_WORKER_HEALTH_BIND, HealthBind
 
 
 class Settings(ConfigSources):
@@ -29,10 +30,19 @@ class Settings(ConfigSources):
     fleet_breaker: FleetBreakerSettings = Field(default_factory=FleetBreakerSettings)
     log_format: str = Field(default="auto", pattern="^(auto|json|console)$")
     metrics_bind_address: str | None = None
+    # GET /healthz for the container's health check (worker/health_endpoint.py); "off": none.
+    health_bind_address: HealthBind = DEFAULT_WORKER_HEALTH_BIND
     health_gauge_interval: PositiveDuration = Field(
         default=timedelta(seconds=30), description="How often instances by health status are counted"
     )
     otlp_endpoint: str | None = None
+    graceful_shutdown_timeout: PositiveDuration = Field(
+        default=timedelta(seconds=60),
+        description=(
+            "On SIGTERM or SIGINT the worker stops polling and gives in-flight activities this long to finish before "
+            "cancelling them; the orchestrator's stop timeout must be longer"
+        ),
+    )
 
     @field_validator("groups")
     @classmethod

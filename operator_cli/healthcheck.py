@@ -1,0 +1,76 @@
+"""`autorepair healthcheck URL`: what a container's health check runs, since the images have no curl.
+
+Exit 0 on HTTP 200; 1 otherwise, with one line saying why (the endpoint's own reason when it gives one). Standard
+library only: an orchestrator runs it every few seconds, so it must not load a Temporal or AWS client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import ssl
+import sys
+import urllib.error
+import urllib.request
+from http.client import HTTPException
+
+DEFAULT_TIMEOUT_S = 5.0
+_MAX_BODY = 4096
+
+
+def add_healthcheck_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("url", metavar="URL", help="e.g. http://127.0.0.1:8481/healthz (the worker's)")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="SECONDS",
+        help=f"give up after this long (default: {DEFAULT_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="do not verify the TLS certificate (the ingest's own, asked on 127.0.0.1 where its name does not match)",
+    )
+
+
+def _reason(body: bytes) -> str:
+    """The endpoint's reason: `reason` of a JSON answer (every /healthz of ours, the ingest's Refusal), else the
+    body's first line."""
+    text = body.decode("utf-8", errors="replace").strip()
+    try:
+        answer = json.loads(text)
+    except ValueError:
+        answer = None
+    if isinstance(answer, dict) and answer.get("reason"):
+        return str(answer["reason"])
+    return text.splitlines()[0] if text else "no reason given"
+
+
+def check(url: str, timeout_s: float, *, insecure: bool = False) -> tuple[bool, str]:
+    """(healthy, what to say): healthy only on HTTP 200."""
+    context = None
+    if insecure:
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s, context=context) as response:
+            status, body = response.status, response.read(_MAX_BODY)
+    except urllib.error.HTTPError as err:
+        return False, f"{url} answered {err.code}: {_reason(err.read(_MAX_BODY))}"
+    except urllib.error.URLError as err:
+        return False, f"{url} unreachable: {err.reason}"
+    except (OSError, HTTPException, ValueError) as err:  # timeouts, resets, a malformed answer or URL
+        return False, f"{url} unreachable: {err or type(err).__name__}"
+    if status != 200:
+        return False, f"{url} answered {status}: {_reason(body)}"
+    return True, f"{url}: ok"
+
+
+def run_healthcheck(args: argparse.Namespace) -> int:
+    healthy, said = check(args.url, args.timeout, insecure=args.insecure)
+    if not healthy:
+        print(f"autorepair healthcheck: {said}", file=sys.stderr)
+        return 1
+    return 0
