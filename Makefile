@@ -13,6 +13,8 @@ PYTEST_ARGS ?= -n 3 --dist loadfile --durations=15
 CHROMIUM ?= /usr/bin/chromium
 # The journald source's tests write real journal files with Debian's systemd-journal-remote; installed the same way.
 JOURNAL_REMOTE ?= /lib/systemd/systemd-journal-remote
+# The probe's launch-template installer (deploy/systemd/install-probe.sh) is checked with Debian's shellcheck.
+SHELLCHECK ?= /usr/bin/shellcheck
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
 .PHONY: demo test lint install browser clean
@@ -33,10 +35,13 @@ browser: $(CHROMIUM)
 $(JOURNAL_REMOTE):
 	$(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd-journal-remote
 
+$(SHELLCHECK):
+	$(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq shellcheck
+
 demo: $(STAMP)
 	$(BIN)/autorepair demo $(DEMO_ARGS)
 
-test: $(STAMP) $(CHROMIUM) $(JOURNAL_REMOTE)
+test: $(STAMP) $(CHROMIUM) $(JOURNAL_REMOTE) $(SHELLCHECK)
 	$(BIN)/ruff check .
 	$(BIN)/mypy contract workflows activities worker node_probe ingest operator_cli simulator
 	$(BIN)/pytest $(PYTEST_ARGS)

@@ -6,6 +6,7 @@ from temporalio.contrib.opentelemetry import TracingInterceptor
 from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 
 from activities.metrics import HISTOGRAM_BUCKETS
+from contract.config import ConfigError
 from worker.settings import Settings
 
 
@@ -28,8 +29,15 @@ def tracing_interceptors(settings: Settings) -> list[TracingInterceptor]:
     """One trace per workflow, spans per activity, exported over OTLP/gRPC when an endpoint is configured."""
     if not settings.otlp_endpoint:
         return []
+    try:
+        # Its own extra: it brings grpcio, which a worker that exports no traces should not carry.
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    except ImportError as err:
+        raise ConfigError(
+            f"otlp_endpoint = {settings.otlp_endpoint!r} needs the OTLP exporter, which cannot be imported here "
+            f"({err}): pip install 'gpu-autorepair[otlp]', or leave otlp_endpoint unset"
+        ) from err
     from opentelemetry import trace
-    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import SERVICE_NAME, Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
