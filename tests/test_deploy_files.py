@@ -75,7 +75,8 @@ def _settings_from(path: Path, monkeypatch: pytest.MonkeyPatch) -> Settings:
 
 def test_deploy_folder_has_the_expected_pieces():
     for name in [
-        "Dockerfile",
+        "docker/ops.Dockerfile",
+        "docker/probe.Dockerfile",
         "README.md",
         "config.example.toml",
         "compose/compose.yaml",
@@ -84,11 +85,17 @@ def test_deploy_folder_has_the_expected_pieces():
         "kubernetes/namespace.yaml",
         "kubernetes/worker-configmap.yaml",
         "kubernetes/worker-deployment.yaml",
-        "kubernetes/probe-daemonset.yaml",
+        "kubernetes/ingest-configmap.yaml",
+        "kubernetes/ingest-deployment.yaml",
         "systemd/autorepair-worker.service",
+        "systemd/autorepair-ingest.service",
         "systemd/autorepair-probe.service",
+        "systemd/install-probe.sh",
         "systemd/autorepair.env.example",
+        "ecs/gpu-autorepair.yaml",
+        "ecs/README.md",
         "iam/worker-policy.json",
+        "iam/ingest-policy.json",
         "iam/README.md",
     ]:
         assert (DEPLOY / name).is_file(), f"deploy/{name} missing"
@@ -255,7 +262,10 @@ def test_probe_unit_has_exactly_the_access_it_needs():
     assert "/dev/kmsg r" in allowed
     assert any(d.startswith("char-nvidia") and d.endswith("rw") for d in allowed)
     assert service["StateDirectory"] == "autorepair/spool"
-    assert "--kmsg" in service["ExecStart"] and "/var/lib/autorepair/spool" in service["ExecStart"]
+    # The kernel log source comes from AUTOREPAIR_PROBE_ARGS: /dev/kmsg unless autorepair.env says --journald.
+    assert "$AUTOREPAIR_PROBE_ARGS" in service["ExecStart"] and "/var/lib/autorepair/spool" in service["ExecStart"]
+    assert "AUTOREPAIR_PROBE_ARGS=--kmsg" in _all_values(path, "Environment")
+    assert service["SupplementaryGroups"] == "systemd-journal"
     # ProtectKernelLogs and PrivateDevices would hide /dev/kmsg and the GPUs from the probe.
     assert service.get("ProtectKernelLogs", "no") == "no"
     assert service.get("PrivateDevices", "no") == "no"
@@ -272,13 +282,13 @@ def test_compose_stack_registers_every_search_attribute_with_its_type():
         kind = type_names[key.indexed_value_type.name.removeprefix("INDEXED_VALUE_TYPE_")]
         assert f"{key.name}:{kind}" in script, f"{key.name} ({kind}) not registered by the compose stack"
     assert services["temporal"]["environment"]["DB"] == "postgres12"
-    assert services["temporal-ui"]["ports"] == ["8080:8080"]
+    assert services["temporal-ui"]["ports"] == ["127.0.0.1:8080:8080"]
     worker = services["worker"]
-    assert worker["build"]["dockerfile"] == "deploy/Dockerfile"
+    assert worker["build"]["dockerfile"] == "deploy/docker/ops.Dockerfile"
     assert (COMPOSE.parent / worker["build"]["context"] / worker["build"]["dockerfile"]).resolve().is_file()
     assert "./autorepair.toml:/etc/autorepair/config.toml:ro" in worker["volumes"]
     assert worker["environment"]["AUTOREPAIR_CONFIG"] == "/etc/autorepair/config.toml"
-    assert "9464:9464" in worker["ports"]
+    assert "127.0.0.1:9464:9464" in worker["ports"]
     for service in services.values():
         if "image" in service and "build" not in service:
             image = service["image"]
@@ -316,8 +326,10 @@ def test_kubernetes_worker_deployment():
     assert str(mounted_file) == env["AUTOREPAIR_CONFIG"]["value"]
     configmap = yaml.safe_load((DEPLOY / "kubernetes" / "worker-configmap.yaml").read_text())
     assert config_volume["configMap"]["name"] == configmap["metadata"]["name"]
-    assert container["livenessProbe"]["httpGet"]["port"] == "metrics"
-    assert {p["name"]: p["containerPort"] for p in container["ports"]}["metrics"] == 9464
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["metrics"] == 9464 and ports["health"] == 8481
     assert container["resources"]["requests"] and container["resources"]["limits"]
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
     account = docs["ServiceAccount"]
@@ -325,33 +337,27 @@ def test_kubernetes_worker_deployment():
     assert account["metadata"]["annotations"]["eks.amazonaws.com/role-arn"].startswith("arn:aws:iam::")
 
 
-def test_kubernetes_probe_daemonset():
-    docs = _kinds(DEPLOY / "kubernetes" / "probe-daemonset.yaml")
-    assert "eks.amazonaws.com/role-arn" not in docs["ServiceAccount"]["metadata"].get("annotations", {})
-    pod = docs["DaemonSet"]["spec"]["template"]["spec"]
-    assert pod["automountServiceAccountToken"] is False
-    assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
-    (container,) = pod["containers"]
-    assert container["args"][:2] == ["probe", "--kmsg"]
-    env = {e["name"]: e for e in container["env"]}
-    assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
-    assert not any(name.startswith("AWS_") for name in env)
-    volumes = {v["name"]: v for v in pod["volumes"]}
-    mounts = {m["name"]: m for m in container["volumeMounts"]}
-    assert volumes["kmsg"]["hostPath"]["path"] == "/dev/kmsg" and mounts["kmsg"]["readOnly"] is True
-    assert volumes["spool"]["hostPath"]["path"] == "/var/lib/autorepair/spool"
-    assert container["securityContext"]["readOnlyRootFilesystem"] is True
-
-
-def test_dockerfile_installs_the_project_with_the_autorepair_entrypoint():
-    lines = [line.strip() for line in (DEPLOY / "Dockerfile").read_text().splitlines()]
-    assert next(line for line in lines if line.startswith("FROM ")) == "FROM python:3.11-slim"
-    assert any(re.match(r"RUN pip install \.(\s|$)", line) for line in lines)
+@pytest.mark.parametrize("image", ["ops", "probe"])
+def test_dockerfile_installs_the_project_with_the_autorepair_entrypoint(image: str):
+    lines = [line.strip() for line in (DEPLOY / "docker" / f"{image}.Dockerfile").read_text().splitlines()]
+    assert "ARG PYTHON_IMAGE=python:3.11-slim-bookworm" in lines
+    stages = [line for line in lines if line.startswith("FROM ")]
+    assert stages == ["FROM ${PYTHON_IMAGE} AS build", "FROM ${PYTHON_IMAGE}"]
+    # The project itself is installed, as a wheel (not an editable pointing at the discarded build stage).
+    assert any(re.match(r"RUN uv sync .*--no-editable(\s|$)", line) for line in lines)
     assert 'ENTRYPOINT ["autorepair"]' in lines
-    copied = {line.split()[1].rstrip("/") for line in lines if line.startswith("COPY ")}
+    copied = {
+        source.rstrip("/")
+        for line in lines
+        if line.startswith("COPY ") and "--from" not in line
+        for source in line.split()[1:-1]
+    }
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     packages = {p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
-    assert packages <= copied, f"Dockerfile does not copy packages {sorted(packages - copied)}"
+    assert packages <= copied, f"{image}.Dockerfile does not copy packages {sorted(packages - copied)}"
+    # What the build reads besides the code: the metadata, the lock it installs from, the readme and license files
+    # the metadata names.
+    assert {"pyproject.toml", "uv.lock", "README.md", "LICENSE"} <= copied
     assert "autorepair" in pyproject["project"]["scripts"]
 
 
