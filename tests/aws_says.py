@@ -1,4 +1,4 @@
-"""Make AWS say what moto never does, through the fault proxy (tests/flaky_aws.py): an EC2 status check impaired or
+"""Make AWS say what moto never does, through the fault proxy (simulator/aws_proxy.py): an EC2 status check impaired or
 insufficient-data (with its ImpairedSince), a scheduled event, an ECS agent disconnected.
 
 moto's own answers to DescribeInstanceStatus (query protocol, XML) and DescribeContainerInstances (json protocol)
@@ -14,7 +14,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from datetime import datetime
 
-from tests.flaky_aws import AwsRequest, FlakyAws
+from simulator.aws_proxy import AwsRequest, FlakyAws
 
 EC2_NS = "http://ec2.amazonaws.com/doc/2016-11-15"
 

@@ -38,9 +38,9 @@ from contract import names
 from contract import search_attributes as sa
 from contract.names import GROUP_TAG
 from contract.repair import RepairPhase
+from simulator.aws_proxy import HOP_BY_HOP, parse_request
 from simulator.fleet import SimTiming, SimulatedFleet
 from simulator.fleet_aws import SimWorkload
-from tests.flaky_aws import HOP_BY_HOP, parse_request
 from tests.fleet import Fleet, assert_start_before_stop
 from tests.harness import eventually, make_settings, unique
 from worker.settings import Settings

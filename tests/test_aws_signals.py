@@ -22,8 +22,8 @@ from contract.formats import iso
 from contract.groups import AutoRepair
 from contract.health import CheckType, HealthState
 from contract.ids import health_workflow_id
+from simulator.aws_proxy import FlakyAws
 from tests.aws_says import AwsSays, Check, Event
-from tests.flaky_aws import FlakyAws
 from tests.fleet import START_BEFORE_STOP, Fleet, assert_start_before_stop, simulated_fleet
 from tests.harness import eventually, make_settings, running_worker, unique
 from tests.test_health_signals import health_of, start_health, temporal_cli

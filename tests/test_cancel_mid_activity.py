@@ -14,7 +14,7 @@ from pathlib import Path
 from temporalio.client import Client, WorkflowExecutionStatus
 
 from contract.ids import health_workflow_id
-from tests.flaky_aws import FlakyAws
+from simulator.aws_proxy import FlakyAws
 from tests.fleet import simulated_fleet
 from tests.harness import eventually
 from workflows.models import InstanceHealthView

@@ -33,8 +33,8 @@ from activities.metrics import EVENT_RETRIES, EVENTS_DEAD_LETTERED, EVENTS_QUEUE
 from contract import names
 from contract.config import AwsSettings, EventSettings
 from contract.event_outbox import Sink, SinkTarget, outbox_workflow_id
+from simulator.aws_proxy import FlakyAws
 from simulator.servers import free_port
-from tests.flaky_aws import FlakyAws
 from tests.fleet import START_BEFORE_STOP, Fleet, simulated_fleet
 from tests.harness import eventually, unique
 from tests.outbox_harness import Publisher, events, metered_client, metric, prometheus_runtime, publisher

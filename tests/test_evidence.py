@@ -22,7 +22,7 @@ from contract import evidence
 from contract.groups import Remediation
 from contract.ids import health_workflow_id, repair_workflow_id
 from contract.names import GROUP_TAG
-from tests.flaky_aws import FlakyAws
+from simulator.aws_proxy import FlakyAws
 from tests.fleet import START_BEFORE_STOP, Fleet, simulated_fleet
 from tests.harness import unique
 from tests.test_ops_cli import cli_json

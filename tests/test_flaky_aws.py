@@ -22,7 +22,7 @@ from temporalio.exceptions import ApplicationError
 
 from contract.ids import health_workflow_id, repair_workflow_id
 from contract.repair import RepairPhase
-from tests.flaky_aws import FlakyAws
+from simulator.aws_proxy import FlakyAws
 from tests.fleet import Fleet, assert_start_before_stop, simulated_fleet
 from tests.harness import eventually
 from workflows.models import InstanceHealthView

@@ -57,9 +57,9 @@ from node_probe.delivery.reporter import Reporter
 from node_probe.host import CommandResult
 from node_probe.probe import Probe, ProbeConfig
 from node_probe.sources.dcgm import DcgmHealthSource
+from simulator.aws_proxy import FlakyAws
 from simulator.events import group_events
 from tests.aws_says import AwsSays
-from tests.flaky_aws import FlakyAws
 from tests.harness import eventually, make_settings, running_worker, unique
 from tests.test_aws_signals import aws_settings, history_counts, register
 from tests.test_dcgm_source import CHECK, HEALTHY, FakeRunner, report

@@ -30,7 +30,7 @@ from contract.config import AwsSettings
 from contract.groups import CapacityGroup
 from contract.health import HealthState
 from contract.ids import health_workflow_id
-from tests.flaky_aws import FlakyAws
+from simulator.aws_proxy import FlakyAws
 from tests.fleet import TIMING, simulated_fleet
 from tests.harness import eventually
 from tests.test_fleet_activities import Fleet, make_template, run, unique

@@ -18,7 +18,7 @@ import boto3
 from temporalio.client import Client
 
 from contract.ids import health_workflow_id
-from tests.flaky_aws import FlakyAws
+from simulator.aws_proxy import FlakyAws
 from tests.fleet import Fleet, assert_start_before_stop, simulated_fleet
 from tests.harness import eventually
 from workflows.models import InstanceHealthView

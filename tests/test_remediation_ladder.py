@@ -5,7 +5,7 @@ On the real dev server, moto over HTTP and the simulated fleet running the real 
 changes nothing and its SSM SendCommand runs nothing, so the fleet plays them (simulator/fleet.py): a reboot drops
 the node's probe and brings it back on a new boot id; the node's scenario says whether the fault persists, the
 reboot hangs, or a reset is refused. What moto cannot answer (a reset the driver refused, with its output) the
-fault-injecting proxy in front of it serves (tests/flaky_aws.py).
+fault-injecting proxy in front of it serves (simulator/aws_proxy.py).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from contract.health import HealthState
 from contract.ids import health_workflow_id, repair_workflow_id
 from contract.probe import GpuFinding, GpuRef
 from contract.repair import RepairAction
-from tests.flaky_aws import FlakyAws
+from simulator.aws_proxy import FlakyAws
 from tests.fleet import START_BEFORE_STOP, Fleet, assert_start_before_stop, simulated_fleet
 from tests.harness import eventually
 from tests.test_ops_cli import autorepair, cli_env, cli_json

@@ -15,7 +15,7 @@ from pathlib import Path
 from temporalio.client import Client
 
 from contract.ids import repair_workflow_id
-from tests.flaky_aws import FlakyAws
+from simulator.aws_proxy import FlakyAws
 from tests.fleet import simulated_fleet
 from tests.harness import eventually
 from tests.test_remediation_ladder import closed, steps_of

@@ -1,4 +1,4 @@
-"""A fault-injecting proxy in front of moto: AWS's API as the engine meets it on a bad day.
+"""A fault-injecting proxy in front of moto: AWS's API as the engine meets it on a bad day, and at its real speed.
 
 moto answers every call at once and never runs out of capacity. Real AWS throttles (EC2 `RequestLimitExceeded`,
 ECS `ThrottlingException`), runs out of GPU capacity (`InsufficientInstanceCapacity`) and refuses calls the role
@@ -9,8 +9,12 @@ call with a successful body of the test's choosing instead: what moto cannot say
 host, with the output it printed). A `Rewrite` rule changes moto's own successful answer on its way back, in the
 service's wire format: moto says every status check is "ok", with no scheduled event, and every ECS agent connected.
 
-It serves from its own threads: the test's event loop (which runs the Temporal worker) is never blocked, and
-the engine's boto3 calls (made from worker threads) are served concurrently.
+moto also answers in a millisecond where AWS takes tens to hundreds: a `Latency` rule holds each matching answer for
+a delay drawn from the API's range (`AWS_LATENCY_MS` is a profile of them), so a benchmark shows what the engine's
+serial calls cost.
+
+It serves from its own threads: the test's event loop (which runs the Temporal worker) is never blocked, and the
+engine's boto3 calls (made from worker threads) are served concurrently, each held for its own delay.
 
 Only the engine is pointed at the proxy; whatever plays the world (the simulated fleet, the test's own checks)
 keeps talking to moto directly, so its calls neither see faults nor use up a rule's count.
@@ -20,7 +24,9 @@ from __future__ import annotations
 
 import http.client
 import json
+import random
 import threading
+import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
@@ -56,6 +62,24 @@ DEFAULT_MESSAGE = {
         "You are not authorized to perform this operation. User: arn:aws:sts::123456789012:assumed-role/"
         "gpu-autorepair/worker is not authorized to perform: ec2:RunInstances"
     ),
+}
+
+# How long AWS takes to answer, by API, in milliseconds (low, high): the 50-300 ms most calls take, longer for the
+# calls that do work before they answer (a launch, a termination). Set for benchmarks, from typical observed ranges,
+# not from a published SLA; "*" is every other call.
+AWS_LATENCY_MS: dict[str, tuple[float, float]] = {
+    "*": (50, 300),
+    "RunInstances": (300, 900),
+    "TerminateInstances": (150, 500),
+    "DetachInstances": (150, 500),
+    "UpdateContainerInstancesState": (80, 300),
+    "DescribeInstances": (60, 250),
+    "DescribeInstanceStatus": (60, 250),
+    "DescribeContainerInstances": (50, 200),
+    "ListContainerInstances": (50, 150),
+    "ListTasks": (50, 150),
+    "DescribeTasks": (50, 200),
+    "PutEvents": (30, 120),
 }
 
 # Not forwarded: they describe one hop of the connection, not the request (RFC 9110, 7.6.1).
@@ -165,6 +189,20 @@ class Rewrite:
 
 
 @dataclass(frozen=True)
+class Latency:
+    """Hold the answer to `action` ("*": any call no other rule names) for a delay drawn uniformly from
+    [low_s, high_s], whether moto, a fault or a canned answer makes it."""
+
+    action: str
+    low_s: float
+    high_s: float
+    service: str | None = None
+
+    def applies(self, request: AwsRequest) -> bool:
+        return self.action in ("*", request.action) and self.service in (None, request.service)
+
+
+@dataclass(frozen=True)
 class Seen:
     """One request as the proxy handled it, in arrival order."""
 
@@ -194,6 +232,8 @@ class FlakyAws:
         self._faults: list[Fault] = []
         self._canned: list[Canned] = []
         self._rewrites: list[Rewrite] = []
+        self._latencies: list[Latency] = []
+        self._random = random.Random(0)  # the same delays in the same order on every run with the same calls
         self._log = _Log()
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
@@ -258,8 +298,30 @@ class FlakyAws:
             self._rewrites.append(rule)
         return rule
 
+    def slow(self, action: str, low_s: float, high_s: float | None = None, *, service: str | None = None) -> Latency:
+        """Add a latency rule; a rule for the action itself wins over "*" whatever the order added."""
+        if low_s < 0 or (high_s is not None and high_s < low_s):
+            raise ValueError("need 0 <= low_s <= high_s")
+        rule = Latency(action=action, low_s=low_s, high_s=low_s if high_s is None else high_s, service=service)
+        with self._lock:
+            self._latencies.append(rule)
+        return rule
+
+    def like_aws(self, profile: dict[str, tuple[float, float]] | None = None) -> None:
+        """Every call as slow as AWS answers it (AWS_LATENCY_MS, or the given profile in milliseconds)."""
+        for action, (low, high) in (profile or AWS_LATENCY_MS).items():
+            self.slow(action, low / 1000, high / 1000)
+
+    def _delay(self, request: AwsRequest) -> float:
+        with self._lock:
+            rules = [r for r in self._latencies if r.applies(request)]
+            named = [r for r in rules if r.action != "*"]
+            chosen = named or rules
+            return self._random.uniform(chosen[-1].low_s, chosen[-1].high_s) if chosen else 0.0
+
     def heal(self) -> None:
-        """Drop every rule, canned answer and rewrite: from now on everything is forwarded, unchanged."""
+        """Drop every fault, canned answer and rewrite: from now on everything is forwarded, unchanged. Latency rules
+        stay: AWS that works again is not AWS that answers at once."""
         with self._lock:
             self._faults.clear()
             self._canned.clear()
@@ -415,6 +477,8 @@ def _handler_for(proxy: FlakyAws) -> type[BaseHTTPRequestHandler]:
             body = self.rfile.read(length) if length else b""
             headers = {k.lower(): v for k, v in self.headers.items()}
             request = parse_request(headers, self.path, body)
+            delay = proxy._delay(request)
+            started = time.monotonic()
             decided = proxy._decide(request)
             fault = decided if isinstance(decided, Fault) else None
             if isinstance(decided, Canned):
@@ -431,6 +495,10 @@ def _handler_for(proxy: FlakyAws) -> type[BaseHTTPRequestHandler]:
                 out_headers = [(k, v) for k, v in upstream_headers if k.lower() not in HOP_BY_HOP | {"server", "date"}]
                 out_body = proxy._rewritten(request, status, out_body)
             proxy._record(request, status, fault)
+            # The delay covers moto's own time: the answer leaves no sooner than AWS's would.
+            left = delay - (time.monotonic() - started)
+            if left > 0:
+                time.sleep(left)
             self.send_response(status)
             for name, value in out_headers:
                 self.send_header(name, value)

@@ -1,0 +1,73 @@
+"""The AWS proxy answers as slowly as AWS does: each call held for a delay from its API's range, concurrent calls
+held side by side (not one after another), and the delay covering moto's own time. Real moto over HTTP, real boto3."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import boto3
+import pytest
+from botocore.config import Config
+
+from simulator.aws_proxy import AWS_LATENCY_MS, FlakyAws
+
+
+def ec2(url: str) -> Any:
+    config = Config(retries={"mode": "standard", "total_max_attempts": 1}, max_pool_connections=20)
+    return boto3.client("ec2", region_name="us-east-1", endpoint_url=url, config=config)
+
+
+def timed(call: Callable[[], object]) -> float:
+    started = time.monotonic()
+    call()
+    return time.monotonic() - started
+
+
+def test_each_call_waits_at_least_its_apis_delay_and_other_apis_their_own(aws_env: str) -> None:
+    with FlakyAws(aws_env) as proxy:
+        client = ec2(proxy.url)
+        fast = min(timed(client.describe_regions) for _ in range(3))
+        proxy.slow("DescribeInstances", 0.4, 0.5)
+        proxy.slow("*", 0.2)
+        took = [timed(client.describe_instances) for _ in range(3)]
+        other = timed(client.describe_regions)
+    # Lower bounds only: a loaded machine may add time, never take it away.
+    assert all(t >= 0.4 for t in took), took
+    assert other >= 0.2, other
+    assert fast < 0.2, fast  # no rule: as fast as moto (a lower bound for the rules above to mean anything)
+
+
+def test_concurrent_calls_are_held_side_by_side_not_queued(aws_env: str) -> None:
+    with FlakyAws(aws_env) as proxy:
+        proxy.slow("DescribeInstances", 1.0)
+        client = ec2(proxy.url)
+        started = time.monotonic()
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            list(pool.map(lambda _: client.describe_instances(), range(8)))
+        took = time.monotonic() - started
+    # Eight one-second calls one after another would take eight seconds; held side by side, about one.
+    assert 1.0 <= took < 4.0, took
+
+
+def test_the_aws_profile_covers_every_call_and_stays_in_its_ranges(aws_env: str) -> None:
+    assert AWS_LATENCY_MS["*"] == (50, 300)
+    assert all(0 < low <= high for low, high in AWS_LATENCY_MS.values())
+    with FlakyAws(aws_env) as proxy:
+        proxy.like_aws()
+        client = ec2(proxy.url)
+        took = [timed(client.describe_instances) for _ in range(4)]
+        proxy.heal()  # faults go; the latency stays
+        healed = timed(client.describe_instances)
+    low = AWS_LATENCY_MS["DescribeInstances"][0] / 1000
+    assert all(t >= low for t in [*took, healed]), (took, healed)
+
+
+def test_a_latency_rule_is_checked() -> None:
+    proxy = FlakyAws("http://127.0.0.1:1")
+    with pytest.raises(ValueError):
+        proxy.slow("RunInstances", 0.5, 0.1)
+    with pytest.raises(ValueError):
+        proxy.slow("RunInstances", -1)
