@@ -392,7 +392,7 @@ async def _drive(
                     error = None if worker.cancelled() else worker.exception()
                     outcome = Outcome(failed=True, message=f"the repair worker stopped: {error!r}")
                 else:
-                    outcome = judge.judge(snap, events.counts, events.fixed_in_place)
+                    outcome = judge.judge(snap, events.counts, events.fixed_in_place, events.abandoned_replacements)
                 if not outcome.done and not outcome.failed and elapsed() > plan.time_limit_s:
                     outcome = Outcome(failed=True, message=f"time limit of {plan.time_limit_s:.0f}s reached")
                 if outcome.done or outcome.failed:

@@ -29,6 +29,8 @@ class EventLog:
     counts: Counter[str] = field(default_factory=Counter)
     # Instances whose repair completed without a replacement (a reset or reboot: the remediation ladder).
     fixed_in_place: set[str] = field(default_factory=set)
+    # Replacements a repair gave up on (not ACTIVE in time) and terminated: expected terminations, not repairs.
+    abandoned_replacements: set[str] = field(default_factory=set)
     partial: str = ""
 
     def read_new(self) -> list[dict[str, Any]]:
@@ -54,6 +56,8 @@ class EventLog:
                 self.counts[str(event.get("type", "?"))] += 1
                 if event.get("type") == "RepairCompleted" and event.get("action") in ("reboot", "gpu-reset"):
                     self.fixed_in_place.add(str(event.get("instance_id")))
+                if event.get("type") == "ReplacementAbandoned" and event.get("replacement_instance_id"):
+                    self.abandoned_replacements.add(str(event["replacement_instance_id"]))
                 events.append(event)
         return events
 

@@ -20,8 +20,10 @@ import http.client
 import json
 import os
 import signal
+import socket
 import sys
 import threading
+from collections import Counter
 from collections.abc import AsyncIterator, Collection, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
@@ -31,7 +33,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from temporalio.api.enums.v1 import PendingActivityState
+from temporalio.api.enums.v1 import EventType, PendingActivityState, TaskQueueType
+from temporalio.api.taskqueue.v1 import TaskQueue
+from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.client import Client, WorkflowExecutionStatus
 
 from contract import names
@@ -459,3 +463,57 @@ async def assert_group_whole(durable: DurableFleet, impaired: Collection[str]) -
     assert sorted(await repairs_of(durable.client, fleet.group)) == sorted(impaired)
     semaphore = await fleet.semaphore()
     assert semaphore.holders == [] and semaphore.waiters == [], semaphore
+
+
+# --- which worker did what --------------------------------------------------------------------------------------
+
+
+def worker_identity(worker: WorkerProcess) -> str:
+    """The identity the worker process gives Temporal: the SDK's default, pid@host (one host here)."""
+    assert worker.pid is not None, "the worker was never started"
+    return f"{worker.pid}@{socket.gethostname()}"
+
+
+async def pollers(client: Client, task_queue: str) -> dict[str, set[str]]:
+    """The identities polling the task queue, for workflow tasks and for activity tasks (those the server saw lately:
+    a dead poller stays listed a while)."""
+    found: dict[str, set[str]] = {}
+    kinds = {"workflow": TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW, "activity": TaskQueueType.TASK_QUEUE_TYPE_ACTIVITY}
+    for kind, queue_type in kinds.items():
+        described = await client.workflow_service.describe_task_queue(
+            DescribeTaskQueueRequest(
+                namespace=client.namespace, task_queue=TaskQueue(name=task_queue), task_queue_type=queue_type
+            ),
+            timeout=QUERY_TIMEOUT,
+        )
+        found[kind] = {p.identity for p in described.pollers}
+    return found
+
+
+async def task_identities(client: Client, task_queue: str) -> Counter[str]:
+    """Who ran the work on the task queue: per worker identity, the workflow tasks and activity tasks it started, as
+    every workflow's history records them (an activity still in flight is in no history yet)."""
+    ran: Counter[str] = Counter()
+    query = f"TaskQueue = {sa.quoted(task_queue)}"
+    async for execution in client.list_workflows(query, rpc_timeout=QUERY_TIMEOUT):
+        history = await client.get_workflow_handle(execution.id, run_id=execution.run_id).fetch_history(
+            rpc_timeout=QUERY_TIMEOUT
+        )
+        for event in history.events:
+            if event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_STARTED:
+                ran[event.workflow_task_started_event_attributes.identity] += 1
+            elif event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED:
+                ran[event.activity_task_started_event_attributes.identity] += 1
+    return ran
+
+
+async def in_flight_by_worker(client: Client, task_queue: str) -> Counter[str]:
+    """The activities started and not yet finished on the task queue, per identity of the worker running them."""
+    running: Counter[str] = Counter()
+    query = f"TaskQueue = {sa.quoted(task_queue)} AND ExecutionStatus = 'Running'"
+    async for execution in client.list_workflows(query, rpc_timeout=QUERY_TIMEOUT):
+        described = await client.get_workflow_handle(execution.id).describe(rpc_timeout=QUERY_TIMEOUT)
+        for pending in described.raw_description.pending_activities:
+            if pending.state == PendingActivityState.PENDING_ACTIVITY_STATE_STARTED:
+                running[pending.last_worker_identity] += 1
+    return running
