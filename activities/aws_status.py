@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities.aws import AwsClients, aws_call
+from activities.aws import AwsClients
 from activities.ec2 import chunks
 from activities.models import AwsStatusRequest
 from contract.aws_status import (
@@ -82,14 +82,14 @@ class AwsStatusReads:
             kwargs["filter"] = f"ec2InstanceId == {instance_id}"  # real ECS narrows the list; moto ignores it
         arns: list[str] = []
         while True:
-            page = await aws_call(f"ECS cluster {cluster}", self._aws.ecs.list_container_instances, **kwargs)
+            page = await self._aws.call(f"ECS cluster {cluster}", self._aws.ecs.list_container_instances, **kwargs)
             arns += page.get("containerInstanceArns", [])
             if not page.get("nextToken"):
                 break
             kwargs["nextToken"] = page["nextToken"]
         newest: dict[str, tuple[datetime, bool]] = {}
         for chunk in chunks(arns, ECS_DESCRIBE_BATCH):
-            described = await aws_call(
+            described = await self._aws.call(
                 f"ECS cluster {cluster}",
                 self._aws.ecs.describe_container_instances,
                 cluster=cluster,
@@ -128,7 +128,7 @@ class AwsStatusReads:
 
     async def _describe_batch(self, ids: list[str]) -> list[InstanceStatusTypeDef]:
         # Explicit ids are never paged (EC2 refuses MaxResults with InstanceIds).
-        page = await aws_call(
+        page = await self._aws.call(
             f"EC2 instances {', '.join(ids[:3])}{'...' if len(ids) > 3 else ''}",
             self._aws.ec2.describe_instance_status,
             InstanceIds=ids,

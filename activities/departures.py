@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from botocore.exceptions import BotoCoreError
 from temporalio.exceptions import ApplicationError
 
-from activities.aws import AwsClients, aws_call
+from activities.aws import AwsClients
 from activities.ec2 import EC2_FILTER_VALUES_MAX, GONE_EC2_STATES, chunks
 from activities.models import GoneCause, GoneInstance
 
@@ -238,7 +238,7 @@ class Departures:
         token: str | None = None
         while True:
             kwargs: dict[str, Any] = {"NextToken": token} if token else {}
-            page = await aws_call(
+            page = await self._aws.call(
                 f"Auto Scaling instances {_some(instance_ids)}",
                 self._aws.autoscaling.describe_auto_scaling_instances,
                 InstanceIds=instance_ids,
@@ -258,7 +258,7 @@ class Departures:
         while True:
             kwargs: dict[str, Any] = {"NextToken": token} if token else {}
             # A filter, not SpotInstanceRequestIds=: one request EC2 no longer knows would fail the whole chunk.
-            page = await aws_call(
+            page = await self._aws.call(
                 f"Spot requests of EC2 instances {_some(instance_ids)}",
                 self._aws.ec2.describe_spot_instance_requests,
                 Filters=[{"Name": "instance-id", "Values": instance_ids}],
@@ -280,7 +280,7 @@ class Departures:
         token: str | None = None
         while True:
             kwargs: dict[str, Any] = {"NextToken": token} if token else {}
-            page = await aws_call(
+            page = await self._aws.call(
                 f"Capacity Reservations {_some(reservation_ids)}",
                 self._aws.ec2.describe_capacity_reservations,
                 CapacityReservationIds=reservation_ids,

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from temporalio.exceptions import ApplicationError
 
-from activities.aws import AwsClients, aws_call
+from activities.aws import AwsClients
 from contract.groups import CapacityGroup
 from contract.names import GROUP_TAG
 
@@ -56,7 +56,7 @@ class Ec2:
             token: str | None = None
             while True:
                 kwargs: dict[str, Any] = {"NextToken": token} if token else {}
-                page = await aws_call(
+                page = await self._aws.call(
                     f"EC2 instances {', '.join(chunk[:3])}{'...' if len(chunk) > 3 else ''}",
                     self._aws.ec2.describe_instances,
                     Filters=[{"Name": "instance-id", "Values": chunk}],
@@ -75,7 +75,7 @@ class Ec2:
 
     async def auto_scaling_group(self, group: CapacityGroup) -> AutoScalingGroupTypeDef:
         name = group.auto_scaling_group or ""
-        resp = await aws_call(
+        resp = await self._aws.call(
             f"Auto Scaling group {name}",
             self._aws.autoscaling.describe_auto_scaling_groups,
             AutoScalingGroupNames=[name],
@@ -104,7 +104,7 @@ class Ec2:
         }
 
     async def tag(self, instance_id: str, tags: dict[str, str]) -> None:
-        await aws_call(
+        await self._aws.call(
             f"EC2 instance {instance_id}",
             self._aws.ec2.create_tags,
             Resources=[instance_id],

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from temporalio.exceptions import ApplicationError
 
-from activities.aws import AwsClients, aws_call
+from activities.aws import AwsClients
 from activities.ec2 import chunks
 from contract.groups import CapacityGroup
 
@@ -59,7 +59,7 @@ class Ecs:
                 kwargs["filter"] = query
             if token:
                 kwargs["nextToken"] = token
-            page = await aws_call(f"ECS cluster {cluster}", self._aws.ecs.list_container_instances, **kwargs)
+            page = await self._aws.call(f"ECS cluster {cluster}", self._aws.ecs.list_container_instances, **kwargs)
             arns += page.get("containerInstanceArns", [])
             token = page.get("nextToken")
             if not token:
@@ -68,7 +68,7 @@ class Ecs:
     async def describe_container_instances(self, cluster: str, arns: Sequence[str]) -> list[ContainerInstanceTypeDef]:
         found: list[ContainerInstanceTypeDef] = []
         for chunk in chunks(arns, ECS_DESCRIBE_BATCH):
-            resp = await aws_call(
+            resp = await self._aws.call(
                 f"ECS cluster {cluster}",
                 self._aws.ecs.describe_container_instances,
                 cluster=cluster,
@@ -112,7 +112,7 @@ class Ecs:
         if ci.get("status") == status:
             return False
         arn = ci["containerInstanceArn"]
-        resp = await aws_call(
+        resp = await self._aws.call(
             f"container instance {arn}",
             self._aws.ecs.update_container_instances_state,
             cluster=cluster,

@@ -21,7 +21,7 @@ from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
-from activities.aws import AwsClients, aws_call
+from activities.aws import AwsClients
 from activities.ecs import resolve_group
 from activities.models import (
     CommandStatus,
@@ -176,11 +176,11 @@ class EvidenceActivities:
         return group.evidence_bucket
 
     async def _put(self, bucket: str, key: str, body: bytes) -> None:
-        await aws_call(f"s3://{bucket}/{key}", self._aws.s3.put_object, Bucket=bucket, Key=key, Body=body)
+        await self._aws.call(f"s3://{bucket}/{key}", self._aws.s3.put_object, Bucket=bucket, Key=key, Body=body)
 
     async def _exists(self, bucket: str, key: str) -> bool:
         try:
-            await aws_call(f"s3://{bucket}/{key}", self._aws.s3.head_object, Bucket=bucket, Key=key)
+            await self._aws.call(f"s3://{bucket}/{key}", self._aws.s3.head_object, Bucket=bucket, Key=key)
         except ApplicationError as err:
             if err.type in ("404", "NoSuchKey", "NotFound"):
                 return False

@@ -22,7 +22,7 @@ from temporalio import activity
 from temporalio.client import Client, WorkflowUpdateFailedError
 from temporalio.exceptions import ApplicationError
 
-from activities.aws import AwsClients, aws_call
+from activities.aws import AwsClients
 from activities.departures import Departures, departure
 from activities.ec2 import GONE_EC2_STATES, REPLACES_TAG, Ec2, chunks, tags_of
 from activities.ecs import ECS_DESCRIBE_BATCH, INSTANCE_ID, REGISTERED_STATUSES, Ecs, check_instance_id, resolve_group
@@ -147,7 +147,7 @@ class FleetActivities:
         """Each subnet's AZ: a repair that may move its launch (allow_other_azs) chooses by AZ."""
         if not request.subnet_ids:
             return SubnetZones(zones={})
-        resp = await aws_call(
+        resp = await self._aws.call(
             f"subnets {', '.join(request.subnet_ids)}",
             self._aws.ec2.describe_subnets,
             Filters=[{"Name": "subnet-id", "Values": request.subnet_ids}],
@@ -316,7 +316,7 @@ class FleetActivities:
         token: str | None = None
         while True:
             kwargs: dict[str, Any] = {"nextToken": token} if token else {}
-            page = await aws_call(
+            page = await self._aws.call(
                 f"container instance {arn}",
                 self._aws.ecs.list_tasks,
                 cluster=group.cluster,
@@ -349,7 +349,7 @@ class FleetActivities:
                 stopped += 1
                 continue
             try:
-                await aws_call(
+                await self._aws.call(
                     f"task {arn} in cluster {group.cluster}",
                     self._aws.ecs.stop_task,
                     cluster=group.cluster,
@@ -378,7 +378,7 @@ class FleetActivities:
             await self._deregister(group, ref.instance_id)
             return TerminateResult(previous_state=state, already_terminated=True)
         try:
-            resp = await aws_call(
+            resp = await self._aws.call(
                 f"EC2 instance {ref.instance_id}",
                 self._aws.ec2.terminate_instances,
                 InstanceIds=[ref.instance_id],
@@ -411,11 +411,11 @@ class FleetActivities:
         await self._ec2.tag(ref.instance_id, {QUARANTINE_TAG: activity.info().workflow_id or ""})
         stopped = state in ("stopping", "stopped")
         if not stopped:
-            await aws_call(
+            await self._aws.call(
                 f"EC2 instance {ref.instance_id}", self._aws.ec2.stop_instances, InstanceIds=[ref.instance_id]
             )
         await self._deregister(group, ref.instance_id)
-        await aws_call(
+        await self._aws.call(
             f"EC2 instance {ref.instance_id}",
             self._aws.ec2.delete_tags,
             Resources=[ref.instance_id],
@@ -430,7 +430,7 @@ class FleetActivities:
         arn = ci["containerInstanceArn"]
         try:
             # force: the tasks had their stop timeouts already; what is left must not block the repair.
-            await aws_call(
+            await self._aws.call(
                 f"container instance {arn}",
                 self._aws.ecs.deregister_container_instance,
                 cluster=group.cluster,
@@ -497,7 +497,7 @@ class FleetActivities:
     async def _describe_tasks(self, cluster: str, task_arns: Sequence[str]) -> list[Any]:
         tasks: list[Any] = []
         for chunk in chunks(task_arns, ECS_DESCRIBE_BATCH):
-            resp = await aws_call(
+            resp = await self._aws.call(
                 f"tasks in ECS cluster {cluster}", self._aws.ecs.describe_tasks, cluster=cluster, tasks=chunk
             )
             tasks += resp.get("tasks", [])  # tasks ECS no longer knows come back under `failures`
@@ -509,7 +509,7 @@ class FleetActivities:
         if cached is not None:
             self._stop_timeouts.move_to_end(task_definition_arn)
             return cached
-        resp = await aws_call(
+        resp = await self._aws.call(
             f"task definition {task_definition_arn}",
             self._aws.ecs.describe_task_definition,
             taskDefinition=task_definition_arn,

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from temporalio.exceptions import ApplicationError
 
-from activities.aws import AwsClients, aws_call
+from activities.aws import AwsClients
 from activities.ec2 import DETACHED_AT_TAG, LIVE_EC2_STATES, REPLACES_TAG, Ec2, tags_of
 from activities.models import LaunchRequest, LaunchResult
 from contract.groups import CapacityGroup
@@ -44,7 +44,7 @@ class Launcher:
         One launched by a worker that did not tag its token yet counts too: a second one would be a duplicate. One
         with another token is an earlier attempt's, on its way out: never handed back for this attempt."""
         impaired = request.impaired_instance_id
-        resp = await aws_call(
+        resp = await self._aws.call(
             f"replacement of EC2 instance {impaired}",
             self._aws.ec2.describe_instances,
             Filters=[
@@ -71,9 +71,9 @@ class Launcher:
         # DescribeLaunchTemplates names it plainly (moto also answers RunInstances with a 500 for it).
         describe = self._aws.ec2.describe_launch_templates
         found = await (
-            aws_call(resource, describe, LaunchTemplateIds=[template])
+            self._aws.call(resource, describe, LaunchTemplateIds=[template])
             if by_id
-            else aws_call(resource, describe, LaunchTemplateNames=[template])
+            else self._aws.call(resource, describe, LaunchTemplateNames=[template])
         )
         if not found.get("LaunchTemplates"):
             raise ApplicationError(
@@ -92,7 +92,7 @@ class Launcher:
             kwargs["SubnetId"] = request.subnet_id
         elif request.availability_zone:
             kwargs["Placement"] = {"AvailabilityZone": request.availability_zone}
-        resp = await aws_call(
+        resp = await self._aws.call(
             resource,
             self._aws.ec2.run_instances,
             LaunchTemplate=spec,
@@ -122,7 +122,7 @@ class Launcher:
         resource = f"EC2 instance {impaired} in Auto Scaling group {asg_name}"
         instance = await self._ec2.instance(impaired)
         tags = tags_of((instance or {}).get("Tags"))
-        membership = await aws_call(
+        membership = await self._aws.call(
             resource, self._aws.autoscaling.describe_auto_scaling_instances, InstanceIds=[impaired]
         )
         in_group = any(m.get("AutoScalingGroupName") == asg_name for m in membership.get("AutoScalingInstances", []))
@@ -184,7 +184,7 @@ class Launcher:
     async def _detach(self, asg_name: str, instance_id: str, resource: str) -> datetime | None:
         """Detach; returns the detach activity's start time (AWS clock), or None if already detached."""
         try:
-            resp = await aws_call(
+            resp = await self._aws.call(
                 resource,
                 self._aws.autoscaling.detach_instances,
                 AutoScalingGroupName=asg_name,

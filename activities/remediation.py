@@ -24,7 +24,7 @@ from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
-from activities.aws import AwsClients, aws_call
+from activities.aws import AwsClients
 from activities.ec2 import GONE_EC2_STATES, Ec2, tags_of
 from activities.ecs import Ecs, resolve_group
 from activities.models import (
@@ -86,10 +86,10 @@ class RemediationActivities:
             )
         if tags_of(instance.get("Tags")).get(names.REBOOT_TAG) == request.token:
             return RebootResult(already_rebooted=True)
-        await aws_call(
+        await self._aws.call(
             f"EC2 instance {request.instance_id}", self._aws.ec2.reboot_instances, InstanceIds=[request.instance_id]
         )
-        await aws_call(
+        await self._aws.call(
             f"EC2 instance {request.instance_id}",
             self._aws.ec2.create_tags,
             Resources=[request.instance_id],

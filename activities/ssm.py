@@ -11,7 +11,7 @@ from typing import Any
 
 from temporalio.exceptions import ApplicationError
 
-from activities.aws import AwsClients, aws_call
+from activities.aws import AwsClients
 from activities.models import CommandStatus
 
 SHELL_DOCUMENT = "AWS-RunShellScript"
@@ -22,11 +22,11 @@ OUTPUT_MAX = 500
 
 async def send_once(aws: AwsClients, instance_id: str, comment: str, lines: list[str], timeout_s: int) -> str:
     """Send a shell script to one instance unless a command with this comment was sent already; its command id."""
-    sent = await aws_call(f"SSM commands of {instance_id}", aws.ssm.list_commands, InstanceId=instance_id)
+    sent = await aws.call(f"SSM commands of {instance_id}", aws.ssm.list_commands, InstanceId=instance_id)
     for earlier in sent.get("Commands", []):
         if earlier.get("Comment") == comment:
             return str(earlier["CommandId"])
-    resp = await aws_call(
+    resp = await aws.call(
         f"EC2 instance {instance_id}",
         aws.ssm.send_command,
         InstanceIds=[instance_id],
@@ -41,7 +41,7 @@ async def send_once(aws: AwsClients, instance_id: str, comment: str, lines: list
 async def command_status(aws: AwsClients, instance_id: str, command_id: str) -> CommandStatus:
     """One look at the command on the instance."""
     try:
-        invocation: Any = await aws_call(
+        invocation: Any = await aws.call(
             f"SSM command {command_id} on {instance_id}",
             aws.ssm.get_command_invocation,
             CommandId=command_id,

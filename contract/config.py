@@ -144,6 +144,11 @@ class AwsSettings(SettingsSection):
     # Set for moto (or a VPC endpoint); unset means the real AWS endpoints for the region.
     endpoint_url: str | None = None
     max_attempts: int = Field(default=5, ge=1, description="botocore's own retries, before Temporal's")
+    max_concurrent_calls_per_api: int = Field(
+        default=16,
+        ge=1,
+        description="Calls to one AWS API (service:Operation) this process has in flight at once; more wait their turn",
+    )
 
 
 class EventSettings(SettingsSection):

@@ -16,7 +16,7 @@ from botocore.exceptions import ClientError
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
-from activities.aws import AwsClients, aws_call
+from activities.aws import AwsClients
 from activities.ec2 import DETACHED_AT_TAG, REPLACES_TAG
 from activities.errors import aws_errors, is_retryable
 from activities.fleet import FleetActivities
@@ -482,8 +482,8 @@ def test_classification(code: str, status: int, retryable: bool) -> None:
     assert exc.value.message == f"ec2:RunInstances on launch template lt-1 failed: {code}: {code} happened second line"
 
 
-async def test_aws_call_names_the_operation(aws: AwsClients) -> None:
+async def test_an_aws_call_names_the_operation(aws: AwsClients) -> None:
     with pytest.raises(ApplicationError) as exc:
-        await aws_call("EC2 instance i-0123456789abcdef0", aws.ec2.stop_instances, InstanceIds=["i-0123456789abcdef0"])
+        await aws.call("EC2 instance i-0123456789abcdef0", aws.ec2.stop_instances, InstanceIds=["i-0123456789abcdef0"])
     message = permanent(exc, "InvalidInstanceID.NotFound")
     assert message.startswith("ec2:StopInstances on EC2 instance i-0123456789abcdef0 failed:")

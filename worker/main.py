@@ -8,7 +8,7 @@ from contextlib import AsyncExitStack
 import structlog
 from temporalio.client import Client
 from temporalio.runtime import Runtime
-from temporalio.worker import Worker
+from temporalio.worker import PollerBehaviorSimpleMaximum, Worker
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
 from activities.aws import AwsClients
@@ -60,8 +60,16 @@ SANDBOX = SandboxedWorkflowRunner(
 )
 
 
-def build_worker(settings: Settings, client: Client) -> Worker:
-    aws = AwsClients(settings.aws)
+def worker_aws(settings: Settings) -> AwsClients:
+    """The activities' AWS clients, with threads for as many calls as the worker runs activities ([worker])."""
+    return AwsClients(settings.aws, threads=settings.worker.aws_threads)
+
+
+def build_worker(settings: Settings, client: Client, aws: AwsClients | None = None) -> Worker:
+    """The Temporal worker. `aws`: the activities' AWS clients, which the caller shuts down after the worker
+    (run_worker does); unset, clients of the worker's own whose threads end when they are garbage-collected."""
+    aws = aws or worker_aws(settings)
+    tuning = settings.worker
     fleet = FleetActivities(aws, settings.group, client=client)
     events = EventActivities(
         aws, settings.events, client, settings.temporal.task_queue, ui_url=settings.temporal.ui_url
@@ -91,6 +99,13 @@ def build_worker(settings: Settings, client: Client) -> Worker:
         # On shutdown the worker stops polling at once and gives in-flight activities this long to finish (the SDK's
         # default is none: a rolling update would cancel every AWS call in flight).
         graceful_shutdown_timeout=settings.graceful_shutdown_timeout,
+        # [worker] (worker/tuning.py): the SDK's own defaults unless set.
+        max_concurrent_workflow_tasks=tuning.max_concurrent_workflow_tasks,
+        max_concurrent_activities=tuning.max_concurrent_activities,
+        workflow_task_poller_behavior=PollerBehaviorSimpleMaximum(tuning.workflow_task_pollers),
+        activity_task_poller_behavior=PollerBehaviorSimpleMaximum(tuning.activity_task_pollers),
+        max_cached_workflows=tuning.max_cached_workflows,
+        sticky_queue_schedule_to_start_timeout=tuning.sticky_queue_schedule_to_start_timeout,
     )
 
 
@@ -107,7 +122,9 @@ async def run_worker(settings: Settings, client: Client, stop: asyncio.Event | N
         if settings.metrics_bind_address:
             groups = [group.name for group in settings.groups]
             await stack.enter_async_context(health_gauges(client, groups, meter, settings.health_gauge_interval))
-        worker = build_worker(settings, client)
+        # Entered last, so shut down first on the way out: after the worker (below), whose activities use it.
+        aws = await stack.enter_async_context(worker_aws(settings))
+        worker = build_worker(settings, client, aws)
         running = asyncio.create_task(worker.run(), name="temporal worker")
         stopped = asyncio.create_task((stop or asyncio.Event()).wait(), name="wait for a stop signal")
         try:

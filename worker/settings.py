@@ -17,6 +17,7 @@ from contract.config import (
 )
 from contract.groups import CapacityGroup
 from contract.healthz import DEFAULT_WORKER_HEALTH_BIND, HealthBind
+from worker.tuning import WorkerTuning
 
 
 class Settings(ConfigSources):
@@ -28,6 +29,8 @@ class Settings(ConfigSources):
     ingest: IngestSettings = Field(default_factory=IngestSettings)
     groups: list[CapacityGroup] = Field(default_factory=list)
     fleet_breaker: FleetBreakerSettings = Field(default_factory=FleetBreakerSettings)
+    # How much the worker takes on at once: the Temporal SDK's Worker options and the AWS calls' threads.
+    worker: WorkerTuning = Field(default_factory=WorkerTuning)
     log_format: str = Field(default="auto", pattern="^(auto|json|console)$")
     metrics_bind_address: str | None = None
     # GET /healthz for the container's health check (worker/health_endpoint.py); "off": none.
