@@ -16,6 +16,7 @@ from typing import Any
 import boto3
 from temporalio.client import Client
 
+from activities.aws import AwsClients
 from contract import names
 from contract.breaker import MaintenanceWindow
 from contract.formats import iso
@@ -81,7 +82,7 @@ async def test_an_impaired_status_check_and_a_scheduled_retirement_are_replaced_
         ) as fleet:
             await fleet.all_healthy(4)
             broken, blip, retiring, healthy = fleet.sim.live_instances()
-            async with aws_watch(fleet.settings, client):
+            async with AwsClients(fleet.settings.aws) as aws, aws_watch(fleet.settings, client, aws):
                 t0 = datetime.now(UTC).replace(microsecond=0)
                 not_before = t0 + LEAD + timedelta(seconds=6)
                 says.status(broken, system=Check("impaired", since=t0))
@@ -168,7 +169,7 @@ async def test_insufficient_data_alternating_reasons_and_the_ecs_agent(
                 await eventually(
                     lambda h=handle: health_of(h), lambda v: v.healthStatus.overallStatus is HealthState.OK
                 )
-            async with aws_watch(settings, client) as [watch]:
+            async with AwsClients(settings.aws) as aws, aws_watch(settings, client, aws) as [watch]:
                 t0 = datetime.now(UTC).replace(microsecond=0)
                 says.status(unknown, instance=Check("insufficient-data"))
                 says.status(alternating, system=Check("impaired", since=t0))

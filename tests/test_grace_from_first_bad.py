@@ -43,6 +43,7 @@ from temporalio.client import Client, WorkflowHandle
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.service import RPCError
 
+from activities.aws import AwsClients
 from contract import names
 from contract.aws_status import AwsInstanceStatus, Ec2StatusCheck
 from contract.formats import iso
@@ -336,7 +337,11 @@ async def test_the_probe_heard_again_neither_ends_nor_restarts_the_ecs_agents_gr
     grace = timedelta(seconds=4)
     update = aws_settings(agent_disconnect_grace=grace, auto_repair=AutoRepair.DISABLED)
     with FlakyAws(aws_env) as proxy:
-        async with repairing_group(client, proxy.url, tmp_path, **update) as settings, aws_watch(settings, client):
+        async with (
+            repairing_group(client, proxy.url, tmp_path, **update) as settings,
+            AwsClients(settings.aws) as aws,
+            aws_watch(settings, client, aws),
+        ):
             [instance] = register(aws_env, group := settings.groups[0].name, 1)
             handle = await start_health(client, settings, instance)
             agent = partial(check_now, handle, CheckType.AGENT_CONNECTIVITY)

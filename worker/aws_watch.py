@@ -112,9 +112,9 @@ class GroupWatch:
 
 
 @asynccontextmanager
-async def aws_watch(settings: Settings, client: Client) -> AsyncIterator[list[GroupWatch]]:
-    """One watch per configured group, running while the context is open."""
-    reads = AwsStatusReads(AwsClients(settings.aws))
+async def aws_watch(settings: Settings, client: Client, aws: AwsClients) -> AsyncIterator[list[GroupWatch]]:
+    """One watch per configured group, running while the context is open, its AWS calls in the worker's pool."""
+    reads = AwsStatusReads(aws)
     watches = [GroupWatch(client, settings, group.name, reads) for group in settings.groups]
     tasks = [asyncio.create_task(watch.run(), name=f"aws-watch/{watch.group}") for watch in watches]
     try:

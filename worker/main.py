@@ -115,15 +115,16 @@ async def run_worker(settings: Settings, client: Client, stop: asyncio.Event | N
     workers; an activity cut short is retried there."""
     meter = (client.service_client.config.runtime or Runtime.default()).metric_meter
     async with AsyncExitStack() as stack:
+        # One pool of AWS threads for the activities and the AWS watch; entered first, so closed last, once the
+        # worker (below) and the watch have stopped calling.
+        aws = await stack.enter_async_context(worker_aws(settings))
         # What AWS says of each group's instances, told to their health workflows on change (worker/aws_watch.py).
-        await stack.enter_async_context(aws_watch(settings, client))
+        await stack.enter_async_context(aws_watch(settings, client, aws))
         # GET /healthz (worker/health_endpoint.py): 503 once Temporal is out of reach, or once shutdown began.
         health = await stack.enter_async_context(worker_health(settings, client))
         if settings.metrics_bind_address:
             groups = [group.name for group in settings.groups]
             await stack.enter_async_context(health_gauges(client, groups, meter, settings.health_gauge_interval))
-        # Entered last, so shut down first on the way out: after the worker (below), whose activities use it.
-        aws = await stack.enter_async_context(worker_aws(settings))
         worker = build_worker(settings, client, aws)
         running = asyncio.create_task(worker.run(), name="temporal worker")
         stopped = asyncio.create_task((stop or asyncio.Event()).wait(), name="wait for a stop signal")
