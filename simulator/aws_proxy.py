@@ -17,13 +17,16 @@ It serves from its own threads: the test's event loop (which runs the Temporal w
 engine's boto3 calls (made from worker threads) are served concurrently, each held for its own delay.
 
 Only the engine is pointed at the proxy; whatever plays the world (the simulated fleet, the test's own checks)
-keeps talking to moto directly, so its calls neither see faults nor use up a rule's count.
+keeps talking to moto directly, so its calls neither see faults nor use up a rule's count. The world may still
+follow what the engine does: a listener (`FlakyAws.listen`) hears of every answered request, its body and the
+answer's, as it happens (the simulated fleet learns of the engine's launches, drains and terminations so).
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import logging
 import random
 import threading
 import time
@@ -35,6 +38,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Literal
 from urllib.parse import parse_qs, urlsplit
 from xml.sax.saxutils import escape
+
+log = logging.getLogger(__name__)
 
 # Status codes AWS answers these errors with (EC2 capacity and throttling are server-side: 500 and 503).
 DEFAULT_STATUS = {
@@ -100,6 +105,8 @@ class AwsRequest:
     # Query protocol: the form's parameters (first value of each), e.g. {"InstanceId.1": "i-0abc..."}, so a test
     # can tell which instance a call was about. Empty for the json protocol.
     params: dict[str, str] = field(default_factory=dict, compare=False)
+    # The request's body as sent: the json protocol's parameters are here (a rewrite or a listener may read them).
+    body: bytes = field(default=b"", compare=False, repr=False)
 
 
 @dataclass
@@ -211,6 +218,19 @@ class Seen:
     fault: str | None  # the error code injected, or None when moto answered
 
 
+@dataclass(frozen=True)
+class Answered:
+    """One request as a listener hears of it, once answered (FlakyAws.listen)."""
+
+    request: AwsRequest  # its body is what the caller sent
+    status: int
+    answer: bytes  # what the caller gets back: moto's (rewritten), a fault's or a canned body
+    elapsed_s: float  # from the request's arrival to its answer, before any latency rule's hold
+
+
+Listener = Callable[[Answered], None]
+
+
 @dataclass
 class _Log:
     seen: list[Seen] = field(default_factory=list)
@@ -236,6 +256,7 @@ class FlakyAws:
         self._random = random.Random(0)  # the same delays in the same order on every run with the same calls
         self._log = _Log()
         self._lock = threading.Lock()
+        self._listeners: list[Listener] = []
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
         # Handler threads end with the process; a keep-alive connection botocore never closes must not hang close().
         self._server.daemon_threads = True
@@ -341,6 +362,30 @@ class FlakyAws:
         with self._lock:
             return list(self._log.seen)
 
+    def listen(self, listener: Listener) -> Callable[[], None]:
+        """Tell `listener` of every request once it is answered, before the answer leaves (and before a latency
+        rule holds it): what the caller will read is what moto already did. It runs on the proxy's threads, several
+        at once, so it must be quick and thread-safe; an exception it raises is logged and the answer still goes.
+        Returns a function that stops it."""
+        with self._lock:
+            self._listeners.append(listener)
+
+        def stop() -> None:
+            with self._lock:
+                if listener in self._listeners:
+                    self._listeners.remove(listener)
+
+        return stop
+
+    def _tell(self, answered: Answered) -> None:
+        with self._lock:
+            listeners = list(self._listeners)
+        for listener in listeners:
+            try:
+                listener(answered)
+            except Exception:
+                log.exception("FlakyAws listener failed on %s", answered.request.action)
+
     # --- lifecycle -----------------------------------------------------------------------------------------
 
     def start(self) -> FlakyAws:
@@ -432,7 +477,9 @@ def parse_request(headers: dict[str, str], path: str, body: bytes) -> AwsRequest
     target = headers.get("x-amz-target")
     if target:
         action = target.rsplit(".", 1)[-1]
-        return AwsRequest(service=service, action=action, protocol="json", attempt=attempt, invocation=invocation)
+        return AwsRequest(
+            service=service, action=action, protocol="json", attempt=attempt, invocation=invocation, body=body
+        )
     form = parse_qs(urlsplit(path).query)
     if "x-www-form-urlencoded" in headers.get("content-type", ""):
         form.update(parse_qs(body.decode("utf-8", "replace")))
@@ -440,7 +487,13 @@ def parse_request(headers: dict[str, str], path: str, body: bytes) -> AwsRequest
     protocol = "query" if action else "other"
     params = {key: values[0] for key, values in form.items()}
     return AwsRequest(
-        service=service, action=action, protocol=protocol, attempt=attempt, invocation=invocation, params=params
+        service=service,
+        action=action,
+        protocol=protocol,
+        attempt=attempt,
+        invocation=invocation,
+        params=params,
+        body=body,
     )
 
 
@@ -481,6 +534,8 @@ def _handler_for(proxy: FlakyAws) -> type[BaseHTTPRequestHandler]:
             started = time.monotonic()
             decided = proxy._decide(request)
             fault = decided if isinstance(decided, Fault) else None
+            # HEAD (S3's HeadObject): no body either way, and the length said is moto's, the object's.
+            head_length: str | None = None
             if isinstance(decided, Canned):
                 out_body = json.dumps(decided.body).encode()
                 out_headers = [("Content-Type", "application/x-amz-json-1.1"), ("x-amzn-RequestId", str(uuid.uuid4()))]
@@ -494,7 +549,10 @@ def _handler_for(proxy: FlakyAws) -> type[BaseHTTPRequestHandler]:
                 # send_response() writes its own Server and Date.
                 out_headers = [(k, v) for k, v in upstream_headers if k.lower() not in HOP_BY_HOP | {"server", "date"}]
                 out_body = proxy._rewritten(request, status, out_body)
+                if self.command == "HEAD":
+                    head_length = next((v for k, v in upstream_headers if k.lower() == "content-length"), "0")
             proxy._record(request, status, fault)
+            proxy._tell(Answered(request, status, out_body, time.monotonic() - started))
             # The delay covers moto's own time: the answer leaves no sooner than AWS's would.
             left = delay - (time.monotonic() - started)
             if left > 0:
@@ -502,11 +560,12 @@ def _handler_for(proxy: FlakyAws) -> type[BaseHTTPRequestHandler]:
             self.send_response(status)
             for name, value in out_headers:
                 self.send_header(name, value)
-            self.send_header("Content-Length", str(len(out_body)))
+            self.send_header("Content-Length", str(len(out_body)) if head_length is None else head_length)
             self.end_headers()
-            self.wfile.write(out_body)
+            if self.command != "HEAD":
+                self.wfile.write(out_body)
 
-        do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _handle
+        do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = _handle
 
         def log_message(self, format: str, *args: object) -> None:
             pass  # one line per request on stderr would drown pytest's output

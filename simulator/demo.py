@@ -6,8 +6,14 @@ ingest in this process, and the real node probe on each simulated node reading a
 through the ingest, signed with credentials of its own instance. Faults are NVRM lines written into those files.
 
 This module is the command itself: its flags, the validated plan they make, and the run (servers, worker,
-fleet, fault injection, watching until done). What it shows is simulator.demo_summary's, when it is done is
-simulator.demo_judge's, and the process settings it changes while it runs are simulator.demo_env's.
+fleet, fault injection, watching until done). The engine reaches moto through a `FlakyAws` proxy that injects
+nothing: the simulated fleet follows the engine's calls from it (what it launched, drained, terminated, rebooted)
+and so describes only what changed, plus the whole group at a cadence that grows with the fleet. The live summary
+and the judge look at the fleet every max(1 s, N/50 s), health from Temporal visibility (one list, not a query per
+instance): a simulator that costs less than the engine it tests (benchmarks/SIM_COST.md).
+
+What it shows is simulator.demo_summary's, when it is done is simulator.demo_judge's, and the process settings it
+changes while it runs are simulator.demo_env's.
 
 Exit codes: 0 the run reached its goal; 1 it did not (time limit, a spurious repair, a crashed worker, a drain
 while auto repair was DISABLED); 2 bad arguments or an unusable state dir.
@@ -21,9 +27,11 @@ import contextlib
 import shutil
 import signal
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import boto3
 from rich.console import Console
@@ -32,14 +40,19 @@ from rich.live import Live
 from contract.config import AwsSettings, EventSettings, IngestSettings, TemporalSettings
 from contract.groups import AutoRepair, CapacityGroup, Remediation
 from ingest.cli import running_ingest
+from simulator.aws_proxy import FlakyAws
 from simulator.demo_env import logs_to_file, moto_credentials, quiet_runtime
 from simulator.demo_judge import Judge, Outcome
-from simulator.demo_summary import EventLog, LiveSummary, describe_event, summary_line
+from simulator.demo_summary import EventLog, LiveSummary, describe_event, summary_line, timings_line
 from simulator.fleet import FleetSnapshot, SimTiming, SimulatedFleet
+from simulator.fleet_aws import EngineCalls, ecs_instance_filter
 from simulator.host_identity import HOST_ROLE, HostIdentities
 from simulator.probes import via_ingest
 from simulator.servers import MotoServer, ServerError, TemporalDevServer
 from worker.settings import Settings
+
+if TYPE_CHECKING:
+    from temporalio.client import Client
 
 DEMO_GROUP = "gpu-a"
 DEMO_CLUSTER = "gpu-demo"
@@ -52,6 +65,13 @@ HEARTBEAT_INTERVAL = timedelta(seconds=2)  # the simulated probes', and the grou
 WAIT_FOR_OK_S = 60.0
 NOISE_INSTANCES = 2
 REBOOT_TIMEOUT = timedelta(seconds=60)  # a simulated reboot takes the boot delay, seconds
+# The live summary and the judge look at the fleet every max(1 s, N x this): 4 s at 200 instances.
+SNAPSHOT_PER_INSTANCE_S = 1 / 50
+
+
+def snapshot_interval(instances: int) -> float:
+    """Seconds between the summary's (and the judge's) looks at a fleet of `instances`."""
+    return max(1.0, instances * SNAPSHOT_PER_INSTANCE_S)
 
 
 class DemoError(Exception):
@@ -184,12 +204,14 @@ def _prepare_state_dir(path: Path) -> Path:
     return path
 
 
-def build_settings(plan: DemoPlan, temporal: TemporalDevServer, moto: MotoServer, account: str) -> Settings:
-    """The settings of the worker and the ingest for the demo: the local servers, the events file, moto's STS and
-    account for the hosts' proofs, and the one demo group."""
+def build_settings(
+    plan: DemoPlan, temporal: TemporalDevServer, moto: MotoServer, account: str, engine_endpoint: str | None = None
+) -> Settings:
+    """The settings of the worker and the ingest for the demo: the local servers (AWS at `engine_endpoint`, by
+    default moto itself), the events file, moto's STS and account for the hosts' proofs, and the one demo group."""
     return Settings(
         temporal=TemporalSettings(address=temporal.address, ui_url=temporal.ui_url),
-        aws=AwsSettings(endpoint_url=moto.endpoint_url, region="us-east-1"),
+        aws=AwsSettings(endpoint_url=engine_endpoint or moto.endpoint_url, region="us-east-1"),
         events=EventSettings(eventbridge=True, jsonl_path=plan.events_path),
         ingest=IngestSettings(
             bind=f"127.0.0.1:{plan.ingest_port}",
@@ -236,11 +258,78 @@ async def run_demo(args: argparse.Namespace) -> int:
             return 1
 
 
-async def _run(plan: DemoPlan, console: Console) -> int:
+@dataclass
+class DemoStack:
+    """One demo's running parts: the servers, the engine's AWS proxy, the worker and the simulated fleet."""
+
+    moto: MotoServer
+    temporal: TemporalDevServer
+    proxy: FlakyAws  # the engine's AWS: moto, through a proxy that injects nothing, so its calls can be followed
+    settings: Settings
+    client: Client
+    worker: asyncio.Task[None]
+    fleet: SimulatedFleet
+    engine_calls: EngineCalls | None  # what the fleet follows; None: it describes the whole group every tick
+
+
+@contextlib.asynccontextmanager
+async def demo_stack(
+    plan: DemoPlan, console: Console, *, follow_engine: bool = True, ecs_filter: bool = True
+) -> AsyncIterator[DemoStack]:
+    """Moto, Temporal, the engine's proxy, the worker, the ingest and the (not yet set up) fleet; taken down in
+    order on the way out: probes and worker stop while Temporal, the proxy and moto still answer.
+
+    The proxy applies ListContainerInstances' `ec2InstanceId == ...` filter as ECS does (moto ignores it, and the
+    engine's every lookup of one instance would describe the whole cluster). `follow_engine=False, ecs_filter=False`
+    is the demo as it was, for comparison (benchmarks.sim_cost): every tick describes the whole group."""
     # Imported here: the worker pulls in every workflow and activity, which `--help` does not need.
     from contract.temporal_client import connect
     from worker.main import run_worker
 
+    async with (
+        MotoServer(plan.state_dir, plan.moto_port) as moto,
+        TemporalDevServer(plan.state_dir, plan.temporal_port, plan.ui_port) as temporal,
+        contextlib.AsyncExitStack() as stack,
+    ):
+        console.print(f"moto {moto.endpoint_url}, Temporal {temporal.address}, Web UI {temporal.ui_url}")
+        proxy = stack.enter_context(FlakyAws(moto.endpoint_url))
+        engine_calls = EngineCalls() if follow_engine else None
+        if engine_calls is not None:
+            stack.callback(proxy.listen(engine_calls))
+        identities = HostIdentities(moto.endpoint_url)
+        await asyncio.to_thread(_create_bucket, moto.endpoint_url, DEMO_EVIDENCE_BUCKET)
+        account = await asyncio.to_thread(lambda: identities.account)
+        settings = build_settings(plan, temporal, moto, account, engine_endpoint=proxy.url)
+        client = await connect(settings.temporal, runtime=quiet_runtime())
+        worker = asyncio.create_task(run_worker(settings, client), name="repair worker")
+        ingest = await stack.enter_async_context(running_ingest(settings, client))
+        console.print(f"ingest {ingest} (hosts report here, each proven by moto's STS as its own instance)")
+        fleet = SimulatedFleet(
+            group=DEMO_GROUP,
+            cluster=DEMO_CLUSTER,
+            launch_template=DEMO_LAUNCH_TEMPLATE,
+            state_dir=plan.state_dir / "fleet",
+            instances=plan.instances,
+            seed=plan.seed,
+            endpoint_url=moto.endpoint_url,
+            timing=SimTiming(heartbeat_interval=HEARTBEAT_INTERVAL, heartbeat_loss_threshold=HEARTBEAT_LOSS_THRESHOLD),
+            client=client,
+            task_queue=settings.temporal.task_queue,
+            probe_runner=via_ingest(ingest, settings.ingest.id, moto.endpoint_url, identities),
+            engine_calls=engine_calls,
+        )
+        if ecs_filter:
+            proxy.rewrite("ListContainerInstances", ecs_instance_filter(fleet.container_instances_of), service="ecs")
+        try:
+            yield DemoStack(moto, temporal, proxy, settings, client, worker, fleet, engine_calls)
+        finally:
+            await fleet.close()
+            worker.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await worker
+
+
+async def _run(plan: DemoPlan, console: Console) -> int:
     started = time.monotonic()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -253,42 +342,8 @@ async def _run(plan: DemoPlan, console: Console) -> int:
 
     try:
         console.print(f"state dir {plan.state_dir} (server logs, events, kernel logs)")
-        async with (
-            MotoServer(plan.state_dir, plan.moto_port) as moto,
-            TemporalDevServer(plan.state_dir, plan.temporal_port, plan.ui_port) as temporal,
-            contextlib.AsyncExitStack() as stack,
-        ):
-            console.print(f"moto {moto.endpoint_url}, Temporal {temporal.address}, Web UI {temporal.ui_url}")
-            identities = HostIdentities(moto.endpoint_url)
-            await asyncio.to_thread(_create_bucket, moto.endpoint_url, DEMO_EVIDENCE_BUCKET)
-            settings = build_settings(plan, temporal, moto, await asyncio.to_thread(lambda: identities.account))
-            client = await connect(settings.temporal, runtime=quiet_runtime())
-            worker = asyncio.create_task(run_worker(settings, client), name="repair worker")
-            ingest = await stack.enter_async_context(running_ingest(settings, client))
-            console.print(f"ingest {ingest} (hosts report here, each proven by moto's STS as its own instance)")
-            fleet = SimulatedFleet(
-                group=DEMO_GROUP,
-                cluster=DEMO_CLUSTER,
-                launch_template=DEMO_LAUNCH_TEMPLATE,
-                state_dir=plan.state_dir / "fleet",
-                instances=plan.instances,
-                seed=plan.seed,
-                endpoint_url=moto.endpoint_url,
-                timing=SimTiming(
-                    heartbeat_interval=HEARTBEAT_INTERVAL, heartbeat_loss_threshold=HEARTBEAT_LOSS_THRESHOLD
-                ),
-                client=client,
-                task_queue=settings.temporal.task_queue,
-                probe_runner=via_ingest(ingest, settings.ingest.id, moto.endpoint_url, identities),
-            )
-            try:
-                return await _drive(plan, console, fleet, worker, stop, started, temporal.workflows_url())
-            finally:
-                # Inside the servers' block: probes and worker stop while Temporal and moto still answer.
-                await fleet.close()
-                worker.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await worker
+        async with demo_stack(plan, console) as demo:
+            return await _drive(plan, console, demo.fleet, demo.worker, stop, started, demo.temporal.workflows_url())
     finally:
         for sig in handled:
             loop.remove_signal_handler(sig)
@@ -343,14 +398,16 @@ async def _drive(
                 console.print(summary_line(snap, events.counts, elapsed()))
                 last_line = time.monotonic()
 
-        # 1. Wait for the probes' first heartbeats.
+        # 1. Wait for the probes' first heartbeats. A look at the fleet costs AWS and Temporal calls: every
+        # snapshot_interval, never more often, whatever the fleet's size.
+        every = snapshot_interval(plan.instances)
         wait_until = time.monotonic() + min(WAIT_FOR_OK_S, plan.time_limit_s)
         while not stop.is_set():
-            snap = await fleet.snapshot()
+            snap = await fleet.snapshot(from_visibility=True)
             show()
             if snap.healthy == plan.instances or time.monotonic() > wait_until or worker.done():
                 break
-            await _sleep_or_stop(stop, 1.0)
+            await _sleep_or_stop(stop, every)
         if snap is not None and snap.healthy < plan.instances:
             console.print(f"[yellow]only {snap.healthy}/{plan.instances} instances report OK; going on[/yellow]")
 
@@ -363,8 +420,10 @@ async def _drive(
         for instance_id in fleet.rng.sample(rest, min(NOISE_INSTANCES, len(rest))):
             line = fleet.inject_noise(instance_id)
             console.print(f"noise      {instance_id}: {line}")
+        faults_at: dict[str, datetime] = {}
         for instance_id in faulted:
             line = fleet.inject_fault(instance_id)
+            faults_at[instance_id] = datetime.now(UTC)
             console.print(f"[red]fault[/red]      {instance_id}: {line}")
         for instance_id in lost:
             await fleet.heartbeat_loss(instance_id)
@@ -382,16 +441,21 @@ async def _drive(
         )
         status = "repairing" if plan.auto_repair is AutoRepair.ENABLED else "watching (auto repair DISABLED)"
 
-        # 3. Watch until the goal, a failure, the time limit, or Ctrl-C.
+        # 3. Watch until the goal, a failure, the time limit, or Ctrl-C: events every second, the fleet (and the
+        # judge, who needs a fresh look) every snapshot_interval.
+        next_look = 0.0
         while not stop.is_set():
             for event in events.read_new():
                 console.print(describe_event(event))
-            snap = await fleet.snapshot()
+            looked = time.monotonic() >= next_look
+            if looked or snap is None:
+                next_look = time.monotonic() + every
+                snap = await fleet.snapshot(from_visibility=True)
             if not outcome.done and not outcome.failed:
                 if worker.done():
                     error = None if worker.cancelled() else worker.exception()
                     outcome = Outcome(failed=True, message=f"the repair worker stopped: {error!r}")
-                else:
+                elif looked:
                     outcome = judge.judge(snap, events.counts, events.fixed_in_place, events.abandoned_replacements)
                 if not outcome.done and not outcome.failed and elapsed() > plan.time_limit_s:
                     outcome = Outcome(failed=True, message=f"time limit of {plan.time_limit_s:.0f}s reached")
@@ -410,6 +474,8 @@ async def _drive(
     if not interactive:  # on a terminal the live table's last frame already says all this
         console.print(summary_line(snap, events.counts, elapsed()))
         console.print(f"[{'green' if outcome.done else 'red'}]{status}[/]")
+    if faults_at:
+        console.print(timings_line(events, faults_at))
     console.print(f"events: {plan.events_path}  Web UI: {workflows_url}")
     return 0 if outcome.done else 1
 

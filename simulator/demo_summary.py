@@ -7,8 +7,10 @@ every few seconds, so a log stays readable. Both are drawn from the fleet's snap
 from __future__ import annotations
 
 import json
+import statistics
 from collections import Counter
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,8 @@ class EventLog:
     fixed_in_place: set[str] = field(default_factory=set)
     # Replacements a repair gave up on (not ACTIVE in time) and terminated: expected terminations, not repairs.
     abandoned_replacements: set[str] = field(default_factory=set)
+    # When each instance first had each event (HealthChanged: "IMPAIRED" when it said so), for `timings_line`.
+    first_at: dict[tuple[str, str], datetime] = field(default_factory=dict)
     partial: str = ""
 
     def read_new(self) -> list[dict[str, Any]]:
@@ -58,8 +62,48 @@ class EventLog:
                     self.fixed_in_place.add(str(event.get("instance_id")))
                 if event.get("type") == "ReplacementAbandoned" and event.get("replacement_instance_id"):
                     self.abandoned_replacements.add(str(event["replacement_instance_id"]))
+                self._note_time(event)
                 events.append(event)
         return events
+
+    def _note_time(self, event: dict[str, Any]) -> None:
+        kind = str(event.get("type", "?"))
+        if kind == "HealthChanged":
+            kind = str(event.get("overall_status", "?"))
+        try:
+            at = datetime.fromisoformat(str(event.get("time", "")).replace("Z", "+00:00"))
+        except ValueError:
+            return
+        self.first_at.setdefault((kind, str(event.get("instance_id", ""))), at)
+
+
+def _spread(name: str, seconds: list[float], of: int) -> str:
+    if not seconds:
+        return f"{name} - (0/{of})"
+    return f"{name} p50 {statistics.median(seconds):.1f}s max {max(seconds):.1f}s ({len(seconds)}/{of})"
+
+
+def timings_line(events: EventLog, faults_at: dict[str, datetime]) -> str:
+    """How long the faulted instances took, from the events so far: fault written -> IMPAIRED, then each repair's
+    wait for a drain permit and its whole length (RepairStarted -> RepairCompleted)."""
+
+    def since(began: dict[str, datetime], end: str) -> list[float]:
+        seconds = []
+        for instance_id, start in began.items():
+            ended = events.first_at.get((end, instance_id))
+            if ended is not None:
+                seconds.append((ended - start).total_seconds())
+        return seconds
+
+    started = {i: at for i in faults_at if (at := events.first_at.get(("RepairStarted", i))) is not None}
+    of = len(faults_at)
+    return "; ".join(
+        (
+            _spread("fault -> IMPAIRED", since(faults_at, "IMPAIRED"), of),
+            _spread("permit wait", since(started, "DrainPermitGranted"), of),
+            _spread("repair", since(started, "RepairCompleted"), of),
+        )
+    )
 
 
 def describe_event(event: dict[str, Any]) -> str:

@@ -17,39 +17,49 @@ it persists (its fault's lines again) or the reboot hangs (the probe never comes
 connected, so the agent's drop during a reboot is the probe's silence alone.
 
 All randomness comes from one `random.Random(seed)` owned by the fleet, so a seed replays the same fleet. boto3 is
-blocking, so every AWS call runs in a thread (`asyncio.to_thread`) and never stalls a worker that shares the event
-loop.
+blocking, so every AWS call runs in a thread of the fleet's own pool (never the event loop's default executor, which
+the probes' credentials and the ingest's lookups share) and never stalls a worker that shares the event loop.
+
+What happens on many nodes at once happens side by side, as on real hosts: the nodes a tick boots, drains or buries
+are played concurrently (at most AWS_CONCURRENCY calls in flight), and each node's SSM agent plays the engine's
+commands (resets, evidence uploads) in a task of its own, so a slow upload never delays a boot.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import gzip
 import logging
 import random
 import time
 import uuid
+from collections.abc import Awaitable, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, Field, model_validator
 from temporalio.client import Client
 
 from contract import names
+from contract import search_attributes as sa
 from contract.health import HealthState
 from contract.ids import health_workflow_id
 from contract.names import DEFAULT_TASK_QUEUE
 from contract.repair import RepairPhase
 from node_probe.classify.catalog import default_catalog
 from simulator import kernel_lines
-from simulator.fleet_aws import FleetAws, SimWorkload
+from simulator.fleet_aws import AWS_CONCURRENCY, Changes, EngineCalls, FleetAws, SimWorkload
 from simulator.nodes import SimNode
 from simulator.probes import NodeProbes, ProbeRunner, run_real_probe
 from workflows.models import InstanceHealthView
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # The Xids ECS acts on (the catalog's ecs_replaces column); every other Xid is counted but never repairs.
 CRITICAL_XIDS: tuple[int, ...] = tuple(sorted(default_catalog().ecs_codes))
@@ -90,6 +100,10 @@ class SimTiming(BaseModel):
     heartbeat_loss_threshold: timedelta = timedelta(seconds=8)
     blip: timedelta = Field(default=timedelta(seconds=3), description="How long a blip keeps the probe down")
     watch_interval: timedelta = timedelta(milliseconds=500)
+    # Following the engine's calls (SimulatedFleet's engine_calls), the whole group is described only every
+    # max(reconcile_interval, reconcile_per_instance x live instances): 5 s up to 100 instances, 10 s at 200.
+    reconcile_interval: timedelta = timedelta(seconds=5)
+    reconcile_per_instance: timedelta = timedelta(milliseconds=50)
     probe_poll_interval: timedelta = timedelta(milliseconds=200)
 
     @classmethod
@@ -168,7 +182,11 @@ class SimulatedFleet:
         client: Client | None = None,
         task_queue: str = DEFAULT_TASK_QUEUE,
         probe_runner: ProbeRunner | None = None,
+        engine_calls: EngineCalls | None = None,
     ) -> None:
+        """`engine_calls`: the engine's AWS calls as the proxy in front of moto hears them (FlakyAws.listen); with
+        them the watch loop describes only what those calls changed, and the whole group at a cadence that grows
+        with the fleet (`reconcile_interval`). Without, every tick describes the whole group."""
         if instances < 1:
             raise ValueError("instances must be >= 1")
         self.group = group
@@ -205,6 +223,15 @@ class SimulatedFleet:
         self._replacements_seen = 0
         self._never_registers: set[str] = set()
         self._reboots: set[asyncio.Task[None]] = set()
+        self.engine_calls = engine_calls
+        self._next_reconcile = 0.0  # monotonic: the first tick looks at everything
+        self._container_status: dict[str, str] = {}  # ARN -> status, as last described
+        self.reconciles = 0  # full looks at the group
+        self.follows = 0  # looks at only what the engine changed
+        self.watch_busy_s = 0.0  # wall time the watch loop spent in ticks (its AWS calls, mostly)
+        self._pool: ThreadPoolExecutor | None = None  # the fleet's AWS calls, never the loop's default executor
+        self._agents: dict[str, asyncio.Task[None]] = {}  # each node's SSM agent, while it plays commands
+        self._commands_due: set[str] = set()  # nodes whose agent must look at their commands (again)
 
     # --- Setup ----------------------------------------------------------------------------------------------
 
@@ -212,12 +239,13 @@ class SimulatedFleet:
         """Cluster, task definitions, launch template, N registered instances with tasks; then watch."""
         self.state_dir.mkdir(parents=True, exist_ok=True)
         (self.state_dir / "nodes").mkdir(exist_ok=True)
-        launched = await asyncio.to_thread(self.aws.setup, self.instance_count)
+        launched = await self._aws(self.aws.setup, self.instance_count)
         now = time.monotonic()
-        for instance_id, az in launched:
-            node = self._new_node(instance_id, az, initial=True, seen_at=now)
-            # The initial fleet is already booted: register at once rather than after the boot delay.
-            await self._boot(node)
+        nodes = [self._new_node(instance_id, az, initial=True, seen_at=now) for instance_id, az in launched]
+        # The initial fleet is already booted: register at once rather than after the boot delay.
+        failed = await self._each(nodes, self._boot)
+        if failed:
+            raise failed[0]
         if watch:
             self.start_watching()
         return [instance_id for instance_id, _ in launched]
@@ -241,11 +269,35 @@ class SimulatedFleet:
 
     # --- A node's life: boot (ECS registration, tasks, kernel log, probe), burial ---------------------------
 
+    async def _aws(self, call: Callable[..., T], *args: Any) -> T:
+        """One blocking FleetAws call, in the fleet's own pool."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=AWS_CONCURRENCY, thread_name_prefix=f"fleet-sim {self.group}")
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(call, *args))
+
+    async def _each(self, nodes: Iterable[SimNode], play: Callable[[SimNode], Awaitable[None]]) -> list[Exception]:
+        """`play` on every node side by side; one that fails is logged (the next tick tries again), never stops the
+        others. Returns the failures."""
+        nodes = list(nodes)
+        for node in nodes:
+            # Drawn here, in the nodes' order, never inside the concurrent part: a seed replays the same fleet.
+            if node.task_plan is None:
+                node.task_plan = self.workload.plan_tasks(self.rng)
+        results = await asyncio.gather(*(play(node) for node in nodes), return_exceptions=True)
+        failed: list[Exception] = []
+        for node, result in zip(nodes, results, strict=True):
+            if isinstance(result, asyncio.CancelledError):
+                raise result
+            if isinstance(result, Exception):
+                log.warning("fleet-sim: %s on %s failed: %s", getattr(play, "__name__", play), node.instance_id, result)
+                failed.append(result)
+        return failed
+
     async def _boot(self, node: SimNode) -> None:
         """Idempotent: a boot that failed half way (a moto error) resumes where it stopped on the next tick."""
         if node.task_plan is None:
             node.task_plan = self.workload.plan_tasks(self.rng)
-        await asyncio.to_thread(self.aws.register_and_start_tasks, node, node.task_plan)
+        await self._aws(self.aws.register_and_start_tasks, node, node.task_plan)
         if not node.booted:
             kernel_lines.append(node, kernel_lines.boot_lines(node.gpu_uuids))
             node.booted = True
@@ -254,7 +306,7 @@ class SimulatedFleet:
     async def _bury(self, node: SimNode) -> None:
         node.terminated = True
         await self._probes.stop(node)
-        await asyncio.to_thread(self.aws.deregister_gone, node)
+        await self._aws(self.aws.deregister_gone, node)
         log.info("fleet-sim: %s terminated, probe stopped", node.instance_id)
 
     # --- Watch loop -----------------------------------------------------------------------------------------
@@ -265,6 +317,7 @@ class SimulatedFleet:
 
     async def _watch_loop(self) -> None:
         while True:
+            started = time.monotonic()
             try:
                 await self.tick()
             except asyncio.CancelledError:
@@ -272,13 +325,93 @@ class SimulatedFleet:
             except Exception:
                 # moto hiccups or a race with the engine: the next tick sees the world again from scratch.
                 log.exception("fleet-sim tick failed")
+            finally:
+                self.watch_busy_s += time.monotonic() - started
             await asyncio.sleep(self.timing.watch_interval.total_seconds())
 
     async def tick(self) -> None:
-        """One look at the world: boot new instances, move tasks off draining ones, bury terminated ones."""
-        instances, statuses = await asyncio.to_thread(self.aws.observe)
-        draining = {arn for arn, status in statuses.items() if status == "DRAINING"}
+        """One look at the world: boot new instances, move tasks off draining ones, bury terminated ones.
+
+        Without `engine_calls` every tick describes the whole group. With it, a tick describes only what the
+        engine's calls changed (nothing at all when it made none), and the whole group at the reconcile interval,
+        which grows with the fleet: the safety net for a change made behind the proxy's back."""
+        if self.engine_calls is None or time.monotonic() >= self._next_reconcile:
+            await self._reconcile()
+        else:
+            await self._follow()
+
+    def reconcile_interval(self) -> float:
+        """Seconds between full looks when following the engine's calls: SimTiming's floor, or more per instance."""
+        per_instance = self.timing.reconcile_per_instance.total_seconds() * len(self.live_instances())
+        return max(self.timing.reconcile_interval.total_seconds(), per_instance)
+
+    async def _reconcile(self) -> None:
+        """The whole group and cluster described, and everything acted on from that."""
+        changes = self.engine_calls.take() if self.engine_calls is not None else Changes()
+        self.reconciles += 1
+        instances, statuses = await self._aws(self.aws.observe)
+        self._next_reconcile = time.monotonic() + self.reconcile_interval()
+        self._container_status = statuses
+        # Out of the group (a quarantine takes its group tag off, then stops it): as good as gone here.
+        left = [n for n in self._live_nodes() if n.instance_id not in instances]
+        await self._see_instances(instances, left=left)
+        self._see_reboots(self.aws.reboot_tags)
+        draining = {n.instance_id for n in self._live_nodes() if self._draining(n)}
+        # A reset or an evidence command comes only while the repair holds the node DRAINING: look then.
+        self._play_commands(draining | changes.commands)
+        await self._play_drains()
+
+    async def _follow(self) -> None:
+        """Only what the engine changed since the last tick, and the replacements whose boot is due."""
+        assert self.engine_calls is not None
+        changes = self.engine_calls.take()
+        if changes.reconcile:
+            self._next_reconcile = 0.0
+            await self._reconcile()
+            return
         now = time.monotonic()
+        boot_due = {
+            n.instance_id
+            for n in self.nodes.values()
+            if not n.booted
+            and not n.terminated
+            and n.instance_id not in self._never_registers
+            and now - n.seen_at >= self.timing.boot_delay.total_seconds()
+        }
+        asked = changes.instances | boot_due
+        if asked:
+            self.follows += 1
+            instances = await self._aws(self.aws.observe_instances, asked)
+            # Asked about and not in the group any more: its group tag is gone.
+            left = [n for n in self._live_nodes() if n.instance_id in asked and n.instance_id not in instances]
+            await self._see_instances(instances, left=left)
+            self._see_reboots({i: t for i, t in self.aws.reboot_tags.items() if i in asked})
+        arns = {
+            node.container_instance_arn
+            for node in self._live_nodes()
+            if node.container_instance_arn is not None
+            and any(
+                named == node.container_instance_arn or node.container_instance_arn.endswith(f"/{named}")
+                for named in changes.container_instances
+            )
+        }
+        if arns:
+            self.follows += 1
+            statuses = await self._aws(self.aws.container_statuses, arns)
+            for arn in arns:
+                if arn in statuses:
+                    self._container_status[arn] = statuses[arn]
+                else:
+                    self._container_status.pop(arn, None)  # deregistered
+        self._play_commands(changes.commands)
+        await self._play_drains()
+
+    async def _see_instances(self, instances: dict[str, tuple[str, str]], *, left: list[SimNode]) -> None:
+        """New group instances become nodes (booted once the boot delay is over); gone ones, and those that `left`
+        the group, are buried: side by side."""
+        now = time.monotonic()
+        gone: list[SimNode] = list(left)
+        boots: list[SimNode] = []
         for instance_id, (state, az) in instances.items():
             node = self.nodes.get(instance_id)
             if node is None:
@@ -292,7 +425,7 @@ class SimulatedFleet:
                 else:
                     log.info("fleet-sim: new instance %s in %s, booting", instance_id, az)
             if state in _GONE_STATES and not node.terminated:
-                await self._bury(node)
+                gone.append(node)
             elif (
                 state == "running"
                 and not node.booted
@@ -300,32 +433,66 @@ class SimulatedFleet:
                 and instance_id not in self._never_registers
                 and now - node.seen_at >= self.timing.boot_delay.total_seconds()
             ):
-                await self._boot(node)
-        for node in list(self.nodes.values()):
-            if node.booted and not node.terminated and node.instance_id not in instances:
-                # Out of the group (a quarantine takes its group tag off, then stops it): as good as gone here.
-                await self._bury(node)
-        for instance_id, token in self.aws.reboot_tags.items():
+                boots.append(node)
+        await self._each(gone, self._bury)
+        await self._each(boots, self._boot)
+
+    def _see_reboots(self, reboot_tags: dict[str, str]) -> None:
+        for instance_id, token in reboot_tags.items():
             node = self.nodes.get(instance_id)
             if node is not None and node.booted and not node.terminated and token != node.reboot_token:
                 node.reboot_token = token
                 self._play_reboot(node)
-        for node in self.nodes.values():
-            if node.terminated or node.container_instance_arn is None:
+
+    def _live_nodes(self) -> list[SimNode]:
+        return [n for n in self.nodes.values() if n.booted and not n.terminated]
+
+    def _draining(self, node: SimNode) -> bool:
+        arn = node.container_instance_arn
+        return arn is not None and self._container_status.get(arn) == "DRAINING"
+
+    def _play_commands(self, instance_ids: set[str]) -> None:
+        """Each of these nodes' SSM agent looks at the engine's commands (resets, evidence), in a task of its own."""
+        for instance_id in sorted(instance_ids):
+            node = self.nodes.get(instance_id)
+            if node is None or node.terminated or node.container_instance_arn is None:
                 continue
-            if node.container_instance_arn in draining:
-                # A reset or an evidence command comes only while the repair holds the node DRAINING: look then.
-                await self._play_resets(node)
-                await self._play_evidence(node)
-            if node.container_instance_arn not in draining:
+            self._commands_due.add(instance_id)
+            agent = self._agents.get(instance_id)
+            if agent is None or agent.done():
+                self._agents[instance_id] = asyncio.create_task(self._ssm_agent(node), name=f"ssm agent {instance_id}")
+
+    async def _ssm_agent(self, node: SimNode) -> None:
+        """Until nothing more is due: what the host's SSM agent does with the commands sent to it."""
+        try:
+            while node.instance_id in self._commands_due and not node.terminated:
+                self._commands_due.discard(node.instance_id)
+                resets, evidence = await self._aws(self.aws.ssm_commands, node.instance_id)
+                self._play_resets(node, resets)
+                await self._play_evidence(node, evidence)
+        except Exception as err:  # moto hiccups: the next SendCommand or full look tries again
+            log.warning("fleet-sim: %s could not read its SSM commands: %s", node.instance_id, err)
+        finally:
+            self._agents.pop(node.instance_id, None)
+
+    async def _play_drains(self) -> None:
+        """The scheduler's part of a drain, from the last known container statuses: no AWS call to decide."""
+        now = time.monotonic()
+        moves: list[SimNode] = []
+        for node in self._live_nodes():
+            if not self._draining(node):
                 # Back to ACTIVE (or never drained): a later drain starts its grace afresh.
                 node.draining_since, node.drained = None, False
                 continue
             if node.draining_since is None:
                 node.draining_since = now
             if not node.drained and now - node.draining_since >= self.timing.drain_grace.total_seconds():
-                await asyncio.to_thread(self.aws.move_cooperative_tasks, node)
-                node.drained = True
+                moves.append(node)
+        await self._each(moves, self._move_tasks)
+
+    async def _move_tasks(self, node: SimNode) -> None:
+        await self._aws(self.aws.move_cooperative_tasks, node)
+        node.drained = True
 
     # --- The remediation ladder, played -------------------------------------------------------------------
 
@@ -353,8 +520,7 @@ class SimulatedFleet:
         self._probes.start(node)
         log.info("fleet-sim: %s back on boot %s", node.instance_id, node.boot_id)
 
-    async def _play_resets(self, node: SimNode) -> None:
-        commands = await asyncio.to_thread(self.aws.gpu_reset_commands, node.instance_id)
+    def _play_resets(self, node: SimNode, commands: list[tuple[str, str]]) -> None:
         for command_id, gpu in commands:
             if command_id in node.resets_seen:
                 continue
@@ -366,10 +532,10 @@ class SimulatedFleet:
             log.info("fleet-sim: GPU %s of %s reset", gpu, node.instance_id)
             self._fault_again(node)
 
-    async def _play_evidence(self, node: SimNode) -> None:
+    async def _play_evidence(self, node: SimNode, commands: list[tuple[str, list[str]]]) -> None:
         """What the host's SSM agent would do with an evidence command: its kernel log and a bug report, each PUT
         to its presigned URL (a host without SSM, or an SSM the engine may not use, is the fault proxy's to play)."""
-        for command_id, urls in await asyncio.to_thread(self.aws.evidence_commands, node.instance_id):
+        for command_id, urls in commands:
             if command_id in node.evidence_seen or len(urls) != 2:
                 continue
             node.evidence_seen.add(command_id)
@@ -377,8 +543,8 @@ class SimulatedFleet:
             kernel_log = node.kernel_log.read_bytes() if node.kernel_log.exists() else b""
             report = gzip.compress(f"simulated nvidia-bug-report.sh of {node.instance_id}\n".encode())
             try:
-                await asyncio.to_thread(self.aws.upload, kernel_url, kernel_log)
-                await asyncio.to_thread(self.aws.upload, report_url, report)
+                await self._aws(self.aws.upload, kernel_url, kernel_log)
+                await self._aws(self.aws.upload, report_url, report)
             except OSError as err:
                 log.warning("fleet-sim: %s could not upload its evidence: %s", node.instance_id, err)
                 continue
@@ -397,6 +563,11 @@ class SimulatedFleet:
             return self.nodes[instance_id]
         except KeyError:
             raise KeyError(f"{instance_id} is not an instance of the simulated group {self.group}") from None
+
+    def container_instances_of(self, instance_id: str) -> set[str]:
+        """The container instance ARNs the fleet registered for an instance (the ECS agent's, so all there are)."""
+        node = self.nodes.get(instance_id)
+        return {node.container_instance_arn} if node is not None and node.container_instance_arn else set()
 
     def live_instances(self) -> list[str]:
         """Booted, not terminated: the instances a fault can be injected into."""
@@ -442,19 +613,27 @@ class SimulatedFleet:
 
     # --- Observation ----------------------------------------------------------------------------------------
 
-    async def snapshot(self) -> FleetSnapshot:
-        counts = await asyncio.to_thread(self.aws.count)
-        live = [n for n in self.nodes.values() if n.booted and not n.terminated]
-        views = await asyncio.gather(*(self.health(n.instance_id) for n in live))
+    async def snapshot(self, *, from_visibility: bool = False) -> FleetSnapshot:
+        """AWS's counts, and each live instance's health: by a query to each health workflow, or, `from_visibility`,
+        from Temporal visibility (the HealthStatus and RepairPhase search attributes, one list each, whatever the
+        fleet's size; a moment behind the workflows, and `retired` is not known there: always empty)."""
+        counts = await self._aws(self.aws.count)
+        live = self._live_nodes()
         health: dict[str, HealthState | None] = {}
         phases: dict[str, RepairPhase] = {}
         retired: list[str] = []
-        for node, view in zip(live, views, strict=True):
-            health[node.instance_id] = None if view is None else view.healthStatus.overallStatus
-            if view is not None and view.repair is not None:
-                phases[node.instance_id] = view.repair.phase
-            if view is not None and view.retired:
-                retired.append(node.instance_id)
+        if from_visibility:
+            statuses, repairs = await self._visibility()
+            health = {n.instance_id: statuses.get(n.instance_id) for n in live}
+            phases = {i: phase for i, phase in repairs.items() if i in health}
+        else:
+            views = await asyncio.gather(*(self.health(n.instance_id) for n in live))
+            for node, view in zip(live, views, strict=True):
+                health[node.instance_id] = None if view is None else view.healthStatus.overallStatus
+                if view is not None and view.repair is not None:
+                    phases[node.instance_id] = view.repair.phase
+                if view is not None and view.retired:
+                    retired.append(node.instance_id)
         return FleetSnapshot(
             taken_at=datetime.now(UTC),
             ec2_states=counts["ec2"],
@@ -470,6 +649,35 @@ class SimulatedFleet:
             booting=[n.instance_id for n in self.nodes.values() if not n.booted and not n.terminated],
             probe_errors={n.instance_id: n.probe_error for n in self.nodes.values() if n.probe_error},
         )
+
+    async def _visibility(self) -> tuple[dict[str, HealthState], dict[str, RepairPhase]]:
+        """(instance -> overall health, instance -> repair phase) of the group's running health and repair
+        workflows, from their search attributes; empty without a client or when visibility does not answer."""
+        statuses: dict[str, HealthState] = {}
+        phases: dict[str, RepairPhase] = {}
+        if self.client is None:
+            return statuses, phases
+        group = f"{sa.CAPACITY_GROUP.name}={sa.quoted(self.group)} AND ExecutionStatus='Running'"
+        try:
+            async for execution in self.client.list_workflows(
+                f"WorkflowType={sa.quoted(names.HEALTH_WORKFLOW)} AND {group}", page_size=1000
+            ):
+                instance_id = execution.typed_search_attributes.get(sa.INSTANCE_ID)
+                status = execution.typed_search_attributes.get(sa.HEALTH_STATUS)
+                with contextlib.suppress(ValueError, TypeError):
+                    if instance_id:
+                        statuses[instance_id] = HealthState(str(status))
+            async for execution in self.client.list_workflows(
+                f"WorkflowType={sa.quoted(names.REPAIR_WORKFLOW)} AND {group}", page_size=1000
+            ):
+                instance_id = execution.typed_search_attributes.get(sa.INSTANCE_ID)
+                phase = execution.typed_search_attributes.get(sa.REPAIR_PHASE)
+                with contextlib.suppress(ValueError, TypeError):
+                    if instance_id:
+                        phases[instance_id] = RepairPhase(str(phase))
+        except Exception:
+            log.warning("fleet-sim: visibility did not answer", exc_info=True)
+        return statuses, phases
 
     async def health(self, instance_id: str) -> InstanceHealthView | None:
         """The health workflow's view of an instance; None when there is none to ask or it does not answer."""
@@ -490,6 +698,7 @@ class SimulatedFleet:
         """Cancel the watch loop, every probe and pending blip restart. AWS state is left as is (moto's)."""
         tasks: list[asyncio.Task[Any]] = self._probes.close(self.nodes.values())
         tasks += [task for task in self._reboots if not task.done()]
+        tasks += [task for task in self._agents.values() if not task.done()]
         if self._watch is not None and not self._watch.done():
             tasks.append(self._watch)
         # Cancel all first, then wait for all: one slow task never delays the others' cancellation.
@@ -499,6 +708,10 @@ class SimulatedFleet:
         for node in self.nodes.values():
             node.probe = None
         self._watch = None
+        if self._pool is not None:
+            # A call in flight finishes in its thread (boto3 cannot be interrupted); none waits in the queue.
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
 
     async def __aenter__(self) -> SimulatedFleet:
         return self

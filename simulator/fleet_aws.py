@@ -5,10 +5,17 @@
 - The ECS agent: registering a booted instance as a container instance and starting its tasks; deregistering it
   (and stopping its tasks) once the instance is terminated.
 - The ECS service scheduler during a drain: cooperative tasks are stopped; stubborn ones stay until StopTask.
-- Reading the world back: group instances, container instance statuses, running task counts.
+- Reading the world back: group instances, container instance statuses, running task counts; the whole group, or
+  only the instances and container instances named.
+- ECS as the engine asks it: `ecs_instance_filter` applies ListContainerInstances' `filter` for one instance, which
+  moto ignores (it lists the whole cluster: at 200 instances, every lookup of one instance would describe them all).
+- Following the engine: `EngineCalls` hears the engine's AWS calls (a `FlakyAws` listener in front of moto) and
+  keeps what they changed (instances launched, terminated, stopped, rebooted, tagged or detached; container instances
+  drained or deregistered; SSM commands sent), so the fleet looks again at those alone.
 
 Every method here blocks (boto3); the fleet runs each in a thread so a worker sharing the event loop never
 stalls. The timing (when to boot, when a drain's grace is over) is the fleet's; this module only does the calls.
+`FleetAws.calls` counts the calls it made, by API.
 """
 
 from __future__ import annotations
@@ -18,9 +25,12 @@ import json
 import logging
 import random
 import re
+import threading
 import urllib.request
 from collections import Counter
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import boto3
 from botocore.config import Config
@@ -29,6 +39,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from contract.evidence import EVIDENCE_COMMENT
 from contract.names import GPU_RESET_COMMENT, GROUP_TAG, REBOOT_TAG
+from simulator.aws_proxy import Answered, AwsRequest
 from simulator.nodes import SimNode, SimTask
 
 if TYPE_CHECKING:
@@ -40,6 +51,11 @@ log = logging.getLogger(__name__)
 
 STUBBORN_TAG = "fleet-sim:stubborn"
 STARTED_BY = "fleet-sim"
+# The fleet's AWS calls in flight at most (its thread pool, and its boto3 clients' connection pools).
+AWS_CONCURRENCY = 8
+# DescribeInstances takes at most 200 values in one filter; DescribeContainerInstances at most 100 instances.
+_EC2_BATCH = 200
+_ECS_BATCH = 100
 
 
 class SimWorkload(BaseModel):
@@ -104,10 +120,15 @@ class FleetAws:
         self.workload = workload
         self._families: dict[int, str] = {}  # stop timeout -> task definition family
         # Fewer retries than the engine's: a failed tick is simply retried on the next one.
-        boto_config = Config(retries={"max_attempts": 3, "mode": "standard"})
+        boto_config = Config(retries={"max_attempts": 3, "mode": "standard"}, max_pool_connections=AWS_CONCURRENCY)
         self._ec2: EC2Client = boto3.client("ec2", region_name=region, endpoint_url=endpoint_url, config=boto_config)
         self._ecs: ECSClient = boto3.client("ecs", region_name=region, endpoint_url=endpoint_url, config=boto_config)
         self._ssm: SSMClient = boto3.client("ssm", region_name=region, endpoint_url=endpoint_url, config=boto_config)
+        # Every call this object makes, by API (each page of a paginated call counts): what the world costs moto.
+        self.calls: Counter[str] = Counter()
+        self._calls_lock = threading.Lock()
+        for client in (self._ec2, self._ecs, self._ssm):
+            client.meta.events.register("before-call", self._count_call)
         # The reboot tag of each group instance as the last observe() read it (REBOOT_TAG): moto's RebootInstances
         # changes nothing, so the tag the engine's reboot step leaves is how the fleet learns of a reboot.
         self.reboot_tags: dict[str, str] = {}
@@ -261,12 +282,48 @@ class FleetAws:
 
     # --- Reading the world back -----------------------------------------------------------------------------
 
+    def _count_call(self, model: Any, **_: Any) -> None:
+        with self._calls_lock:
+            self.calls[model.name] += 1
+
+    def calls_made(self) -> Counter[str]:
+        """A copy of `calls`, read safely while other threads add to it."""
+        with self._calls_lock:
+            return Counter(self.calls)
+
     def observe(self) -> tuple[dict[str, tuple[str, str]], dict[str, str]]:
         """Group instances (id -> (EC2 state, AZ)) and the cluster's container instances (ARN -> status)."""
+        instances, self.reboot_tags = self._describe_group()
+        return instances, self._container_statuses()
+
+    def observe_instances(self, instance_ids: Collection[str]) -> dict[str, tuple[str, str]]:
+        """Those of `instance_ids` that are in the group (id -> (EC2 state, AZ)); one that is not (never was, or its
+        group tag is gone) is left out. Their reboot tags are read into `reboot_tags` too."""
+        asked = sorted(instance_ids)
+        instances: dict[str, tuple[str, str]] = {}
+        for start in range(0, len(asked), _EC2_BATCH):
+            found, tags = self._describe_group(asked[start : start + _EC2_BATCH])
+            instances.update(found)
+            for instance_id in asked[start : start + _EC2_BATCH]:
+                if instance_id in tags:
+                    self.reboot_tags[instance_id] = tags[instance_id]
+                else:
+                    self.reboot_tags.pop(instance_id, None)
+        return instances
+
+    def _describe_group(
+        self, instance_ids: list[str] | None = None
+    ) -> tuple[dict[str, tuple[str, str]], dict[str, str]]:
+        """(id -> (EC2 state, AZ), id -> reboot tag) of the group's instances, or of those among `instance_ids`: a
+        filter, not InstanceIds, so an id moto does not know is no error."""
+        filters: list[Any] = [{"Name": f"tag:{GROUP_TAG}", "Values": [self.group]}]
+        if instance_ids is not None:
+            # The ids first: moto applies filters in order, and the tag filter over a whole fleet costs it ~8x more.
+            filters.insert(0, {"Name": "instance-id", "Values": instance_ids})
         instances: dict[str, tuple[str, str]] = {}
         reboot_tags: dict[str, str] = {}
         paginator = self._ec2.get_paginator("describe_instances")
-        for page in paginator.paginate(Filters=[{"Name": f"tag:{GROUP_TAG}", "Values": [self.group]}]):
+        for page in paginator.paginate(Filters=filters):
             for reservation in page["Reservations"]:
                 for instance in reservation["Instances"]:
                     instances[instance["InstanceId"]] = (
@@ -276,36 +333,35 @@ class FleetAws:
                     tags = {t.get("Key"): t.get("Value", "") for t in instance.get("Tags", [])}
                     if tags.get(REBOOT_TAG):
                         reboot_tags[instance["InstanceId"]] = tags[REBOOT_TAG]
-        self.reboot_tags = reboot_tags
-        return instances, self._container_statuses()
+        return instances, reboot_tags
+
+    def container_statuses(self, arns: Collection[str]) -> dict[str, str]:
+        """ARN -> status of those of `arns` still in the cluster; a deregistered one is left out."""
+        asked = sorted(arns)
+        statuses: dict[str, str] = {}
+        for start in range(0, len(asked), _ECS_BATCH):
+            described = self._ecs.describe_container_instances(
+                cluster=self.cluster, containerInstances=asked[start : start + _ECS_BATCH]
+            )
+            for ci in described["containerInstances"]:
+                statuses[ci["containerInstanceArn"]] = ci["status"]
+        return statuses
+
+    def ssm_commands(self, instance_id: str) -> tuple[list[tuple[str, str]], list[tuple[str, list[str]]]]:
+        """The engine's GPU reset and evidence commands sent to the instance (gpu_reset_commands,
+        evidence_commands), from one ListCommands."""
+        commands = self._ssm.list_commands(InstanceId=instance_id).get("Commands", [])
+        return _gpu_resets(commands, instance_id), _evidence(commands, instance_id)
 
     def gpu_reset_commands(self, instance_id: str) -> list[tuple[str, str]]:
         """The engine's GPU reset commands sent to the instance (moto records them and runs nothing): (command id,
         the GPU's PCI address) each, oldest first. The SSM agent's part of the reset is the fleet's to play."""
-        commands = self._ssm.list_commands(InstanceId=instance_id).get("Commands", [])
-        found: list[tuple[str, str]] = []
-        # By the comment, not InstanceIds: moto adds every instance to a command sent without Targets.
-        addressed = f"{GPU_RESET_COMMENT} {instance_id} "
-        for command in sorted(commands, key=lambda c: str(c.get("RequestedDateTime", ""))):
-            if not str(command.get("Comment", "")).startswith(addressed):
-                continue
-            lines = command.get("Parameters", {}).get("commands", [])
-            words = lines[0].split() if lines else []
-            gpu = words[words.index("-i") + 1] if "-i" in words[:-1] else ""
-            found.append((command["CommandId"], gpu.removesuffix(".0")))
-        return found
+        return _gpu_resets(self._ssm.list_commands(InstanceId=instance_id).get("Commands", []), instance_id)
 
     def evidence_commands(self, instance_id: str) -> list[tuple[str, list[str]]]:
         """The engine's evidence commands sent to the instance: (command id, the presigned URLs in its script, in
         the script's order: kernel log, bug report) each, oldest first."""
-        commands = self._ssm.list_commands(InstanceId=instance_id).get("Commands", [])
-        addressed = f"{EVIDENCE_COMMENT} {instance_id} "
-        found: list[tuple[str, list[str]]] = []
-        for command in sorted(commands, key=lambda c: str(c.get("RequestedDateTime", ""))):
-            if str(command.get("Comment", "")).startswith(addressed):
-                script = "\n".join(command.get("Parameters", {}).get("commands", []))
-                found.append((command["CommandId"], re.findall(r"'(https?://[^']+)'", script)))
-        return found
+        return _evidence(self._ssm.list_commands(InstanceId=instance_id).get("Commands", []), instance_id)
 
     def upload(self, url: str, body: bytes) -> None:
         """PUT to a presigned URL, as the host's curl does: no credentials, only the URL."""
@@ -317,7 +373,7 @@ class FleetAws:
             response.read()
 
     def _container_statuses(self) -> dict[str, str]:
-        """Container instance ARN -> status, read from DescribeContainerInstances.
+        """Container instance ARN -> status of the whole cluster, read from DescribeContainerInstances.
 
         Not ListContainerInstances' `status` filter: older moto releases ignore it and list every instance.
         """
@@ -325,14 +381,7 @@ class FleetAws:
         paginator = self._ecs.get_paginator("list_container_instances")
         for page in paginator.paginate(cluster=self.cluster):
             arns += page["containerInstanceArns"]
-        statuses: dict[str, str] = {}
-        for start in range(0, len(arns), 100):  # DescribeContainerInstances takes at most 100
-            described = self._ecs.describe_container_instances(
-                cluster=self.cluster, containerInstances=arns[start : start + 100]
-            )
-            for ci in described["containerInstances"]:
-                statuses[ci["containerInstanceArn"]] = ci["status"]
-        return statuses
+        return self.container_statuses(arns)
 
     def _running_task_arns(self, node: SimNode) -> list[str]:
         assert node.container_instance_arn is not None
@@ -346,7 +395,8 @@ class FleetAws:
 
     def count(self) -> dict[str, dict[str, int]]:
         """EC2 states, container instance statuses and running tasks, counted: what a snapshot shows of AWS."""
-        instances, statuses = self.observe()
+        instances, _ = self._describe_group()  # the fleet's reboot tags are the fleet's: not read here
+        statuses = self._container_statuses()
         ec2 = Counter(state for state, _ in instances.values())
         ecs = Counter(statuses.values())
         running = 0
@@ -354,3 +404,150 @@ class FleetAws:
         for page in paginator.paginate(cluster=self.cluster, desiredStatus="RUNNING"):
             running += len(page["taskArns"])
         return {"ec2": dict(ec2), "ecs": dict(ecs), "tasks": {"RUNNING": running}}
+
+
+def _gpu_resets(commands: Iterable[Any], instance_id: str) -> list[tuple[str, str]]:
+    found: list[tuple[str, str]] = []
+    # By the comment, not InstanceIds: moto adds every instance to a command sent without Targets.
+    addressed = f"{GPU_RESET_COMMENT} {instance_id} "
+    for command in sorted(commands, key=lambda c: str(c.get("RequestedDateTime", ""))):
+        if not str(command.get("Comment", "")).startswith(addressed):
+            continue
+        lines = command.get("Parameters", {}).get("commands", [])
+        words = lines[0].split() if lines else []
+        gpu = words[words.index("-i") + 1] if "-i" in words[:-1] else ""
+        found.append((command["CommandId"], gpu.removesuffix(".0")))
+    return found
+
+
+def _evidence(commands: Iterable[Any], instance_id: str) -> list[tuple[str, list[str]]]:
+    addressed = f"{EVIDENCE_COMMENT} {instance_id} "
+    found: list[tuple[str, list[str]]] = []
+    for command in sorted(commands, key=lambda c: str(c.get("RequestedDateTime", ""))):
+        if str(command.get("Comment", "")).startswith(addressed):
+            script = "\n".join(command.get("Parameters", {}).get("commands", []))
+            found.append((command["CommandId"], re.findall(r"'(https?://[^']+)'", script)))
+    return found
+
+
+# --- Following the engine -----------------------------------------------------------------------------------------
+
+_INSTANCE_ID = re.compile(r"i-[0-9a-f]{8,17}")
+# The ids an EC2 call names: InstanceId.1, ResourceId.1 (tags), InstanceIds.member.1 (Auto Scaling), InstanceId.
+_ID_PARAM = re.compile(r"^(InstanceId|ResourceId|InstanceIds\.member)(\.\d+)?$")
+_RUN_INSTANCES_ID = re.compile(r"<instanceId>(i-[0-9a-f]{8,17})</instanceId>")
+# EC2 and Auto Scaling calls that change an instance the fleet plays (the query protocol: ids in the form).
+EC2_CHANGES = frozenset(
+    {
+        "RunInstances",
+        "TerminateInstances",
+        "StopInstances",
+        "StartInstances",
+        "RebootInstances",
+        "CreateTags",
+        "DeleteTags",
+        "DetachInstances",
+        "TerminateInstanceInAutoScalingGroup",
+    }
+)
+# Calls that change the group without naming an instance: an Auto Scaling group launches or ends instances itself.
+RECONCILE_CHANGES = frozenset({"SetDesiredCapacity", "UpdateAutoScalingGroup", "AttachInstances"})
+# ECS calls that change a container instance (the json protocol: ARNs in the body).
+ECS_CHANGES = frozenset({"UpdateContainerInstancesState", "DeregisterContainerInstance"})
+
+
+@dataclass
+class Changes:
+    """What the engine changed since the fleet last looked."""
+
+    instances: set[str] = field(default_factory=set)  # EC2 instances to describe again
+    container_instances: set[str] = field(default_factory=set)  # container instance ARNs (or ids) to describe again
+    commands: set[str] = field(default_factory=set)  # instances an SSM command was sent to
+    reconcile: bool = False  # something changed that names no instance: look at the whole group
+
+    def __bool__(self) -> bool:
+        return bool(self.instances or self.container_instances or self.commands or self.reconcile)
+
+
+class EngineCalls:
+    """The engine's calls that change the world, heard from the proxy in front of moto (`FlakyAws.listen(calls)`):
+    the fleet `take()`s what changed on each tick and describes those instances alone.
+
+    Called on the proxy's threads; only successful answers count (a refused call changed nothing). What the log
+    misses (a change made behind the proxy's back) the fleet's periodic full look catches.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._changes = Changes()
+        self.heard: Counter[str] = Counter()  # the changing calls heard, by API
+
+    def __call__(self, answered: Answered) -> None:
+        request = answered.request
+        if not 200 <= answered.status < 300:
+            return
+        action = request.action
+        if action in EC2_CHANGES:
+            ids = {v for k, v in request.params.items() if _ID_PARAM.match(k) and _INSTANCE_ID.fullmatch(v)}
+            if action == "RunInstances":
+                ids |= set(_RUN_INSTANCES_ID.findall(answered.answer.decode("utf-8", "replace")))
+            self._add(action, instances=ids)
+        elif action in RECONCILE_CHANGES:
+            self._add(action, reconcile=True)
+        elif action in ECS_CHANGES or (action == "SendCommand" and request.service == "ssm"):
+            try:
+                body = json.loads(request.body or b"{}")
+            except ValueError:
+                return
+            if action == "SendCommand":
+                self._add(action, commands={str(i) for i in body.get("InstanceIds", [])})
+            else:
+                named = body.get("containerInstances") or [body.get("containerInstance")]
+                self._add(action, container_instances={str(arn) for arn in named if arn})
+
+    def _add(
+        self,
+        action: str,
+        *,
+        instances: Iterable[str] = (),
+        container_instances: Iterable[str] = (),
+        commands: Iterable[str] = (),
+        reconcile: bool = False,
+    ) -> None:
+        with self._lock:
+            self.heard[action] += 1
+            self._changes.instances.update(instances)
+            self._changes.container_instances.update(container_instances)
+            self._changes.commands.update(commands)
+            self._changes.reconcile |= reconcile
+
+    def take(self) -> Changes:
+        """What changed since the last take, and forget it."""
+        with self._lock:
+            taken, self._changes = self._changes, Changes()
+        return taken
+
+
+_EC2_INSTANCE_QUERY = re.compile(r"\s*ec2InstanceId\s*==\s*(i-[0-9a-f]{8,17})\s*")
+
+
+def ecs_instance_filter(arns_of: Callable[[str], Collection[str]]) -> Callable[[AwsRequest, bytes], bytes]:
+    """A FlakyAws rewrite of ListContainerInstances (`proxy.rewrite("ListContainerInstances", ...)`) that applies the
+    cluster query `ec2InstanceId == i-...` as ECS does: only that instance's container instances, which `arns_of`
+    names (the fleet registers every one, so it knows). Moto ignores the filter and lists the whole cluster; any other
+    filter, or none, is left as moto answers it. Each page is narrowed; its nextToken stays."""
+
+    def narrow(request: AwsRequest, answer: bytes) -> bytes:
+        try:
+            query = str(json.loads(request.body or b"{}").get("filter") or "")
+            page = json.loads(answer)
+        except ValueError:
+            return answer
+        matched = _EC2_INSTANCE_QUERY.fullmatch(query)
+        if matched is None or not isinstance(page, dict):
+            return answer
+        keep = set(arns_of(matched.group(1)))
+        page["containerInstanceArns"] = [arn for arn in page.get("containerInstanceArns", []) if arn in keep]
+        return json.dumps(page).encode()
+
+    return narrow
