@@ -1,4 +1,4 @@
-"""How times and Web UI links are written wherever a person or another program reads them."""
+"""How times, Web UI links and HOST:PORT binds are written wherever a person or another program reads them."""
 
 from __future__ import annotations
 
@@ -24,3 +24,11 @@ def workflow_url(ui_url: str, namespace: str, workflow_id: str | None = None, ru
     if workflow_id is None:
         return url
     return f"{url}/{quote(workflow_id, safe='')}" + (f"/{quote(run_id, safe='')}" if run_id else "")
+
+
+def parse_bind(text: str) -> tuple[str, int]:
+    """`host:port` or `[v6]:port`; ValueError naming what is wrong."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{text!r} is not HOST:PORT")
+    return host.removeprefix("[").removesuffix("]"), int(port)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Final
 
 from pydantic import BeforeValidator
 
+from contract.formats import parse_bind
 from contract.ingest import HEALTH_PATH
 
 if TYPE_CHECKING:
@@ -50,19 +51,14 @@ class Verdict:
         return json.dumps(answer)
 
 
-def parse_bind(text: str) -> tuple[str, int]:
-    """`host:port` or `[v6]:port`; ValueError naming what is wrong."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"{text!r} is not HOST:PORT (or {OFF!r})")
-    return host.removeprefix("[").removesuffix("]"), int(port)
-
-
 def health_bind(text: str) -> str | None:
     """A health endpoint's bind as a setting or a flag says it: HOST:PORT, or `off` (or empty) for none."""
     if text.strip().lower() in ("", OFF):
         return None
-    parse_bind(text)
+    try:
+        parse_bind(text)
+    except ValueError as err:
+        raise ValueError(f"{err} (or {OFF!r})") from None
     return text
 
 

@@ -16,6 +16,7 @@ import aiohttp
 from aiohttp import web
 from temporalio.client import Client
 
+from contract.formats import parse_bind
 from contract.temporal_client import connect
 from ingest.ecs_tasks import AwsTaskLookup, TaskHosts
 from ingest.identity import ProofVerifier
@@ -41,14 +42,6 @@ class IngestConfigError(Exception):
 
 def add_ingest_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bind", default=None, metavar="HOST:PORT", help="listen here (default: ingest.bind)")
-
-
-def parse_bind(bind: str) -> tuple[str, int]:
-    """`host:port` or `[v6]:port`."""
-    host, sep, port = bind.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise IngestConfigError(f"ingest.bind {bind!r} is not HOST:PORT")
-    return host.removeprefix("[").removesuffix("]"), int(port)
 
 
 def is_loopback(host: str) -> bool:
@@ -122,7 +115,10 @@ async def serving(
 async def running_ingest(settings: Settings, client: Client, bind: str | None = None) -> AsyncIterator[str]:
     """The ingest serving in this process on `bind` (default settings.ingest.bind); yields its URL. Raises
     IngestConfigError for a bind or TLS setting it cannot start with."""
-    host, port = parse_bind(bind or settings.ingest.bind)
+    try:
+        host, port = parse_bind(bind or settings.ingest.bind)
+    except ValueError as err:
+        raise IngestConfigError(f"ingest.bind {err}") from None
     ssl_context = tls_context(settings, host)
     async with aiohttp.ClientSession() as session:
         # Its /healthz says 503 while Temporal does not answer (the load balancer's target health check).

@@ -1,4 +1,4 @@
-"""The probe's GET /healthz (contract/healthz.py), for the DaemonSet's probes, a compose healthcheck or systemd.
+"""The probe's GET /healthz (contract/healthz.py), for the ECS DAEMON task's container health check or systemd.
 
 200 while the probe's loop runs, it delivered a heartbeat within STALE_HEARTBEATS heartbeat intervals (or started
 less than that ago), no finding has been failing to go out for that long, and at least one of its sources reads;

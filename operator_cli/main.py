@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 from pydantic import ValidationError
 
 from contract.config import ConfigError
-from operator_cli.extras import missing_extra, version
+from operator_cli.extras import PROBE_SIDE, missing_extra, version
 from worker.logging_setup import configure_logging
 
 Runner = Callable[[argparse.Namespace], Any]
@@ -217,9 +217,9 @@ def _finish(args: argparse.Namespace, code: int, argv: list[str] | None) -> int:
     return code
 
 
-# The commands that run on a GPU host read only the probe's part of the shared settings ([temporal], log_format):
-# the worker's sections there are the worker's to check, and an older probe must not refuse a newer worker's key.
-_PROBE_SIDE = frozenset({"probe", "probe-report", "classify"})
+# The commands that run on a GPU host (PROBE_SIDE) read only the probe's part of the shared settings ([temporal],
+# log_format): the worker's sections there are the worker's to check, and an older probe must not refuse a newer
+# worker's key.
 
 
 def _log_format(command: str) -> str:
@@ -227,7 +227,7 @@ def _log_format(command: str) -> str:
     commands (the worker's would bring the groups' and breaker's models onto a GPU host)."""
     if command == "healthcheck":  # an orchestrator runs it every few seconds: no settings to read (or to fail on)
         return "auto"
-    if command in _PROBE_SIDE:
+    if command in PROBE_SIDE:
         from node_probe.cli import ProbeSettings
 
         return ProbeSettings.load().log_format

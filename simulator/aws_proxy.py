@@ -236,6 +236,8 @@ class _Log:
     seen: list[Seen] = field(default_factory=list)
     calls: Counter[str] = field(default_factory=Counter)
     injected: Counter[str] = field(default_factory=Counter)
+    in_flight: int = 0
+    peak_in_flight: int = 0
 
 
 class FlakyAws:
@@ -248,7 +250,7 @@ class FlakyAws:
         parts = urlsplit(upstream)
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"upstream must be an http:// URL, not {upstream!r}")
-        self._upstream = (parts.hostname, parts.port or 80)
+        self.upstream = (parts.hostname, parts.port or 80)
         self._faults: list[Fault] = []
         self._canned: list[Canned] = []
         self._rewrites: list[Rewrite] = []
@@ -362,6 +364,13 @@ class FlakyAws:
         with self._lock:
             return list(self._log.seen)
 
+    @property
+    def peak_in_flight(self) -> int:
+        """The most requests the proxy held at once, from arrival until their answer left: what concurrent callers
+        overlapped in, whatever moto or a loaded machine took."""
+        with self._lock:
+            return self._log.peak_in_flight
+
     def listen(self, listener: Listener) -> Callable[[], None]:
         """Tell `listener` of every request once it is answered, before the answer leaves (and before a latency
         rule holds it): what the caller will read is what moto already did. It runs on the proxy's threads, several
@@ -423,6 +432,15 @@ class FlakyAws:
                     return fault
             return None
 
+    def _arrived(self) -> None:
+        with self._lock:
+            self._log.in_flight += 1
+            self._log.peak_in_flight = max(self._log.peak_in_flight, self._log.in_flight)
+
+    def _left(self) -> None:
+        with self._lock:
+            self._log.in_flight -= 1
+
     def _record(self, request: AwsRequest, status: int, fault: Fault | None) -> None:
         with self._lock:
             self._log.seen.append(Seen(request=request, status=status, fault=fault.code if fault else None))
@@ -440,22 +458,23 @@ class FlakyAws:
         with self._lock:
             return sum(c.served for c in self._canned if c.action == action)
 
-    def _forward(
-        self, method: str, path: str, headers: list[tuple[str, str]], body: bytes
-    ) -> tuple[int, list[tuple[str, str]], bytes]:
-        # One connection per request: simple, and moto is on loopback, so the handshake costs nothing.
-        conn = http.client.HTTPConnection(*self._upstream, timeout=60)
-        try:
-            conn.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
-            for name, value in headers:
-                conn.putheader(name, value)
-            conn.putheader("Content-Length", str(len(body)))
-            conn.endheaders(body)
-            response = conn.getresponse()
-            data = response.read()
-            return response.status, response.getheaders(), data
-        finally:
-            conn.close()
+
+def forward(
+    upstream: tuple[str, int], method: str, path: str, headers: list[tuple[str, str]], body: bytes
+) -> tuple[int, list[tuple[str, str]], bytes]:
+    """One request to moto, as it came: (status, headers, body)."""
+    # One connection per request: simple, and moto is on loopback, so the handshake costs nothing.
+    conn = http.client.HTTPConnection(*upstream, timeout=60)
+    try:
+        conn.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
+        for name, value in headers:
+            conn.putheader(name, value)
+        conn.putheader("Content-Length", str(len(body)))
+        conn.endheaders(body)
+        response = conn.getresponse()
+        return response.status, response.getheaders(), response.read()
+    finally:
+        conn.close()
 
 
 def parse_request(headers: dict[str, str], path: str, body: bytes) -> AwsRequest:
@@ -526,6 +545,13 @@ def _handler_for(proxy: FlakyAws) -> type[BaseHTTPRequestHandler]:
         protocol_version = "HTTP/1.1"
 
         def _handle(self) -> None:
+            proxy._arrived()
+            try:
+                self._answer()
+            finally:
+                proxy._left()
+
+        def _answer(self) -> None:
             length = int(self.headers.get("Content-Length") or 0)
             body = self.rfile.read(length) if length else b""
             headers = {k.lower(): v for k, v in self.headers.items()}
@@ -545,7 +571,7 @@ def _handler_for(proxy: FlakyAws) -> type[BaseHTTPRequestHandler]:
                 status = fault.status
             else:
                 forwarded = [(k, v) for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP]
-                status, upstream_headers, out_body = proxy._forward(self.command, self.path, forwarded, body)
+                status, upstream_headers, out_body = forward(proxy.upstream, self.command, self.path, forwarded, body)
                 # send_response() writes its own Server and Date.
                 out_headers = [(k, v) for k, v in upstream_headers if k.lower() not in HOP_BY_HOP | {"server", "date"}]
                 out_body = proxy._rewritten(request, status, out_body)

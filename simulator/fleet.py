@@ -43,6 +43,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, Field, model_validator
 from temporalio.client import Client
+from temporalio.common import SearchAttributeKey
 
 from contract import names
 from contract import search_attributes as sa
@@ -60,6 +61,7 @@ from workflows.models import InstanceHealthView
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+E = TypeVar("E", HealthState, RepairPhase)
 
 # The Xids ECS acts on (the catalog's ecs_replaces column); every other Xid is counted but never repairs.
 CRITICAL_XIDS: tuple[int, ...] = tuple(sorted(default_catalog().ecs_codes))
@@ -653,31 +655,30 @@ class SimulatedFleet:
     async def _visibility(self) -> tuple[dict[str, HealthState], dict[str, RepairPhase]]:
         """(instance -> overall health, instance -> repair phase) of the group's running health and repair
         workflows, from their search attributes; empty without a client or when visibility does not answer."""
-        statuses: dict[str, HealthState] = {}
-        phases: dict[str, RepairPhase] = {}
-        if self.client is None:
-            return statuses, phases
-        group = f"{sa.CAPACITY_GROUP.name}={sa.quoted(self.group)} AND ExecutionStatus='Running'"
         try:
-            async for execution in self.client.list_workflows(
-                f"WorkflowType={sa.quoted(names.HEALTH_WORKFLOW)} AND {group}", page_size=1000
-            ):
-                instance_id = execution.typed_search_attributes.get(sa.INSTANCE_ID)
-                status = execution.typed_search_attributes.get(sa.HEALTH_STATUS)
-                with contextlib.suppress(ValueError, TypeError):
-                    if instance_id:
-                        statuses[instance_id] = HealthState(str(status))
-            async for execution in self.client.list_workflows(
-                f"WorkflowType={sa.quoted(names.REPAIR_WORKFLOW)} AND {group}", page_size=1000
-            ):
-                instance_id = execution.typed_search_attributes.get(sa.INSTANCE_ID)
-                phase = execution.typed_search_attributes.get(sa.REPAIR_PHASE)
-                with contextlib.suppress(ValueError, TypeError):
-                    if instance_id:
-                        phases[instance_id] = RepairPhase(str(phase))
+            statuses = await self._running(names.HEALTH_WORKFLOW, sa.HEALTH_STATUS, HealthState)
+            phases = await self._running(names.REPAIR_WORKFLOW, sa.REPAIR_PHASE, RepairPhase)
         except Exception:
             log.warning("fleet-sim: visibility did not answer", exc_info=True)
+            return {}, {}
         return statuses, phases
+
+    async def _running(self, workflow_type: str, attribute: SearchAttributeKey[str], kind: type[E]) -> dict[str, E]:
+        """Instance -> `attribute` (as `kind`) of the group's running workflows of `workflow_type`."""
+        found: dict[str, E] = {}
+        if self.client is None:
+            return found
+        query = (
+            f"WorkflowType={sa.quoted(workflow_type)} AND {sa.CAPACITY_GROUP.name}={sa.quoted(self.group)} "
+            "AND ExecutionStatus='Running'"
+        )
+        async for execution in self.client.list_workflows(query, page_size=1000):
+            instance_id = execution.typed_search_attributes.get(sa.INSTANCE_ID)
+            value = execution.typed_search_attributes.get(attribute)
+            with contextlib.suppress(ValueError, TypeError):
+                if instance_id:
+                    found[instance_id] = kind(str(value))
+        return found
 
     async def health(self, instance_id: str) -> InstanceHealthView | None:
         """The health workflow's view of an instance; None when there is none to ask or it does not answer."""

@@ -16,7 +16,6 @@ its scheme is not this module's to know.
 from __future__ import annotations
 
 import asyncio
-import http.client
 import json
 import os
 import signal
@@ -42,7 +41,7 @@ from contract import names
 from contract import search_attributes as sa
 from contract.names import GROUP_TAG
 from contract.repair import RepairPhase
-from simulator.aws_proxy import HOP_BY_HOP, parse_request
+from simulator.aws_proxy import HOP_BY_HOP, forward, parse_request
 from simulator.fleet import SimTiming, SimulatedFleet
 from simulator.fleet_aws import SimWorkload
 from tests.fleet import Fleet, assert_start_before_stop
@@ -154,7 +153,7 @@ class HoldingAws:
     def __init__(self, upstream: str) -> None:
         parts = urlsplit(upstream)
         assert parts.scheme == "http" and parts.hostname, upstream
-        self._upstream = (parts.hostname, parts.port or 80)
+        self.upstream = (parts.hostname, parts.port or 80)
         self._lock = threading.Lock()
         self._holds: list[HeldCall] = []
         self._seen: list[tuple[str, str]] = []  # (action, path and body) of every request, in arrival order
@@ -192,21 +191,6 @@ class HoldingAws:
                     return held
             return None
 
-    def _forward(
-        self, method: str, path: str, headers: list[tuple[str, str]], body: bytes
-    ) -> tuple[int, list[tuple[str, str]], bytes]:
-        conn = http.client.HTTPConnection(*self._upstream, timeout=60)
-        try:
-            conn.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
-            for name, value in headers:
-                conn.putheader(name, value)
-            conn.putheader("Content-Length", str(len(body)))
-            conn.endheaders(body)
-            response = conn.getresponse()
-            return response.status, response.getheaders(), response.read()
-        finally:
-            conn.close()
-
     def __enter__(self) -> HoldingAws:
         self._thread = threading.Thread(
             target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, name="holding-aws", daemon=True
@@ -237,7 +221,7 @@ def _handler_for(proxy: HoldingAws) -> type[BaseHTTPRequestHandler]:
             request = parse_request({k.lower(): v for k, v in self.headers.items()}, self.path, body)
             held = proxy._claim(request.action, self.path + "\n" + body.decode("utf-8", "replace"))
             forwarded = [(k, v) for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP]
-            status, upstream_headers, out_body = proxy._forward(self.command, self.path, forwarded, body)
+            status, upstream_headers, out_body = forward(proxy.upstream, self.command, self.path, forwarded, body)
             if held is not None:
                 held.arrived.set()
                 held.released.wait(MAX_HOLD_S)

@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 
 from contract.config import ENV_PREFIX
+from contract.formats import parse_bind
 from contract.ingest import HEALTH_PATH
-from ingest.cli import parse_bind
 from node_probe.cli import ProbeSettings
 from tests.cfn_template import (
     ACCOUNT,

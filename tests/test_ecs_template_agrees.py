@@ -22,10 +22,11 @@ import pytest
 
 from activities.models import HEALTH_DETAIL_TYPE, EventType, FleetEvent
 from contract.config import ENV_PREFIX, IngestSettings
+from contract.formats import parse_bind
 from contract.groups import DEFAULT_HEARTBEAT_INTERVAL
 from contract.healthz import DEFAULT_PROBE_HEALTH_BIND, DEFAULT_WORKER_HEALTH_BIND
 from contract.ingest import HEALTH_PATH
-from ingest.cli import parse_bind, tls_context
+from ingest.cli import tls_context
 from operator_cli.main import build_parser
 from tests.cfn_template import (
     ACCOUNT,
