@@ -26,6 +26,7 @@ from activities.aws import AwsClients
 from activities.departures import Departures, departure
 from activities.ec2 import GONE_EC2_STATES, REPLACES_TAG, Ec2, chunks, tags_of
 from activities.ecs import ECS_DESCRIBE_BATCH, INSTANCE_ID, REGISTERED_STATUSES, Ecs, check_instance_id, resolve_group
+from activities.fresh_read import FreshRead
 from activities.launch import Launcher
 from activities.models import (
     ContainerInstanceRef,
@@ -53,7 +54,7 @@ from activities.models import (
 from activities.workflow_ops import live_group_config
 from contract import names
 from contract.evidence import QUARANTINE_TAG
-from contract.groups import CapacityGroup, GroupConfigOverrides
+from contract.groups import CapacityGroup, GroupConfigOverrides, GroupConfigState
 from contract.ids import semaphore_workflow_id
 from contract.semaphore import ReplacementClaim, ReplacementClaimed
 
@@ -94,6 +95,9 @@ class FleetActivities:
         self._groups = groups
         # Reads the live overrides an operator set on the group's drain semaphore; None: settings only.
         self._client = client
+        # A surge of workflows asking at once shares one query (the server buffers few per workflow), never older
+        # than the asking.
+        self._live_config = FreshRead(partial(_live_state, client)) if client is not None else None
         self._poll_seconds = poll_interval.total_seconds()
         # Task definition revisions are immutable, so their stop timeouts never go stale; bounded (LRU)
         # because a long-running worker sees every revision ever deployed.
@@ -470,9 +474,9 @@ class FleetActivities:
         """The overrides of the group's drain semaphore, or those its last run left when none runs now (the next
         one takes them over). Any error but "no such workflow" is retried: applying the settings alone could undo
         an operator's DISABLED."""
-        if self._client is None:
+        if self._live_config is None:
             return GroupConfigOverrides()
-        state, _ = await live_group_config(self._client, group)
+        state = await self._live_config(group)
         return state.overrides if state is not None else GroupConfigOverrides()
 
     def _group(self, name: str) -> CapacityGroup:
@@ -523,3 +527,8 @@ class FleetActivities:
         while len(self._stop_timeouts) > self._cache_size:
             self._stop_timeouts.popitem(last=False)
         return timeout
+
+
+async def _live_state(client: Client, group: str) -> GroupConfigState | None:
+    state, _ = await live_group_config(client, group)
+    return state

@@ -6,7 +6,9 @@ every few seconds, so a log stays readable. Both are drawn from the fleet's snap
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import statistics
 from collections import Counter
 from dataclasses import dataclass, field
@@ -35,6 +37,9 @@ class EventLog:
     abandoned_replacements: set[str] = field(default_factory=set)
     # When each instance first had each event (HealthChanged: "IMPAIRED" when it said so), for `timings_line`.
     first_at: dict[tuple[str, str], datetime] = field(default_factory=dict)
+    # Each completed repair's own steps (drain + launch + terminate), from its timeline: our overhead, apart from
+    # the waits for a permit, a boot and the tasks' stop timeouts.
+    own_steps: dict[str, float] = field(default_factory=dict)
     partial: str = ""
 
     def read_new(self) -> list[dict[str, Any]]:
@@ -60,6 +65,8 @@ class EventLog:
                 self.counts[str(event.get("type", "?"))] += 1
                 if event.get("type") == "RepairCompleted" and event.get("action") in ("reboot", "gpu-reset"):
                     self.fixed_in_place.add(str(event.get("instance_id")))
+                if event.get("type") == "RepairCompleted" and (took := own_steps_seconds(event.get("timeline"))):
+                    self.own_steps.setdefault(str(event.get("instance_id")), took)
                 if event.get("type") == "ReplacementAbandoned" and event.get("replacement_instance_id"):
                     self.abandoned_replacements.add(str(event["replacement_instance_id"]))
                 self._note_time(event)
@@ -77,15 +84,34 @@ class EventLog:
         self.first_at.setdefault((kind, str(event.get("instance_id", ""))), at)
 
 
+OWN_STEPS = ("Draining", "LaunchingReplacement", "Terminating")
+
+
+def own_steps_seconds(timeline: Any) -> float | None:
+    """Seconds a repair spent in its own steps (OWN_STEPS), each step lasting until the next began."""
+    if not isinstance(timeline, list):
+        return None
+    try:
+        steps = [
+            (str(s["phase"]), datetime.fromisoformat(str(s["started_at"]).replace("Z", "+00:00"))) for s in timeline
+        ]
+    except (KeyError, TypeError, ValueError):
+        return None
+    spans = [(nxt - at).total_seconds() for (phase, at), (_, nxt) in itertools.pairwise(steps) if phase in OWN_STEPS]
+    return sum(spans) if spans else None
+
+
 def _spread(name: str, seconds: list[float], of: int) -> str:
     if not seconds:
         return f"{name} - (0/{of})"
-    return f"{name} p50 {statistics.median(seconds):.1f}s max {max(seconds):.1f}s ({len(seconds)}/{of})"
+    ranked = sorted(seconds)
+    p90 = ranked[math.ceil(0.9 * len(ranked)) - 1]
+    return f"{name} p50 {statistics.median(ranked):.1f}s p90 {p90:.1f}s max {ranked[-1]:.1f}s ({len(seconds)}/{of})"
 
 
 def timings_line(events: EventLog, faults_at: dict[str, datetime]) -> str:
     """How long the faulted instances took, from the events so far: fault written -> IMPAIRED, then each repair's
-    wait for a drain permit and its whole length (RepairStarted -> RepairCompleted)."""
+    wait for a drain permit, its own steps (OWN_STEPS) and its whole length (RepairStarted -> RepairCompleted)."""
 
     def since(began: dict[str, datetime], end: str) -> list[float]:
         seconds = []
@@ -101,6 +127,7 @@ def timings_line(events: EventLog, faults_at: dict[str, datetime]) -> str:
         (
             _spread("fault -> IMPAIRED", since(faults_at, "IMPAIRED"), of),
             _spread("permit wait", since(started, "DrainPermitGranted"), of),
+            _spread("drain+launch+terminate", [events.own_steps[i] for i in faults_at if i in events.own_steps], of),
             _spread("repair", since(started, "RepairCompleted"), of),
         )
     )

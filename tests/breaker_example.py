@@ -87,6 +87,7 @@ class Example(ExampleOracle):
                     # After a skip the stub repairs' timers may have them asking again: wait for them too.
                     await (self.quiet() if isinstance(step, Skip) else self.settle())
                     await self.observe(step)
+                self.report.counted_after.append(self.stub.counted)
             self.step_index = len(self.s.steps)
             await self.finish([holder for holder in self.holders if not holder.closed and not holder.finishing])
             await self.settle()

@@ -51,6 +51,8 @@ class ExampleReport:
     replays: int = 0  # the semaphore's workflow tasks moved off a dead worker: its history replayed afresh
     refused_resumes: int = 0
     semaphore_events: int = 0
+    # How often the semaphore had counted the group (describe_group_capacity) after each step.
+    counted_after: list[int] = field(default_factory=list)
 
 
 class ExampleOracle:

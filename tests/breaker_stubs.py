@@ -144,6 +144,7 @@ class GroupStub:
     overrides: GroupConfigOverrides = field(default_factory=GroupConfigOverrides)
     events: list[FleetEvent] = field(default_factory=list)
     fleet_reports: int = 0
+    counted: int = 0  # describe_group_capacity calls: the semaphore counts the group only when it must
     # Repairs of the group that the test started, by workflow id: their run id (None until the start returned).
     running: dict[str, str | None] = field(default_factory=dict)
     closed: set[tuple[str, str]] = field(default_factory=set)
@@ -177,6 +178,7 @@ class StubActivities:
     @activity.defn(name="describe_group_capacity")
     async def describe_group_capacity(self, request: GroupCapacityRequest) -> GroupCapacity:
         stub = self.groups[request.group]
+        stub.counted += 1
         await asyncio.sleep(stub.latency.get("describe_group_capacity", 0.0))
         cap = request.overrides.apply(stub.group).max_draining(stub.size)
         return GroupCapacity(group=request.group, instance_count=stub.size, max_draining=cap)

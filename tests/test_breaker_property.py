@@ -166,6 +166,17 @@ def test_what_lands_while_a_batch_is_granted_counts(harness: BreakerHarness, sch
     harness.run(schedule)
 
 
+# A grant pass counts the group (a page of ECS and EC2 calls per 100 instances) only when the count may have moved:
+# the first pass, and the one after a holder left (its instance may stay DRAINING); not for each new request. Cap 5:
+# 3 granted, then 2 (one waits), then none fit (three wait), then a release lets one through.
+ROUND_TRIPS = Schedule(50, 10, (Request(3, 0), Request(3, 3), Request(3, 6), Finish(1, 0)))
+
+
+def test_a_grant_pass_counts_the_group_only_when_it_must(harness: BreakerHarness) -> None:
+    report = harness.run(ROUND_TRIPS)
+    assert report.counted_after == [1, 1, 1, 2]
+
+
 # Passing, about 1 s a schedule (100 s in CI, 20 minutes for 1,000); failing, hypothesis shrinks for up to 5 minutes
 # more (its own limit). pytest-timeout's 300 s would cut either short in the middle of an example, and its marker
 # wins over --timeout: 3 s a schedule and the 5 minutes.

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from datetime import datetime
 from typing import Any
 
 from temporalio import workflow
@@ -57,6 +58,9 @@ SIGNALS_PER_RUN = 2_000
 MAX_WAITERS = 500
 # A patch id: histories recorded before each grant of a batch looked again at holds and impairments.
 RECHECK_EACH_GRANT = "recheck-each-grant"
+# A patch id: histories recorded before a grant pass counted the group only when it had to, granted a batch in one
+# step and sent its grants side by side (one round trip for a batch, not one per grant).
+FEWER_ROUND_TRIPS = "fewer-round-trips"
 DETAILS_WAITERS = 20
 # Impairments reported and not yet counted (the loop counts them at its next turn): bounded like all state.
 MAX_REPORTS_PENDING = 10_000
@@ -93,12 +97,16 @@ class DrainSemaphoreWorkflow(SemaphoreBreaker, SemaphoreZones):
         self._group_size = 0
         self._signals_this_run = 0
         self._changed = True
+        self._fewer_round_trips = False
+        self._measured_at: datetime | None = None
+        self._holder_left = False  # since the last count: its instance may still be out of service
         # Kept so the re-sent grants and the discards are not garbage collected mid-flight.
         self._regrants: set[asyncio.Task[None]] = set()
         self._discards: set[asyncio.Task[None]] = set()
 
     @workflow.run
     async def run(self, input: SemaphoreRun) -> None:
+        self._fewer_round_trips = workflow.patched(FEWER_ROUND_TRIPS)
         async with self._config_lock:
             await self._take_over_previous_config()
         settings = await read_group_config(self._group, "read group settings", live_overrides=False)
@@ -154,7 +162,8 @@ class DrainSemaphoreWorkflow(SemaphoreBreaker, SemaphoreZones):
                 self._changed = True  # a maintenance window may have opened
 
     async def _grant_what_fits(self, group: CapacityGroup) -> None:
-        await self._measure()
+        if not self._fewer_round_trips or self._count_due(group):
+            await self._measure()
         while self._waiters:
             group = self._config.effective or group  # an update may have landed while we awaited
             while self._reported:
@@ -173,6 +182,14 @@ class DrainSemaphoreWorkflow(SemaphoreBreaker, SemaphoreZones):
                 await self._count_impairments(group)
             if self._holding() or await self._trip_if_over(group, budget=True):
                 return
+            if self._fewer_round_trips:
+                # Nothing can land between two grants of one step: the batch is decided as a whole, then told.
+                waiting = len(self._waiters)
+                granted = self._grant(batch, genuine)
+                await asyncio.gather(*(self._send_grant(permit) for permit in granted))
+                if len(self._waiters) == waiting:
+                    return  # the room shrank while we looked: the next change wakes us
+                continue
             for request in batch:
                 if request not in self._waiters:
                     continue  # released while we looked
@@ -186,18 +203,44 @@ class DrainSemaphoreWorkflow(SemaphoreBreaker, SemaphoreZones):
                 if not self._fits(request):
                     self._waiters.insert(0, request)
                     break
-                self._take_out_of_service(request.instance_id)
-                permit = Permit(
-                    holder_workflow_id=request.holder_workflow_id,
-                    holder_run_id=request.holder_run_id,
-                    instance_id=request.instance_id,
-                    since=workflow.now(),
-                    token=request.token,
-                )
-                self._holders.append(permit)
-                self._breaker.granted(workflow.now())
-                self._max_holders_seen = max(self._max_holders_seen, len(self._holders))
-                await self._send_grant(permit)
+                await self._send_grant(self._hold(request))
+
+    def _count_due(self, group: CapacityGroup) -> bool:
+        """Counting the group costs a page of ECS and EC2 calls per 100 instances: only when the count may have moved
+        under us (a holder left, whose instance may stay DRAINING) or is older than the reclaim interval."""
+        if self._measured_at is None or self._holder_left:
+            return True
+        return workflow.now() - self._measured_at >= group.permit_reclaim_interval
+
+    def _grant(self, batch: Sequence[PermitRequest], genuine: set[str]) -> list[Permit]:
+        """The permits of one batch, in order, while they fit; a request from no running repair is dropped."""
+        granted: list[Permit] = []
+        for request in batch:
+            if request not in self._waiters:
+                continue  # released while we looked
+            if request.holder_workflow_id not in genuine:
+                self._waiters.remove(request)
+                self._forged_signal(f"request for {request.holder_workflow_id}, not a running repair of the group")
+                continue
+            if not self._fits(request):
+                break
+            self._waiters.remove(request)
+            granted.append(self._hold(request))
+        return granted
+
+    def _hold(self, request: PermitRequest) -> Permit:
+        self._take_out_of_service(request.instance_id)
+        permit = Permit(
+            holder_workflow_id=request.holder_workflow_id,
+            holder_run_id=request.holder_run_id,
+            instance_id=request.instance_id,
+            since=workflow.now(),
+            token=request.token,
+        )
+        self._holders.append(permit)
+        self._breaker.granted(workflow.now())
+        self._max_holders_seen = max(self._max_holders_seen, len(self._holders))
+        return permit
 
     async def _held_before_grant(self) -> bool:
         group = self._config.effective
@@ -253,7 +296,9 @@ class DrainSemaphoreWorkflow(SemaphoreBreaker, SemaphoreZones):
 
     def _remove(self, holder_workflow_id: str) -> None:
         before = len(self._holders) + len(self._waiters)
+        holders = len(self._holders)
         self._holders = [p for p in self._holders if p.holder_workflow_id != holder_workflow_id]
+        self._holder_left = self._holder_left or len(self._holders) != holders
         self._waiters = [w for w in self._waiters if w.holder_workflow_id != holder_workflow_id]
         if len(self._holders) + len(self._waiters) != before:
             self._changed = True

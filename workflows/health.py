@@ -21,6 +21,7 @@ Runbook it automates:
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
@@ -48,6 +49,7 @@ from workflows import health_retry as retry
 from workflows import health_services as services
 from workflows.group_config import read_group_config
 from workflows.group_events import publish
+from workflows.in_order import InOrder
 from workflows.models import (
     ContainerInstanceHealthStatus,
     HealthCarry,
@@ -70,6 +72,9 @@ MAX_WARNING_KINDS = 256
 # A run accepts at most 10,000 signals and that limit does not raise the continue-as-new suggestion.
 SIGNALS_PER_RUN = 2_000
 GAME_DAY_RETRY = timedelta(seconds=2)
+# A patch id: histories recorded before health changes went out beside the next step (the repair's start) instead of
+# in front of it, and before a repair's start read the group and told the breaker side by side.
+NEWS_BESIDE_STEPS = "news-beside-steps"
 
 
 @workflow.defn(name=names.HEALTH_WORKFLOW)
@@ -80,6 +85,8 @@ class InstanceHealthWorkflow:
         self._group = input.group
         self._state = input.carry or HealthCarry()
         self._outbox: list[FleetEvent] = []
+        self._news = InOrder()
+        self.news_beside_steps = False
         self._signals_this_run = 0
         self._retired = False
         self._tell_tracker_now = False
@@ -102,6 +109,7 @@ class InstanceHealthWorkflow:
             workflow.upsert_search_attributes(
                 [sa.INSTANCE_ID.value_set(self._instance_id), sa.CAPACITY_GROUP.value_set(self._group)]
             )
+        self.news_beside_steps = workflow.patched(NEWS_BESIDE_STEPS)
         self._sync_status_attribute()
         group = await retry.group_config(self._state, self._instance_id, self._group)
         self._tracker_id = liveness_workflow_id(
@@ -137,7 +145,11 @@ class InstanceHealthWorkflow:
             if aws_checks.due(self._state):
                 await aws_checks.advance(self, group)
             while self._outbox:
-                await publish(self._outbox.pop(0), "publish health change")
+                event = self._outbox.pop(0)
+                if self.news_beside_steps:
+                    self._news.send(functools.partial(publish, event, "publish health change"))
+                else:
+                    await publish(event, "publish health change")
             if self._state.game_day_to_tell is not None:
                 await self._tell_tracker(self._state.game_day_to_tell)
             if self._state.recheck_loss:
@@ -151,8 +163,10 @@ class InstanceHealthWorkflow:
                     retry.failed(self._state, self._instance_id, "starting the repair", err)
             workflow.set_current_details(self._details_markdown())
             if self._retired:
+                await self._news.flush()
                 return self._view()
             if self._time_to_continue():
+                await self._news.flush()
                 await workflow.wait_condition(workflow.all_handlers_finished)
                 workflow.continue_as_new(HealthRun(instance_id=self._instance_id, group=self._group, carry=self._state))
 
@@ -368,6 +382,8 @@ class InstanceHealthWorkflow:
             return
         now = workflow.now()
         repair = self._state.repair
+        if change.gone and self._retired:
+            return  # replaced, and closing (its last events going out): the repair's own termination is no news
         if change.gone and (repair is None or repair.phase in controls.FINISHED):
             if change.for_good:
                 self._retire(change.gone)

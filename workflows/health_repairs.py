@@ -16,6 +16,7 @@ Histories recorded before retries existed never counted a failure: counting is b
 
 from __future__ import annotations
 
+import asyncio
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -48,6 +49,7 @@ class RepairingHealth(Protocol):
     _instance_id: str
     _group: str
     _state: HealthCarry
+    news_beside_steps: bool
 
     def _instance_event(self, type: EventType, **fields: Any) -> None: ...
 
@@ -140,11 +142,19 @@ async def count_failure(wf: RepairingHealth, group: CapacityGroup) -> None:
 async def start(wf: RepairingHealth) -> None:
     """Start the instance's next repair attempt, unless its group's auto repair is DISABLED or it is excluded."""
     state = wf._state
-    # The switch is read at the moment of the decision, so turning repair off takes effect at once.
-    group = await wf._group_config()
-    state.repair_requested = True
-    if wf._is_impaired() and not state.impairment_reported:
-        await breaker.report_impairment(state, wf._instance_id, wf._group, wf._impairment()[0])
+    report = wf._is_impaired() and not state.impairment_reported
+    if wf.news_beside_steps and report:
+        # The breaker counts the impairment whatever the group's switch says: both at once, one round trip.
+        state.repair_requested = True
+        group, _ = await asyncio.gather(
+            wf._group_config(), breaker.report_impairment(state, wf._instance_id, wf._group, wf._impairment()[0])
+        )
+    else:
+        # The switch is read at the moment of the decision, so turning repair off takes effect at once.
+        group = await wf._group_config()
+        state.repair_requested = True
+        if report:
+            await breaker.report_impairment(state, wf._instance_id, wf._group, wf._impairment()[0])
     if group.auto_repair is AutoRepair.DISABLED and state.operator_repair is None:
         workflow.logger.info("instance impaired; auto repair DISABLED for group %s, monitoring only", wf._group)
         state.repair_withheld = f"auto repair DISABLED for group {wf._group} at {iso(workflow.now())}"

@@ -19,7 +19,7 @@ in place after step 2, and replaced (3-6) only when that does not work (workflow
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -39,6 +39,7 @@ from workflows import repair_evidence as evidence
 from workflows import repair_reboot as ladder
 from workflows.group_config import read_group_config
 from workflows.group_events import publish
+from workflows.in_order import InOrder
 from workflows.models import PermitGrant, PermitRelease, RepairProgress, RepairResult, RepairStatus
 from workflows.options import CALL_RETRY, CALL_TIMEOUT
 from workflows.repair_replacement import ReplacementsExhausted, replace
@@ -57,6 +58,9 @@ with workflow.unsafe.imports_passed_through():
     )
     from activities.workflow_ops import WorkflowOps
 
+# A patch id: histories recorded before a step's event and its news to the health workflow went out beside the next
+# step instead of in front of it.
+NEWS_BESIDE_STEPS = "news-beside-steps"
 # Re-ask for the permit now and then: a semaphore that was reset by an operator forgets its waiters.
 PERMIT_REQUEST_REFRESH = timedelta(minutes=5)
 
@@ -98,9 +102,12 @@ class InstanceRepairWorkflow:
         self._evidence: str | None = None  # the incident's evidence in S3, once stored (workflows/repair_evidence.py)
         self._runbook = RUNBOOK
         self._evidence_step = False  # the group keeps evidence: the ladder's runbook shows the step too
+        self._news = InOrder()
+        self._news_beside_steps = False
 
     @workflow.run
     async def run(self, input: RepairInput) -> RepairResult:
+        self._news_beside_steps = workflow.patched(NEWS_BESIDE_STEPS)
         try:
             # Inside the try: a cancellation or a failure while the group is read is told to the health workflow like
             # any other, which would otherwise wait for this repair's progress for ever.
@@ -183,6 +190,7 @@ class InstanceRepairWorkflow:
             ) from err
         finally:
             await self._release_permit()
+            await self._news.flush()
 
     # --- steps ------------------------------------------------------------------------------------------------
 
@@ -324,10 +332,14 @@ class InstanceRepairWorkflow:
             in_place_fix=self._ladder.fix if finished else None,
         )
         handle = workflow.get_external_workflow_handle(health_workflow_id(self._input.instance_id))
-        try:
-            await handle.signal(names.SIGNAL_REPAIR_PROGRESS, progress)
-        except FailureError as err:
-            workflow.logger.info("health workflow not told of %s: %s", self._phase.value, err)
+
+        async def tell() -> None:
+            try:
+                await handle.signal(names.SIGNAL_REPAIR_PROGRESS, progress)
+            except FailureError as err:
+                workflow.logger.info("health workflow not told of %s: %s", progress.phase.value, err)
+
+        await self._tell(tell)
 
     def _evidence_link(self) -> dict[str, str]:
         return {"evidence": self._evidence} if self._evidence is not None else {}
@@ -347,7 +359,14 @@ class InstanceRepairWorkflow:
             fields=fields,
         )
         # The step is done and recorded in this history: a lost event must not fail (or undo) the repair.
-        await publish(event, f"event {type.value}")
+        await self._tell(lambda: publish(event, f"event {type.value}"))
+
+    async def _tell(self, send: Callable[[], Awaitable[None]]) -> None:
+        """Events and the health workflow's news, in the order the steps happened, beside the next step."""
+        if self._news_beside_steps:
+            self._news.send(send)
+        else:
+            await send()
 
     @workflow.signal(dynamic=True)
     def on_signal(self, name: str, payloads: Sequence[RawValue]) -> None:

@@ -5,7 +5,7 @@ itself is workflows/breaker.py."""
 from __future__ import annotations
 
 import asyncio
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from temporalio import workflow
 from temporalio.exceptions import FailureError
@@ -42,6 +42,9 @@ class SemaphoreBreaker:
     _unheld_draining: set[str]
     _group_size: int
     _changed: bool
+    _fewer_round_trips: bool
+    _measured_at: datetime | None
+    _holder_left: bool
 
     def _show_state(self) -> None:
         raise NotImplementedError
@@ -102,17 +105,27 @@ class SemaphoreBreaker:
             await self._measure()
         counted = [r for r in reports if self._breaker.record(r, workflow.now(), group.impaired_window)]
         await self._trip_if_over(group)
-        for report in counted:
-            await workflow.execute_activity_method(
-                BreakerOps.report_to_fleet_breaker,
-                report.model_copy(update={"group_size": self._group_size}),
-                summary=f"tell the fleet breaker {report.instance_id} became IMPAIRED",
-                start_to_close_timeout=CALL_TIMEOUT,
-                retry_policy=CALL_RETRY,
-            )
+        if self._fewer_round_trips:
+            # The fleet breaker counts them in any order: one round trip for a surge, not one per instance.
+            await asyncio.gather(*(self._report_to_fleet(report) for report in counted))
+        else:
+            for report in counted:
+                await self._report_to_fleet(report)
         self._changed = True
 
+    async def _report_to_fleet(self, report: ImpairmentReport) -> None:
+        await workflow.execute_activity_method(
+            BreakerOps.report_to_fleet_breaker,
+            report.model_copy(update={"group_size": self._group_size}),
+            summary=f"tell the fleet breaker {report.instance_id} became IMPAIRED",
+            start_to_close_timeout=CALL_TIMEOUT,
+            retry_policy=CALL_RETRY,
+        )
+
     async def _measure(self) -> None:
+        # Before the call: a holder that leaves while we count makes the next pass count again.
+        self._measured_at = workflow.now()
+        self._holder_left = False
         capacity = await workflow.execute_activity_method(
             FleetActivities.describe_group_capacity,
             # The cap follows from the settings as they are now, with this semaphore's live overrides applied.

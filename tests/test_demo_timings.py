@@ -1,0 +1,73 @@
+"""The demo's closing timings line from an events file: fault -> IMPAIRED, the permit wait, a repair's own steps
+(drain + launch + terminate, from its RepairCompleted timeline, not the waits for a boot or stop timeouts) and the
+whole repair, each as p50, p90 and max."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from simulator.demo_summary import EventLog, own_steps_seconds, timings_line
+
+T0 = datetime(2026, 12, 5, 6, 0, tzinfo=UTC)
+
+
+def at(seconds: float) -> str:
+    return (T0 + timedelta(seconds=seconds)).isoformat()
+
+
+def timeline(offsets: dict[str, float]) -> list[dict[str, str]]:
+    return [{"phase": phase, "started_at": at(s)} for phase, s in offsets.items()]
+
+
+REPAIR_TIMELINE = {
+    "WaitingForPermit": 2,
+    "Draining": 3,  # 0.5 s
+    "LaunchingReplacement": 3.5,  # 1 s
+    "WaitingForReplacement": 4.5,  # the boot: not ours
+    "StoppingTasks": 30,  # the stop timeouts: not ours
+    "CollectingEvidence": 40,
+    "Terminating": 41,  # 1.5 s
+    "Completed": 42.5,
+}
+
+
+def test_own_steps_are_drain_launch_and_terminate_from_the_timeline() -> None:
+    assert own_steps_seconds(timeline(REPAIR_TIMELINE)) == 3.0
+    assert own_steps_seconds("not a timeline") is None
+    assert own_steps_seconds([{"phase": "Draining"}]) is None
+    assert own_steps_seconds(timeline({"WaitingForPermit": 0, "Completed": 1})) is None
+
+
+def test_timings_line_reports_p50_p90_and_max_of_each_measure(tmp_path: Path) -> None:
+    events: list[dict[str, Any]] = []
+    faults_at = {}
+    for n in range(10):
+        instance = f"i-{n:017x}"
+        faults_at[instance] = T0
+        scale = n + 1  # the n-th repair takes n + 1 times as long in each measure
+        steps = {phase: s * scale for phase, s in REPAIR_TIMELINE.items()}
+        events += [
+            {"type": "HealthChanged", "overall_status": "IMPAIRED", "instance_id": instance, "time": at(0.1 * scale)},
+            {"type": "RepairStarted", "instance_id": instance, "time": at(1)},
+            {"type": "DrainPermitGranted", "instance_id": instance, "time": at(1 + 0.2 * scale)},
+            {
+                "type": "RepairCompleted",
+                "instance_id": instance,
+                "time": at(1 + 10 * scale),
+                "timeline": timeline(steps),
+            },
+        ]
+    path = tmp_path / "events.jsonl"
+    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+    log = EventLog(path)
+    log.read_new()
+
+    assert timings_line(log, faults_at) == (
+        "fault -> IMPAIRED p50 0.6s p90 0.9s max 1.0s (10/10); "
+        "permit wait p50 1.1s p90 1.8s max 2.0s (10/10); "
+        "drain+launch+terminate p50 16.5s p90 27.0s max 30.0s (10/10); "
+        "repair p50 55.0s p90 90.0s max 100.0s (10/10)"
+    )
