@@ -1,9 +1,10 @@
 """`autorepair demo`: a simulated GPU fleet that heals itself, on real local servers.
 
 Everything runs for real except the hardware: a Temporal dev server (with the Web UI), a moto server
-standing in for EC2/ECS/EventBridge/IAM/STS over HTTP, the repair worker (all workflows and activities) and the
-ingest in this process, and the real node probe on each simulated node reading a kernel-log file and reporting
-through the ingest, signed with credentials of its own instance. Faults are NVRM lines written into those files.
+standing in for EC2/ECS/EventBridge/IAM/STS over HTTP, the repair worker (all workflows and activities) as
+`autorepair worker` in a process of its own (its log: <state>/worker.log), the ingest in this process, and the real
+node probe on each simulated node reading a kernel-log file and reporting through the ingest, signed with credentials
+of its own instance. Faults are NVRM lines written into those files.
 
 This module is the command itself: its flags, the validated plan they make, and the run (servers, worker,
 fleet, fault injection, watching until done). The engine reaches moto through a `FlakyAws` proxy that injects
@@ -49,6 +50,7 @@ from simulator.fleet_aws import EngineCalls, ecs_instance_filter
 from simulator.host_identity import HOST_ROLE, HostIdentities
 from simulator.probes import via_ingest
 from simulator.servers import MotoServer, ServerError, TemporalDevServer
+from simulator.worker_process import WorkerProcess
 from worker.settings import Settings
 
 if TYPE_CHECKING:
@@ -238,6 +240,9 @@ def build_settings(
                 bug_report_timeout=timedelta(seconds=60),
             )
         ],
+        # The demo's end stops the worker: in-flight waits need not hold it up.
+        graceful_shutdown_timeout=timedelta(seconds=5),
+        health_bind_address=None,
     )
 
 
@@ -267,7 +272,7 @@ class DemoStack:
     proxy: FlakyAws  # the engine's AWS: moto, through a proxy that injects nothing, so its calls can be followed
     settings: Settings
     client: Client
-    worker: asyncio.Task[None]
+    worker: WorkerProcess
     fleet: SimulatedFleet
     engine_calls: EngineCalls | None  # what the fleet follows; None: it describes the whole group every tick
 
@@ -282,9 +287,7 @@ async def demo_stack(
     The proxy applies ListContainerInstances' `ec2InstanceId == ...` filter as ECS does (moto ignores it, and the
     engine's every lookup of one instance would describe the whole cluster). `follow_engine=False, ecs_filter=False`
     is the demo as it was, for comparison (benchmarks.sim_cost): every tick describes the whole group."""
-    # Imported here: the worker pulls in every workflow and activity, which `--help` does not need.
     from contract.temporal_client import connect
-    from worker.main import run_worker
 
     async with (
         MotoServer(plan.state_dir, plan.moto_port) as moto,
@@ -301,7 +304,11 @@ async def demo_stack(
         account = await asyncio.to_thread(lambda: identities.account)
         settings = build_settings(plan, temporal, moto, account, engine_endpoint=proxy.url)
         client = await connect(settings.temporal, runtime=quiet_runtime())
-        worker = asyncio.create_task(run_worker(settings, client), name="repair worker")
+        # The engine in a process of its own, as it runs for real: the probes and the fleet in this one must not hold
+        # up its workflow tasks, and what it costs is its own.
+        worker = WorkerProcess(settings, plan.state_dir / "worker.log")
+        await worker.start()
+        stack.push_async_callback(worker.stop)
         ingest = await stack.enter_async_context(running_ingest(settings, client))
         console.print(f"ingest {ingest} (hosts report here, each proven by moto's STS as its own instance)")
         fleet = SimulatedFleet(
@@ -324,9 +331,7 @@ async def demo_stack(
             yield DemoStack(moto, temporal, proxy, settings, client, worker, fleet, engine_calls)
         finally:
             await fleet.close()
-            worker.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await worker
+            await worker.stop()
 
 
 async def _run(plan: DemoPlan, console: Console) -> int:
@@ -357,7 +362,7 @@ async def _drive(
     plan: DemoPlan,
     console: Console,
     fleet: SimulatedFleet,
-    worker: asyncio.Task[None],
+    worker: WorkerProcess,
     stop: asyncio.Event,
     started: float,
     workflows_url: str,
@@ -405,7 +410,7 @@ async def _drive(
         while not stop.is_set():
             snap = await fleet.snapshot(from_visibility=True)
             show()
-            if snap.healthy == plan.instances or time.monotonic() > wait_until or worker.done():
+            if snap.healthy == plan.instances or time.monotonic() > wait_until or not worker.alive:
                 break
             await _sleep_or_stop(stop, every)
         if snap is not None and snap.healthy < plan.instances:
@@ -452,9 +457,11 @@ async def _drive(
                 next_look = time.monotonic() + every
                 snap = await fleet.snapshot(from_visibility=True)
             if not outcome.done and not outcome.failed:
-                if worker.done():
-                    error = None if worker.cancelled() else worker.exception()
-                    outcome = Outcome(failed=True, message=f"the repair worker stopped: {error!r}")
+                if not worker.alive:
+                    outcome = Outcome(
+                        failed=True,
+                        message=f"the repair worker exited ({worker.exit_status}); its log:\n{worker.log_tail(10)}",
+                    )
                 elif looked:
                     outcome = judge.judge(snap, events.counts, events.fixed_in_place, events.abandoned_replacements)
                 if not outcome.done and not outcome.failed and elapsed() > plan.time_limit_s:

@@ -104,14 +104,22 @@ def own_steps_seconds(timeline: Any) -> float | None:
 def _spread(name: str, seconds: list[float], of: int) -> str:
     if not seconds:
         return f"{name} - (0/{of})"
-    ranked = sorted(seconds)
-    p90 = ranked[math.ceil(0.9 * len(ranked)) - 1]
-    return f"{name} p50 {statistics.median(ranked):.1f}s p90 {p90:.1f}s max {ranked[-1]:.1f}s ({len(seconds)}/{of})"
+    return (
+        f"{name} p50 {statistics.median(seconds):.1f}s p90 {percentile(seconds, 90):.1f}s max {max(seconds):.1f}s "
+        f"({len(seconds)}/{of})"
+    )
 
 
-def timings_line(events: EventLog, faults_at: dict[str, datetime]) -> str:
-    """How long the faulted instances took, from the events so far: fault written -> IMPAIRED, then each repair's
-    wait for a drain permit, its own steps (OWN_STEPS) and its whole length (RepairStarted -> RepairCompleted)."""
+def percentile(values: list[float], q: int) -> float:
+    """Nearest rank: the smallest value with at least q% of the values at or below it."""
+    ranked = sorted(values)
+    return ranked[max(math.ceil(q / 100 * len(ranked)) - 1, 0)]
+
+
+def timings(events: EventLog, faults_at: dict[str, datetime]) -> dict[str, list[float]]:
+    """Seconds each faulted instance took, by measure, from the events so far: fault written -> IMPAIRED, then its
+    repair's wait for a drain permit, its own steps (OWN_STEPS) and its whole length (RepairStarted ->
+    RepairCompleted)."""
 
     def since(began: dict[str, datetime], end: str) -> list[float]:
         seconds = []
@@ -122,15 +130,16 @@ def timings_line(events: EventLog, faults_at: dict[str, datetime]) -> str:
         return seconds
 
     started = {i: at for i in faults_at if (at := events.first_at.get(("RepairStarted", i))) is not None}
-    of = len(faults_at)
-    return "; ".join(
-        (
-            _spread("fault -> IMPAIRED", since(faults_at, "IMPAIRED"), of),
-            _spread("permit wait", since(started, "DrainPermitGranted"), of),
-            _spread("drain+launch+terminate", [events.own_steps[i] for i in faults_at if i in events.own_steps], of),
-            _spread("repair", since(started, "RepairCompleted"), of),
-        )
-    )
+    return {
+        "fault -> IMPAIRED": since(faults_at, "IMPAIRED"),
+        "permit wait": since(started, "DrainPermitGranted"),
+        "drain+launch+terminate": [events.own_steps[i] for i in faults_at if i in events.own_steps],
+        "repair": since(started, "RepairCompleted"),
+    }
+
+
+def timings_line(events: EventLog, faults_at: dict[str, datetime]) -> str:
+    return "; ".join(_spread(name, seconds, len(faults_at)) for name, seconds in timings(events, faults_at).items())
 
 
 def describe_event(event: dict[str, Any]) -> str:

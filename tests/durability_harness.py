@@ -16,11 +16,7 @@ its scheme is not this module's to know.
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import signal
 import socket
-import sys
 import threading
 from collections import Counter
 from collections.abc import AsyncIterator, Collection, Mapping
@@ -44,9 +40,9 @@ from contract.repair import RepairPhase
 from simulator.aws_proxy import HOP_BY_HOP, forward, parse_request
 from simulator.fleet import SimTiming, SimulatedFleet
 from simulator.fleet_aws import SimWorkload
+from simulator.worker_process import WorkerProcess
 from tests.fleet import Fleet, assert_start_before_stop
 from tests.harness import eventually, make_settings, unique
-from worker.settings import Settings
 from workflows.models import RepairStatus
 
 # Below botocore's 60 s read timeout: a held answer must never turn into botocore's own retry of the call, which
@@ -56,81 +52,6 @@ QUERY_TIMEOUT = timedelta(seconds=5)
 
 
 # --- the worker process -----------------------------------------------------------------------------------------
-
-
-def worker_environment(settings: Settings) -> dict[str, str]:
-    """The settings, as the environment an operator gives `autorepair worker`."""
-    env = dict(os.environ)
-    env.update(
-        AUTOREPAIR_TEMPORAL__ADDRESS=settings.temporal.address,
-        AUTOREPAIR_TEMPORAL__NAMESPACE=settings.temporal.namespace,
-        AUTOREPAIR_TEMPORAL__TASK_QUEUE=settings.temporal.task_queue,
-        AUTOREPAIR_AWS__ENDPOINT_URL=settings.aws.endpoint_url or "",
-        AUTOREPAIR_AWS__REGION=settings.aws.region,
-        AUTOREPAIR_EVENTS__JSONL_PATH=str(settings.events.jsonl_path),
-        AUTOREPAIR_EVENTS__EVENTBRIDGE=str(settings.events.eventbridge).lower(),
-        AUTOREPAIR_GRACEFUL_SHUTDOWN_TIMEOUT=f"PT{settings.graceful_shutdown_timeout.total_seconds():g}S",
-        # Several workers share this machine: the health endpoint's port only where a test asks for one.
-        AUTOREPAIR_HEALTH_BIND_ADDRESS=settings.health_bind_address or "off",
-        AUTOREPAIR_GROUPS=json.dumps([g.model_dump(mode="json") for g in settings.groups]),
-        AUTOREPAIR_LOG_FORMAT="json",
-    )
-    if settings.events.webhook_url:
-        env["AUTOREPAIR_EVENTS__WEBHOOK_URL"] = settings.events.webhook_url
-    return env
-
-
-class WorkerProcess:
-    """`autorepair worker` in a child process: started, SIGKILLed and started again, its output in one log."""
-
-    def __init__(self, settings: Settings, log_path: Path) -> None:
-        self._env = worker_environment(settings)
-        self._log_path = log_path
-        self._proc: asyncio.subprocess.Process | None = None
-        self.starts = 0
-
-    @property
-    def pid(self) -> int | None:
-        return None if self._proc is None else self._proc.pid
-
-    @property
-    def alive(self) -> bool:
-        return self._proc is not None and self._proc.returncode is None
-
-    async def start(self) -> None:
-        assert not self.alive, "the worker is already running"
-        with self._log_path.open("ab") as log:
-            self._proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "operator_cli.main", "worker", env=self._env, stdout=log, stderr=log
-            )
-        self.starts += 1
-
-    async def kill(self) -> None:
-        """SIGKILL: no shutdown, no activity completed, no sticky queue handed back."""
-        assert self._proc is not None and self.alive, f"the worker is not running; log:\n{self.log_tail()}"
-        self._proc.send_signal(signal.SIGKILL)
-        assert await self._proc.wait() == -signal.SIGKILL
-
-    async def terminate(self, within: float) -> int:
-        """SIGTERM, as an orchestrator stops a container, and the exit status once the process ended."""
-        assert self._proc is not None and self.alive, f"the worker is not running; log:\n{self.log_tail()}"
-        self._proc.send_signal(signal.SIGTERM)
-        return await asyncio.wait_for(self._proc.wait(), timeout=within)
-
-    async def stop(self) -> None:
-        if self._proc is not None and self.alive:
-            self._proc.terminate()
-            try:
-                await asyncio.wait_for(self._proc.wait(), timeout=15)
-            except TimeoutError:
-                self._proc.kill()
-                await self._proc.wait()
-
-    def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self._log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
 
 
 # --- the proxy that holds one answer ----------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from benchmarks.demo_timings import faults_written
 from simulator.demo_summary import EventLog, own_steps_seconds, timings_line
 
 T0 = datetime(2026, 12, 5, 6, 0, tzinfo=UTC)
@@ -71,3 +72,14 @@ def test_timings_line_reports_p50_p90_and_max_of_each_measure(tmp_path: Path) ->
         "drain+launch+terminate p50 16.5s p90 27.0s max 30.0s (10/10); "
         "repair p50 55.0s p90 90.0s max 100.0s (10/10)"
     )
+
+
+def test_the_benchmark_reads_when_each_fault_was_written_from_the_demo_log(tmp_path: Path) -> None:
+    log = tmp_path / "demo.log"
+    log.write_text(
+        "2026-12-05 05:32:58,910 INFO simulator.fleet: fleet-sim: injected Xid 109 on i-32377617956102b20 "
+        "(0000:86:00)\n"
+        "2026-12-05 05:32:59,001 INFO ingest.server: relayed finding of i-32377617956102b20 in gpu-a\n"
+        "2026-12-05 05:33:10,000 INFO simulator.fleet: fleet-sim: injected Xid 79 on i-32377617956102b20 (0000:86:00)\n"
+    )
+    assert faults_written(log) == {"i-32377617956102b20": datetime(2026, 12, 5, 5, 32, 58, 910000, tzinfo=UTC)}

@@ -36,7 +36,7 @@ from operator_cli.history import phase_durations
 from operator_cli.inject import xid_line
 from simulator.events import read_events
 from simulator.servers import free_port
-from tests.durability_harness import worker_environment
+from simulator.worker_process import worker_environment
 from tests.fleet import Fleet, simulated_fleet
 from tests.harness import eventually, make_settings, running_worker, unique
 from tests.test_health_signals import monitor_only

@@ -17,7 +17,7 @@ from temporalio.client import Client, WorkflowExecutionStatus
 from contract.groups import AutoRepair
 from contract.health import HealthState
 from contract.ids import health_workflow_id, repair_workflow_id
-from tests.durability_harness import worker_environment
+from simulator.worker_process import worker_environment
 from tests.fleet import assert_start_before_stop, simulated_fleet
 from tests.harness import eventually
 from worker.settings import Settings

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from temporalio.client import Client
 
+from simulator.worker_process import WorkerProcess
 from tests.durability_harness import (
     DurableFleet,
-    WorkerProcess,
     assert_repaired_exactly_once,
     durable_fleet,
     in_flight_by_worker,

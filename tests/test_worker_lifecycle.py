@@ -28,8 +28,8 @@ from temporalio.client import Client
 from contract.event_outbox import OutboxView, Sink, SinkTarget, outbox_workflow_id
 from contract.repair import RepairPhase
 from simulator.servers import free_port
+from simulator.worker_process import WorkerProcess
 from tests.durability_harness import (
-    WorkerProcess,
     assert_repaired_exactly_once,
     durable_fleet,
     in_phase,

@@ -1,0 +1,213 @@
+"""The 200-instance demo's timings on several commits side by side, in one run (issue 23's demo goals).
+
+    .venv/bin/python -m benchmarks.demo_timings REV [REV ...] [--runs 3] [--instances 200] [--faults 40] [--json F]
+
+Checks each REV out in a temporary git worktree and runs `autorepair demo --instances N --faults K --until-repaired
+--exit` in each in turn (A, B, C, A, B, C, ...), so that all see the same machine in the same minutes. Each run's
+events file and log are read by this checkout's code (simulator/demo_summary.py), so an older commit's demo, which
+printed fewer figures, is measured the same way: fault written -> IMPAIRED, permit wait, a repair's own steps
+(drain + launch + terminate) and the whole repair, p50/p90/max per run and over all runs of a commit. Beside them,
+what the machine was doing: the CPU each process of the run used (the demo's: probes, fleet, ingest, and the worker
+where it runs there; moto; Temporal; the worker where it has a process of its own), and how long workflow tasks
+waited for a worker (scheduled -> started, from the run's Temporal database).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+from benchmarks.sim_cost import cpu_seconds
+from simulator.demo_summary import EventLog, percentile, timings
+from simulator.servers import find_binary, free_port
+
+REPO = Path(__file__).resolve().parents[1]
+# simulator/fleet.py logs each fault it writes; the demo's log has the time of day it was written.
+INJECTED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*fleet-sim: injected Xid \d+ on (i-[0-9a-f]+)")
+# A child of the demo, by what its command line says it is.
+ROLES = (("moto_server", "moto"), ("temporal", "temporal"), (" worker", "worker"))
+
+
+def faults_written(log: Path) -> dict[str, datetime]:
+    found: dict[str, datetime] = {}
+    for line in log.read_text(errors="replace").splitlines():
+        match = INJECTED.match(line)
+        if match:
+            at = datetime.strptime(match[1], "%Y-%m-%d %H:%M:%S,%f").replace(tzinfo=UTC)  # the demo logs in UTC
+            found.setdefault(match[2], at)
+    return found
+
+
+@dataclass
+class Run:
+    commit: str
+    exit: int
+    seconds: float
+    timings: dict[str, list[float]]
+    cpu_seconds: dict[str, float]
+    task_waits: list[float] = field(default_factory=list)
+    task_timeouts: int = 0
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError):
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry.name))
+    return found
+
+
+def role(pid: int) -> str:
+    try:
+        command = (Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")).decode(errors="replace")
+    except OSError:
+        return "other"
+    return next((name for needle, name in ROLES if needle in command), "other")
+
+
+def run_demo(commit: str, tree: Path, instances: int, faults: int, state: Path) -> Run:
+    command = [sys.executable, "-m", "operator_cli.main", "demo", "--instances", str(instances), "--faults"]
+    command += [str(faults), "--until-repaired", "--exit", "--state-dir", str(state)]
+    began = time.monotonic()
+    cpu: dict[str, dict[int, float]] = {}
+    with subprocess.Popen(command, cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT) as demo:
+        while demo.poll() is None:
+            # The last reading of each process before it ends: the servers are gone once the demo exits.
+            cpu.setdefault("demo", {})[demo.pid] = cpu_seconds(demo.pid)
+            for child in children(demo.pid):
+                cpu.setdefault(role(child), {})[child] = max(cpu_seconds(child), cpu.get(role(child), {}).get(child, 0))
+            time.sleep(1.0)
+    took = time.monotonic() - began
+    events = EventLog(state / "events.jsonl")
+    events.read_new()
+    measured = timings(events, faults_written(state / "demo.log"))
+    used = {name: round(sum(by_pid.values()), 1) for name, by_pid in sorted(cpu.items())}
+    run = Run(commit, demo.returncode, round(took, 1), measured, used)
+    run.task_waits, run.task_timeouts = asyncio.run(workflow_task_waits(state / "temporal.db"))
+    return run
+
+
+async def workflow_task_waits(db: Path) -> tuple[list[float], int]:
+    """Every workflow task's wait from scheduled to started, and how many timed out, from a run's Temporal database
+    (a dev server started on a copy of it)."""
+    from temporalio.api.enums.v1 import EventType
+    from temporalio.client import Client
+
+    copy = db.with_name("analysis.db")
+    copy.write_bytes(db.read_bytes())
+    port = free_port()
+    server = subprocess.Popen(
+        [find_binary("temporal"), "server", "start-dev", "--headless", "--db-filename", str(copy), "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        client = None
+        for _ in range(60):
+            with contextlib.suppress(Exception):
+                client = await Client.connect(f"127.0.0.1:{port}")
+                break
+            await asyncio.sleep(0.5)
+        if client is None:
+            return [], 0
+        waits: list[float] = []
+        timeouts = 0
+        async for execution in client.list_workflows(""):
+            history = await client.get_workflow_handle(execution.id, run_id=execution.run_id).fetch_history()
+            scheduled: float | None = None
+            for event in history.events:
+                at = event.event_time.ToDatetime().timestamp()
+                if event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_SCHEDULED:
+                    scheduled = at
+                elif event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_STARTED and scheduled is not None:
+                    waits.append(round(at - scheduled, 3))
+                    scheduled = None
+                elif event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_TIMED_OUT:
+                    timeouts += 1
+        return waits, timeouts
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        copy.unlink(missing_ok=True)
+
+
+def spread(values: list[float]) -> str:
+    if not values:
+        return "-"
+    return f"{percentile(values, 50):.1f} / {percentile(values, 90):.1f} / {max(values):.1f}"
+
+
+def table(runs: list[Run], instances: int, faults: int) -> str:
+    measures = list(runs[0].timings)
+    head = ["commit, run", *measures, "workflow task wait p50 / p90 / p99", "CPU s: demo / worker / moto / temporal"]
+    lines = [
+        f"| {instances} / {faults}, p50 / p90 / max s | " + " | ".join(head[1:]) + " | exit, wall |",
+        "|---" * (len(head) + 1) + "|",
+    ]
+    for commit in dict.fromkeys(run.commit for run in runs):
+        mine = [run for run in runs if run.commit == commit]
+        for index, run in enumerate(mine):
+            waits = run.task_waits
+            wait = (
+                f"{percentile(waits, 50):.2f} / {percentile(waits, 90):.2f} / {percentile(waits, 99):.2f}"
+                + (f" ({run.task_timeouts} timed out)" if run.task_timeouts else "")
+                if waits
+                else "-"
+            )
+            cpu = " / ".join(f"{run.cpu_seconds.get(name, 0):.0f}" for name in ("demo", "worker", "moto", "temporal"))
+            cells = [spread(run.timings[m]) for m in measures]
+            lines.append(
+                f"| {commit} {index + 1} | " + " | ".join([*cells, wait, cpu]) + f" | {run.exit}, {run.seconds} s |"
+            )
+        pooled = [spread([s for run in mine for s in run.timings[m]]) for m in measures]
+        lines.append(f"| **{commit}, all runs** | " + " | ".join(pooled) + " | | | |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("commits", nargs="+", help="the commits to compare, each run from a worktree of its own")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--instances", type=int, default=200)
+    parser.add_argument("--faults", type=int, default=40)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+
+    scratch = Path(tempfile.mkdtemp(prefix="demo-timings-"))
+    trees: dict[str, Path] = {}
+    runs: list[Run] = []
+    try:
+        for commit in args.commits:
+            trees[commit] = scratch / f"tree-{len(trees)}"
+            subprocess.run(["git", "worktree", "add", "--detach", str(trees[commit]), commit], cwd=REPO, check=True)
+        for index in range(args.runs):
+            for commit, tree in trees.items():
+                run = run_demo(commit, tree, args.instances, args.faults, scratch / f"{tree.name}-run-{index}")
+                runs.append(run)
+                print(f"{commit} run {index + 1}: exit {run.exit} in {run.seconds} s", flush=True)
+    finally:
+        for tree in trees.values():
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, check=False)
+    print(f"\n{os.cpu_count()} CPUs; {' '.join(sys.argv)}\n")
+    print(table(runs, args.instances, args.faults))
+    if args.json is not None:
+        args.json.write_text(
+            json.dumps({"args": vars(args) | {"json": str(args.json)}, "runs": [asdict(r) for r in runs]})
+        )
+
+
+if __name__ == "__main__":
+    main()
