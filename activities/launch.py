@@ -62,13 +62,13 @@ class Launcher:
             return None
         return min(instances, key=lambda i: (i["LaunchTime"], i["InstanceId"]))["InstanceId"]
 
-    async def from_template(self, group: CapacityGroup, request: LaunchRequest) -> LaunchResult:
+    async def template(self, group: CapacityGroup) -> LaunchTemplateSpecificationTypeDef:
+        """The group's launch template, looked up: a missing one is a configuration error that no retry fixes, and
+        DescribeLaunchTemplates names it plainly (moto also answers RunInstances with a 500 for it)."""
         template = group.launch_template or ""
         version = group.launch_template_version
         by_id = LAUNCH_TEMPLATE_ID.match(template) is not None
-        resource = f"launch template {template} version {version} (capacity group {group.name})"
-        # Look the template up first: a missing one is a configuration error that no retry fixes, and
-        # DescribeLaunchTemplates names it plainly (moto also answers RunInstances with a 500 for it).
+        resource = _template_resource(group)
         describe = self._aws.ec2.describe_launch_templates
         found = await (
             self._aws.call(resource, describe, LaunchTemplateIds=[template])
@@ -81,11 +81,13 @@ class Launcher:
                 type="InvalidLaunchTemplateId.NotFound" if by_id else "InvalidLaunchTemplateName.NotFoundException",
                 non_retryable=True,
             )
-        spec: LaunchTemplateSpecificationTypeDef = (
-            {"LaunchTemplateId": template, "Version": version}
-            if by_id
-            else {"LaunchTemplateName": template, "Version": version}
-        )
+        if by_id:
+            return {"LaunchTemplateId": template, "Version": version}
+        return {"LaunchTemplateName": template, "Version": version}
+
+    async def from_template(
+        self, group: CapacityGroup, request: LaunchRequest, spec: LaunchTemplateSpecificationTypeDef
+    ) -> LaunchResult:
         kwargs: dict[str, Any] = {}
         # Same subnet (hence AZ) as the impaired instance: its tasks' placement constraints stay valid.
         if request.subnet_id:
@@ -93,7 +95,7 @@ class Launcher:
         elif request.availability_zone:
             kwargs["Placement"] = {"AvailabilityZone": request.availability_zone}
         resp = await self._aws.call(
-            resource,
+            _template_resource(group),
             self._aws.ec2.run_instances,
             LaunchTemplate=spec,
             MinCount=1,
@@ -198,3 +200,8 @@ class Launcher:
         activities = resp.get("Activities", [])
         start = activities[0].get("StartTime") if activities else None
         return start.astimezone(UTC) if start is not None else None
+
+
+def _template_resource(group: CapacityGroup) -> str:
+    template, version = group.launch_template, group.launch_template_version
+    return f"launch template {template} version {version} (capacity group {group.name})"

@@ -96,6 +96,7 @@ class Example(ExampleOracle):
             await self.check_semaphore_alive()
             self.check_grants()
             self.check_events()
+            self.report.fleet_reports = self.stub.fleet_reports
         finally:
             await self.clean_up()
             del self.h.stubs.groups[self.group_name]

@@ -53,6 +53,7 @@ class ExampleReport:
     semaphore_events: int = 0
     # How often the semaphore had counted the group (describe_group_capacity) after each step.
     counted_after: list[int] = field(default_factory=list)
+    fleet_reports: int = 0  # impairments the semaphore passed on to the fleet breaker
 
 
 class ExampleOracle:

@@ -177,6 +177,16 @@ def test_a_grant_pass_counts_the_group_only_when_it_must(harness: BreakerHarness
     assert report.counted_after == [1, 1, 1, 2]
 
 
+# Impairments go on to the fleet breaker beside the grant pass, not in front of it: each one still goes, once.
+FLEET_REPORTS = Schedule(50, 20, (Request(5, 0, settle=False), Impair(20, 10, False), Request(5, 5)))
+
+
+def test_every_impairment_reaches_the_fleet_breaker_once(harness: BreakerHarness) -> None:
+    report = harness.run(FLEET_REPORTS)
+    assert report.fleet_reports == 10
+    assert report.grants == 10
+
+
 # Passing, about 1 s a schedule (100 s in CI, 20 minutes for 1,000); failing, hypothesis shrinks for up to 5 minutes
 # more (its own limit). pytest-timeout's 300 s would cut either short in the middle of an example, and its marker
 # wins over --timeout: 3 s a schedule and the 5 minutes.

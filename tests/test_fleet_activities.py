@@ -252,6 +252,24 @@ async def test_launch_from_missing_template_is_permanent_with_clear_message(
     assert fleet.replacements_of(impaired) == []
 
 
+async def test_a_retried_launch_finds_its_replacement_even_once_the_template_is_gone(aws: AwsClients) -> None:
+    # The template is looked up beside the search for the attempt's replacement: the one found still wins.
+    name, _ = make_template(aws)
+    fleet = Fleet(aws, CapacityGroup(name=unique("group"), cluster=unique("cluster"), launch_template=name))
+    [impaired] = fleet.launch()
+    request = LaunchRequest(group=fleet.group.name, impaired_instance_id=impaired, client_token="t-1")
+    first = await run(fleet.acts.launch_replacement, request)
+    aws.ec2.delete_launch_template(LaunchTemplateName=name)
+
+    again = await run(fleet.acts.launch_replacement, request)
+
+    assert again.already_existed and again.replacement_instance_id == first.replacement_instance_id
+    other = request.model_copy(update={"client_token": "t-2"})
+    with pytest.raises(ApplicationError) as exc:
+        await run(fleet.acts.launch_replacement, other)  # a new attempt: the template is needed, and missing
+    assert name in permanent(exc, "InvalidLaunchTemplateName.NotFoundException")
+
+
 @dataclass
 class AsgFleet:
     fleet: Fleet

@@ -61,6 +61,8 @@ RECHECK_EACH_GRANT = "recheck-each-grant"
 # A patch id: histories recorded before a grant pass counted the group only when it had to, granted a batch in one
 # step and sent its grants side by side (one round trip for a batch, not one per grant).
 FEWER_ROUND_TRIPS = "fewer-round-trips"
+# A patch id: histories recorded before impairments went to the fleet breaker beside the grant pass, not in front of it.
+FLEET_REPORTS_BESIDE = "fleet-reports-beside-grants"
 DETAILS_WAITERS = 20
 # Impairments reported and not yet counted (the loop counts them at its next turn): bounded like all state.
 MAX_REPORTS_PENDING = 10_000
@@ -98,6 +100,8 @@ class DrainSemaphoreWorkflow(SemaphoreBreaker, SemaphoreZones):
         self._signals_this_run = 0
         self._changed = True
         self._fewer_round_trips = False
+        self._fleet_reports_beside = False
+        self._fleet_reports: set[asyncio.Task[None]] = set()
         self._measured_at: datetime | None = None
         self._holder_left = False  # since the last count: its instance may still be out of service
         # Kept so the re-sent grants and the discards are not garbage collected mid-flight.
@@ -107,6 +111,7 @@ class DrainSemaphoreWorkflow(SemaphoreBreaker, SemaphoreZones):
     @workflow.run
     async def run(self, input: SemaphoreRun) -> None:
         self._fewer_round_trips = workflow.patched(FEWER_ROUND_TRIPS)
+        self._fleet_reports_beside = workflow.patched(FLEET_REPORTS_BESIDE)
         async with self._config_lock:
             await self._take_over_previous_config()
         settings = await read_group_config(self._group, "read group settings", live_overrides=False)
@@ -133,7 +138,7 @@ class DrainSemaphoreWorkflow(SemaphoreBreaker, SemaphoreZones):
                     await self._grant_what_fits(self._config.effective or group)
             self._show_state()
             if self._time_to_continue():
-                await workflow.wait_condition(workflow.all_handlers_finished)
+                await workflow.wait_condition(lambda: workflow.all_handlers_finished() and not self._fleet_reports)
                 workflow.continue_as_new(
                     SemaphoreRun(
                         group=self._group,

@@ -43,6 +43,8 @@ class SemaphoreBreaker:
     _group_size: int
     _changed: bool
     _fewer_round_trips: bool
+    _fleet_reports_beside: bool
+    _fleet_reports: set[asyncio.Task[None]]
     _measured_at: datetime | None
     _holder_left: bool
 
@@ -105,7 +107,14 @@ class SemaphoreBreaker:
             await self._measure()
         counted = [r for r in reports if self._breaker.record(r, workflow.now(), group.impaired_window)]
         await self._trip_if_over(group)
-        if self._fewer_round_trips:
+        if self._fleet_reports_beside:
+            # Awaiting them would prove only that they arrived, not what the fleet breaker made of them (its hold comes
+            # back as a signal either way): the grants need not wait. Many signals to one workflow take a while.
+            for report in counted:
+                task = asyncio.create_task(self._report_to_fleet(report))
+                self._fleet_reports.add(task)
+                task.add_done_callback(self._fleet_reports.discard)
+        elif self._fewer_round_trips:
             # The fleet breaker counts them in any order: one round trip for a surge, not one per instance.
             await asyncio.gather(*(self._report_to_fleet(report) for report in counted))
         else:
