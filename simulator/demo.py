@@ -38,8 +38,10 @@ import boto3
 from rich.console import Console
 from rich.live import Live
 
+from contract import names
 from contract.config import AwsSettings, EventSettings, IngestSettings, TemporalSettings
 from contract.groups import AutoRepair, CapacityGroup, Remediation
+from contract.ids import semaphore_workflow_id
 from ingest.cli import running_ingest
 from simulator.aws_proxy import FlakyAws
 from simulator.demo_env import logs_to_file, moto_credentials, quiet_runtime
@@ -52,6 +54,7 @@ from simulator.probes import via_ingest
 from simulator.servers import MotoServer, ServerError, TemporalDevServer
 from simulator.worker_process import WorkerProcess
 from worker.settings import Settings
+from workflows.models import SemaphoreView
 
 if TYPE_CHECKING:
     from temporalio.client import Client
@@ -481,10 +484,28 @@ async def _drive(
     if not interactive:  # on a terminal the live table's last frame already says all this
         console.print(summary_line(snap, events.counts, elapsed()))
         console.print(f"[{'green' if outcome.done else 'red'}]{status}[/]")
+    within_cap = True
     if faults_at:
         console.print(timings_line(events, faults_at))
+        within_cap = await _show_drain_cap(fleet, console)
     console.print(f"events: {plan.events_path}  Web UI: {workflows_url}")
-    return 0 if outcome.done else 1
+    return 0 if outcome.done and within_cap else 1
+
+
+async def _show_drain_cap(fleet: SimulatedFleet, console: Console) -> bool:
+    """The most repairs that held a drain permit at once, against the group's cap: never over it."""
+    if fleet.client is None:
+        return True
+    handle = fleet.client.get_workflow_handle(semaphore_workflow_id(DEMO_GROUP))
+    try:
+        view = await handle.query(names.QUERY_STATE, result_type=SemaphoreView)
+    except Exception as err:  # a demo without repairs has no semaphore: nothing was drained
+        console.print(f"drain cap: not read ({err})")
+        return True
+    over = view.max_holders_seen > view.capacity
+    style = "red" if over else "green"
+    console.print(f"[{style}]drain cap: at most {view.max_holders_seen} draining at once, cap {view.capacity}[/]")
+    return not over
 
 
 def _size(path: Path) -> int:

@@ -58,6 +58,8 @@ async def test_demo_until_repaired_heals_faults_and_heartbeat_loss_but_not_blips
         "--until-repaired",
     )
     assert code == 0, output[-3000:]
+    # Six instances: one repair at a time (below 9 instances the cap is 1), three in turn.
+    assert "drain cap: at most 1 draining at once, cap 1" in output, output[-3000:]
     events = read_events(tmp_path / "events.jsonl")
     counts = Counter(e["type"] for e in events)
     assert counts["RepairStarted"] == 3 and counts["RepairCompleted"] == 3 and counts["Terminated"] == 3
