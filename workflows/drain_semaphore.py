@@ -63,6 +63,9 @@ RECHECK_EACH_GRANT = "recheck-each-grant"
 FEWER_ROUND_TRIPS = "fewer-round-trips"
 # A patch id: histories recorded before impairments went to the fleet breaker beside the grant pass, not in front of it.
 FLEET_REPORTS_BESIDE = "fleet-reports-beside-grants"
+# A patch id: histories recorded before a batch's grants went out beside the next batch (requests that arrived while a
+# batch was checked waited for every grant of it to be acknowledged, several workflow tasks, before their own check).
+GRANTS_BESIDE = "grants-beside-next-batch"
 DETAILS_WAITERS = 20
 # Impairments reported and not yet counted (the loop counts them at its next turn): bounded like all state.
 MAX_REPORTS_PENDING = 10_000
@@ -101,7 +104,9 @@ class DrainSemaphoreWorkflow(SemaphoreBreaker, SemaphoreZones):
         self._changed = True
         self._fewer_round_trips = False
         self._fleet_reports_beside = False
-        self._fleet_reports: set[asyncio.Task[None]] = set()
+        self._grants_beside = False
+        # Sends the loop does not wait for (fleet reports, grants): awaited before continue-as-new.
+        self._in_flight: set[asyncio.Task[None]] = set()
         self._measured_at: datetime | None = None
         self._holder_left = False  # since the last count: its instance may still be out of service
         # Kept so the re-sent grants and the discards are not garbage collected mid-flight.
@@ -112,6 +117,7 @@ class DrainSemaphoreWorkflow(SemaphoreBreaker, SemaphoreZones):
     async def run(self, input: SemaphoreRun) -> None:
         self._fewer_round_trips = workflow.patched(FEWER_ROUND_TRIPS)
         self._fleet_reports_beside = workflow.patched(FLEET_REPORTS_BESIDE)
+        self._grants_beside = workflow.patched(GRANTS_BESIDE)
         async with self._config_lock:
             await self._take_over_previous_config()
         settings = await read_group_config(self._group, "read group settings", live_overrides=False)
@@ -138,7 +144,7 @@ class DrainSemaphoreWorkflow(SemaphoreBreaker, SemaphoreZones):
                     await self._grant_what_fits(self._config.effective or group)
             self._show_state()
             if self._time_to_continue():
-                await workflow.wait_condition(lambda: workflow.all_handlers_finished() and not self._fleet_reports)
+                await workflow.wait_condition(lambda: workflow.all_handlers_finished() and not self._in_flight)
                 workflow.continue_as_new(
                     SemaphoreRun(
                         group=self._group,
@@ -191,7 +197,11 @@ class DrainSemaphoreWorkflow(SemaphoreBreaker, SemaphoreZones):
                 # Nothing can land between two grants of one step: the batch is decided as a whole, then told.
                 waiting = len(self._waiters)
                 granted = self._grant(batch, genuine)
-                await asyncio.gather(*(self._send_grant(permit) for permit in granted))
+                if self._grants_beside:
+                    for permit in granted:
+                        self._beside(self._send_grant(permit))  # a grant that fails frees its permit (_changed)
+                else:
+                    await asyncio.gather(*(self._send_grant(permit) for permit in granted))
                 if len(self._waiters) == waiting:
                     return  # the room shrank while we looked: the next change wakes us
                 continue

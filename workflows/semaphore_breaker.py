@@ -5,7 +5,9 @@ itself is workflows/breaker.py."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
 from datetime import datetime, timedelta
+from typing import Any
 
 from temporalio import workflow
 from temporalio.exceptions import FailureError
@@ -44,7 +46,7 @@ class SemaphoreBreaker:
     _changed: bool
     _fewer_round_trips: bool
     _fleet_reports_beside: bool
-    _fleet_reports: set[asyncio.Task[None]]
+    _in_flight: set[asyncio.Task[None]]
     _measured_at: datetime | None
     _holder_left: bool
 
@@ -111,9 +113,7 @@ class SemaphoreBreaker:
             # Awaiting them would prove only that they arrived, not what the fleet breaker made of them (its hold comes
             # back as a signal either way): the grants need not wait. Many signals to one workflow take a while.
             for report in counted:
-                task = asyncio.create_task(self._report_to_fleet(report))
-                self._fleet_reports.add(task)
-                task.add_done_callback(self._fleet_reports.discard)
+                self._beside(self._report_to_fleet(report))
         elif self._fewer_round_trips:
             # The fleet breaker counts them in any order: one round trip for a surge, not one per instance.
             await asyncio.gather(*(self._report_to_fleet(report) for report in counted))
@@ -121,6 +121,12 @@ class SemaphoreBreaker:
             for report in counted:
                 await self._report_to_fleet(report)
         self._changed = True
+
+    def _beside(self, send: Coroutine[Any, Any, None]) -> None:
+        """A send the loop need not wait for; awaited before continue-as-new (`_in_flight`)."""
+        task = asyncio.create_task(send)
+        self._in_flight.add(task)
+        task.add_done_callback(self._in_flight.discard)
 
     async def _report_to_fleet(self, report: ImpairmentReport) -> None:
         await workflow.execute_activity_method(
