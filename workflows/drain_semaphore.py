@@ -105,13 +105,11 @@ class DrainSemaphoreWorkflow(SemaphoreBreaker, SemaphoreZones):
         self._fewer_round_trips = False
         self._fleet_reports_beside = False
         self._grants_beside = False
-        # Sends the loop does not wait for (fleet reports, grants): awaited before continue-as-new.
+        # Sends the loop does not wait for (fleet reports, grants, re-sent grants, denials of discarded repairs): kept
+        # so they are not garbage collected mid-flight, and awaited before continue-as-new.
         self._in_flight: set[asyncio.Task[None]] = set()
         self._measured_at: datetime | None = None
         self._holder_left = False  # since the last count: its instance may still be out of service
-        # Kept so the re-sent grants and the discards are not garbage collected mid-flight.
-        self._regrants: set[asyncio.Task[None]] = set()
-        self._discards: set[asyncio.Task[None]] = set()
 
     @workflow.run
     async def run(self, input: SemaphoreRun) -> None:
@@ -347,7 +345,7 @@ class DrainSemaphoreWorkflow(SemaphoreBreaker, SemaphoreZones):
                 self._forged_signal(f"request for holder {held.holder_workflow_id} without its token")
                 return
             # A repeated request from a holder means our grant may not have reached it: send it again.
-            self._regrants.add(asyncio.create_task(self._send_grant(held)))
+            self._beside(self._send_grant(held))
             return
         if any(w.holder_workflow_id == request.holder_workflow_id for w in self._waiters):
             return

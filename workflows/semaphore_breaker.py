@@ -38,7 +38,6 @@ class SemaphoreBreaker:
     _breaker: BreakerBook
     _fleet_hold: BreakerHold | None
     _reported: list[ImpairmentReport]
-    _discards: set[asyncio.Task[None]]
     _capacity: int
     _out_of_service: int
     _unheld_draining: set[str]
@@ -219,7 +218,7 @@ class SemaphoreBreaker:
     def _on_fleet_hold(self, notice: HoldNotice) -> None:
         self._fleet_hold = notice.held
         if notice.held is None and notice.discard_held:
-            self._discards.add(asyncio.create_task(self._discard_waiters(f"fleet resumed by {notice.by}; discarded")))
+            self._beside(self._discard_waiters(f"fleet resumed by {notice.by}; discarded"))
         self._changed = True
 
     def _breaker_view(self) -> BreakerView:
