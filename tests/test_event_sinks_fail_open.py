@@ -298,8 +298,11 @@ def fleet_outbox(client: Client, fleet: Fleet, proxy: FlakyAws, bus: RoutedBus) 
 
 
 async def publish_durations(client: Client, workflow_id: str) -> list[tuple[int, float]]:
-    """(attempt, seconds from scheduled to completed) of each publish_event of a workflow."""
-    history = (await client.get_workflow_handle(workflow_id).fetch_history()).events
+    """(attempt, seconds from scheduled to completed) of each publish_event of a workflow, once it has closed: its
+    last event's line is in the log before that publish's completion is in its history."""
+    handle = client.get_workflow_handle(workflow_id)
+    await asyncio.wait_for(handle.result(), timeout=60)
+    history = (await handle.fetch_history()).events
     scheduled = {
         e.event_id: e.event_time.ToDatetime()
         for e in history
