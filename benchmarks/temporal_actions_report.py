@@ -9,13 +9,16 @@ import math
 import statistics
 from collections import Counter
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from benchmarks.temporal_actions_count import Action, Execution, Growth, between, tally, tally_detail
 from benchmarks.temporal_actions_old import old_model
 from contract import names
+from contract.groups import CapacityGroup
 from contract.ids import repair_instance_of
+from workflows.holder_watch import next_look
+from workflows.repair_replacement import ready_heartbeat_timeout
 
 MONTH_S = 30 * 24 * 3600
 GOAL = 1_000  # actions per healthy instance-month (issue 11)
@@ -28,7 +31,10 @@ REAL_BOOT_S = 600  # launch -> replacement ACTIVE in ECS (a p5 boots and registe
 REAL_DRAIN_S = 120  # the impaired instance's tasks stopping
 REAL_TASK_POLL_S = 15  # task_poll_interval default
 REAL_RECLAIM_S = 60  # permit_reclaim_interval default
-HEARTBEAT_EVERY_S = 8  # await_container_instance_active: heartbeat timeout 10 s, throttled to 80 %
+REAL_READY_TIMEOUT = CapacityGroup.model_fields["replacement_ready_timeout"].default
+# The SDK sends a heartbeat at most every 80 % of the heartbeat timeout, and at most one a minute (the worker's
+# max_heartbeat_throttle_interval, left at its default).
+HEARTBEAT_EVERY_S = min(0.8 * ready_heartbeat_timeout(REAL_READY_TIMEOUT).total_seconds(), 60.0)
 
 CATEGORIES = (
     "batches to tracker",
@@ -243,8 +249,12 @@ def repair_cost(measured: Measured) -> dict[str, Any]:
         "replacement wait heartbeats": sum(a.n for a in repair_actions if a.kind == "activity heartbeat"),
     }
     hold_s = REAL_BOOT_S + REAL_DRAIN_S + 60
+    reclaim = timedelta(seconds=REAL_RECLAIM_S)
+    idle_look = next_look(holders=1, waiters=0, out_of_service=0, reclaim_interval=reclaim)
+    idle_look_s = (idle_look or reclaim).total_seconds()
     real_timed = {
-        "semaphore reclaim checks (timer + activity)": 2 * math.ceil(hold_s / REAL_RECLAIM_S),
+        # One repair alone: nobody waits behind its permit.
+        "semaphore reclaim checks (timer + activity)": 2 * math.ceil(hold_s / idle_look_s),
         "drain polls (timer + list_instance_tasks after the first)": 2 * math.ceil(REAL_DRAIN_S / REAL_TASK_POLL_S),
         "replacement wait heartbeats": 1 + math.ceil(REAL_BOOT_S / HEARTBEAT_EVERY_S),
     }

@@ -104,7 +104,8 @@ class CapacityGroup(SettingsSection):
     max_repair_attempts: int = Field(default=4, ge=1, le=MAX_REPAIR_ATTEMPTS)
     # How often the repair looks at the draining instance's tasks between stop-timeout deadlines.
     task_poll_interval: timedelta = timedelta(seconds=15)
-    # How often the drain semaphore checks that its permit holders are still running.
+    # How often the drain semaphore checks that its permit holders are still running while a repair waits for a
+    # permit (ten times as long while none waits: a permit nobody waits for costs nothing).
     permit_reclaim_interval: timedelta = timedelta(minutes=1)
     # Liveness trackers for the group: one holds up to 20,000 instances; a larger group needs more (ceil(n/20,000)).
     liveness_shards: LivenessShards = 1

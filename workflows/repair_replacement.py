@@ -41,7 +41,11 @@ LAUNCH_BACKOFF_MAX = timedelta(minutes=10)
 # The wait's activity gives up by itself at the deadline, with a message that says why; Temporal's own timeout, this
 # much later, only ends a wait whose worker was lost at the deadline.
 READY_TIMEOUT_MARGIN = timedelta(minutes=1)
-READY_HEARTBEAT_TIMEOUT = timedelta(seconds=10)
+# A lost worker delays the wait by up to its heartbeat timeout, and each heartbeat that reaches the server is a billed
+# action (the SDK sends one per 80% of the timeout, at most one a minute): a tenth of the wait, within these bounds.
+# At the default 20 minutes, a 10-minute boot costs about 10 heartbeats, not 76.
+READY_HEARTBEAT_MIN = timedelta(seconds=10)
+READY_HEARTBEAT_MAX = timedelta(minutes=2)
 # Within the schedule-to-close timeout: a lost worker or a throttled ECS API must not end the wait early.
 READY_RETRY = RetryPolicy(initial_interval=timedelta(seconds=2), maximum_interval=timedelta(seconds=30))
 CLIENT_TOKEN_MAX = 64  # RunInstances' limit
@@ -184,6 +188,10 @@ async def _launch(
             wf._error = None
 
 
+def ready_heartbeat_timeout(ready_timeout: timedelta) -> timedelta:
+    return min(max(ready_timeout / 10, READY_HEARTBEAT_MIN), READY_HEARTBEAT_MAX)
+
+
 async def _wait_until_active(
     wf: InstanceRepairWorkflow, group: CapacityGroup, replacement: str, attempt: int, limit: int
 ) -> tuple[str, str] | None:
@@ -197,7 +205,7 @@ async def _wait_until_active(
             wait,
             summary=f"wait for replacement {replacement} to be ACTIVE in ECS" + _of(attempt, limit),
             schedule_to_close_timeout=timeout + READY_TIMEOUT_MARGIN,
-            heartbeat_timeout=READY_HEARTBEAT_TIMEOUT,
+            heartbeat_timeout=ready_heartbeat_timeout(timeout),
             retry_policy=READY_RETRY,
         )
         return None

@@ -19,6 +19,7 @@ from contract.ids import semaphore_workflow_id
 from contract.semaphore import PermitDenial, PermitRequest
 from workflows.breaker import BreakerBook
 from workflows.group_events import publish_group_event
+from workflows.holder_watch import next_look
 from workflows.models import Permit
 from workflows.options import CALL_RETRY, CALL_TIMEOUT
 
@@ -84,10 +85,13 @@ class SemaphoreBreaker:
     def _next_wake(self, group: CapacityGroup) -> timedelta | None:
         """Holders are watched (their repairs could close without a release); repairs that wait for a maintenance
         window wake at its start. Otherwise no timer."""
-        waits = []
-        if self._holders or (self._waiters and self._out_of_service):
-            # Out-of-service instances come back (or leave) without a signal: look again.
-            waits.append(group.permit_reclaim_interval)
+        look = next_look(
+            holders=len(self._holders),
+            waiters=len(self._waiters),
+            out_of_service=self._out_of_service,
+            reclaim_interval=group.permit_reclaim_interval,
+        )
+        waits = [] if look is None else [look]
         if any(not self._may_run_now(w, group) for w in self._waiters) and not self._holding():
             opens = next_maintenance(group.maintenance_windows, workflow.now())
             if opens is not None:
