@@ -2,8 +2,8 @@
 
 Everything runs for real except the hardware: a Temporal dev server (with the Web UI), a moto server
 standing in for EC2/ECS/EventBridge/IAM/STS over HTTP, the repair worker (all workflows and activities) as
-`autorepair worker` in a process of its own (its log: <state>/worker.log), the ingest in this process, and the real
-node probe on each simulated node reading a kernel-log file and reporting through the ingest, signed with credentials
+`autorepair worker` and `autorepair ingest` each in a process of its own (their logs: <state>/worker.log and
+<state>/ingest.log), and the real node probe on each simulated node reading a kernel-log file and reporting through the ingest, signed with credentials
 of its own instance. Faults are NVRM lines written into those files.
 
 This module is the command itself: its flags, the validated plan they make, and the run (servers, worker,
@@ -40,19 +40,19 @@ from rich.live import Live
 
 from contract import names
 from contract.config import AwsSettings, EventSettings, IngestSettings, TemporalSettings
+from contract.formats import parse_bind
 from contract.groups import AutoRepair, CapacityGroup, Remediation
 from contract.ids import semaphore_workflow_id
-from ingest.cli import running_ingest
 from simulator.aws_proxy import FlakyAws
 from simulator.demo_env import logs_to_file, moto_credentials, quiet_runtime
 from simulator.demo_judge import Judge, Outcome
 from simulator.demo_summary import EventLog, LiveSummary, describe_event, summary_line, timings_line
+from simulator.engine_process import EngineProcess
 from simulator.fleet import FleetSnapshot, SimTiming, SimulatedFleet
 from simulator.fleet_aws import EngineCalls, ecs_instance_filter
 from simulator.host_identity import HOST_ROLE, HostIdentities
 from simulator.probes import via_ingest
 from simulator.servers import MotoServer, ServerError, TemporalDevServer
-from simulator.worker_process import WorkerProcess
 from worker.settings import Settings
 from workflows.models import SemaphoreView
 
@@ -275,7 +275,7 @@ class DemoStack:
     proxy: FlakyAws  # the engine's AWS: moto, through a proxy that injects nothing, so its calls can be followed
     settings: Settings
     client: Client
-    worker: WorkerProcess
+    worker: EngineProcess
     fleet: SimulatedFleet
     engine_calls: EngineCalls | None  # what the fleet follows; None: it describes the whole group every tick
 
@@ -307,12 +307,17 @@ async def demo_stack(
         account = await asyncio.to_thread(lambda: identities.account)
         settings = build_settings(plan, temporal, moto, account, engine_endpoint=proxy.url)
         client = await connect(settings.temporal, runtime=quiet_runtime())
-        # The engine in a process of its own, as it runs for real: the probes and the fleet in this one must not hold
-        # up its workflow tasks, and what it costs is its own.
-        worker = WorkerProcess(settings, plan.state_dir / "worker.log")
+        # The engine in processes of its own, as it runs for real: the probes and the fleet in this one must hold up
+        # neither the worker's workflow tasks nor the ingest's answers, and what each costs is its own.
+        worker = EngineProcess(settings, plan.state_dir / "worker.log")
         await worker.start()
         stack.push_async_callback(worker.stop)
-        ingest = await stack.enter_async_context(running_ingest(settings, client))
+        ingest_process = EngineProcess(settings, plan.state_dir / "ingest.log", role="ingest")
+        await ingest_process.start()
+        stack.push_async_callback(ingest_process.stop)
+        host, port = parse_bind(settings.ingest.bind)
+        await ingest_process.listening(host, port)
+        ingest = f"http://{host}:{port}"
         console.print(f"ingest {ingest} (hosts report here, each proven by moto's STS as its own instance)")
         fleet = SimulatedFleet(
             group=DEMO_GROUP,
@@ -365,7 +370,7 @@ async def _drive(
     plan: DemoPlan,
     console: Console,
     fleet: SimulatedFleet,
-    worker: WorkerProcess,
+    worker: EngineProcess,
     stop: asyncio.Event,
     started: float,
     workflows_url: str,

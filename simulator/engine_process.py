@@ -1,6 +1,7 @@
-"""`autorepair worker` as a child process, from a Settings object: the demo runs the engine apart from the world
-it simulates (its own interpreter, so the probes and the simulated fleet do not hold up its workflow tasks), and the
-tests SIGKILL it and start it again.
+"""`autorepair worker` and `autorepair ingest` as child processes, from a Settings object: the demo runs the engine
+apart from the world it simulates (their own interpreters, so the probes and the simulated fleet hold up neither the
+worker's workflow tasks nor the ingest's answers, and what each costs is its own), and the tests SIGKILL a worker and
+start it again.
 """
 
 from __future__ import annotations
@@ -9,14 +10,19 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import sys
+import time
 from pathlib import Path
+from typing import Literal
 
 from worker.settings import Settings
 
+Role = Literal["worker", "ingest"]
 
-def worker_environment(settings: Settings) -> dict[str, str]:
-    """The settings, as the environment an operator gives `autorepair worker`."""
+
+def engine_environment(settings: Settings) -> dict[str, str]:
+    """The settings, as the environment an operator gives `autorepair worker` or `autorepair ingest`."""
     env = dict(os.environ)
     env.update(
         AUTOREPAIR_TEMPORAL__ADDRESS=settings.temporal.address,
@@ -35,15 +41,21 @@ def worker_environment(settings: Settings) -> dict[str, str]:
     )
     if settings.events.webhook_url:
         env["AUTOREPAIR_EVENTS__WEBHOOK_URL"] = settings.events.webhook_url
+    ingest = settings.ingest.model_dump(mode="json", exclude_none=True)
+    if settings.ingest.session_secret is not None:
+        ingest["session_secret"] = settings.ingest.session_secret.get_secret_value()
+    env["AUTOREPAIR_INGEST"] = json.dumps(ingest)
     return env
 
 
-class WorkerProcess:
-    """`autorepair worker` in a child process: started, SIGKILLed and started again, its output in one log."""
+class EngineProcess:
+    """`autorepair worker` (or `ingest`) in a child process: started, SIGKILLed and started again, its output in one
+    log."""
 
-    def __init__(self, settings: Settings, log_path: Path) -> None:
-        self._env = worker_environment(settings)
+    def __init__(self, settings: Settings, log_path: Path, role: Role = "worker") -> None:
+        self._env = engine_environment(settings)
         self._log_path = log_path
+        self._role = role
         self._proc: asyncio.subprocess.Process | None = None
         self.starts = 0
 
@@ -57,12 +69,24 @@ class WorkerProcess:
 
     async def start(self) -> None:
         if self.alive:
-            raise RuntimeError("the worker is already running")
+            raise RuntimeError(f"the {self._role} is already running")
         with self._log_path.open("ab") as log:
             self._proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "operator_cli.main", "worker", env=self._env, stdout=log, stderr=log
+                sys.executable, "-m", "operator_cli.main", self._role, env=self._env, stdout=log, stderr=log
             )
         self.starts += 1
+
+    async def listening(self, host: str, port: int, within: float = 30.0) -> None:
+        """Once it accepts connections on host:port; RuntimeError (with its log) if it exits or never does."""
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            self._running()
+            try:
+                await asyncio.to_thread(socket.create_connection((host, port), 0.5).close)
+                return
+            except OSError:
+                await asyncio.sleep(0.2)
+        raise RuntimeError(f"the {self._role} never listened on {host}:{port}; log:\n{self.log_tail()}")
 
     async def kill(self) -> int:
         """SIGKILL: no shutdown, no activity completed, no sticky queue handed back. Its exit status."""
@@ -92,7 +116,7 @@ class WorkerProcess:
 
     def _running(self) -> asyncio.subprocess.Process:
         if self._proc is None or not self.alive:
-            raise RuntimeError(f"the worker is not running; log:\n{self.log_tail()}")
+            raise RuntimeError(f"the {self._role} is not running; log:\n{self.log_tail()}")
         return self._proc
 
     def log_tail(self, lines: int = 30) -> str:

@@ -1,6 +1,6 @@
 """What tests/test_repair_durability.py needs to kill a repair in a chosen phase and prove it still ends exactly once.
 
-- `WorkerProcess`: `autorepair worker` as a child process, so it can be SIGKILLed and started again.
+- `EngineProcess`: `autorepair worker` as a child process, so it can be SIGKILLed and started again.
 - `HoldingAws`: a loopback proxy in front of moto that forwards every call and, for one chosen call, holds moto's
   answer back: AWS has done the work (the instance launched, the container instance DRAINING, the instance
   terminated) and the worker has not heard so. A kill then leaves the step done in AWS and not in the history.
@@ -38,9 +38,9 @@ from contract import search_attributes as sa
 from contract.names import GROUP_TAG
 from contract.repair import RepairPhase
 from simulator.aws_proxy import HOP_BY_HOP, forward, parse_request
+from simulator.engine_process import EngineProcess
 from simulator.fleet import SimTiming, SimulatedFleet
 from simulator.fleet_aws import SimWorkload
-from simulator.worker_process import WorkerProcess
 from tests.fleet import Fleet, assert_start_before_stop
 from tests.harness import eventually, make_settings, unique
 from workflows.models import RepairStatus
@@ -174,7 +174,7 @@ class DurableFleet:
     """The simulated fleet (moto direct), the engine in `worker` (AWS through `aws`), and the module's server."""
 
     fleet: Fleet
-    worker: WorkerProcess
+    worker: EngineProcess
     aws: HoldingAws
     instances: int
 
@@ -237,7 +237,7 @@ async def durable_fleet(
             timing=sim_timing,
             workload=workload,
         )
-        worker = WorkerProcess(settings, tmp_path / "worker.log")
+        worker = EngineProcess(settings, tmp_path / "worker.log")
         async with AsyncExitStack() as stack:
             stack.push_async_callback(worker.stop)
             await worker.start()
@@ -373,7 +373,7 @@ async def assert_group_whole(durable: DurableFleet, impaired: Collection[str]) -
 # --- which worker did what --------------------------------------------------------------------------------------
 
 
-def worker_identity(worker: WorkerProcess) -> str:
+def worker_identity(worker: EngineProcess) -> str:
     """The identity the worker process gives Temporal: the SDK's default, pid@host (one host here)."""
     assert worker.pid is not None, "the worker was never started"
     return f"{worker.pid}@{socket.gethostname()}"

@@ -159,7 +159,7 @@ def test_the_ingest_environment_loads_the_real_settings(stack: Stack, environmen
     assert {g.launch_template for g in settings.groups} <= set(stack.params["LaunchTemplateIds"])
 
 
-def test_the_worker_environment_loads_the_real_settings(stack: Stack, environment):
+def test_the_engine_environment_loads_the_real_settings(stack: Stack, environment):
     worker = stack.container("WorkerTaskDefinition", "worker")
     assert worker["Command"] == ["worker"] and build_parser().parse_args(worker["Command"]).command == "worker"
     values = _environment_of(worker)

@@ -34,9 +34,9 @@ from operator_cli.arguments import parse_duration, parse_since
 from operator_cli.client import workflow_url
 from operator_cli.history import phase_durations
 from operator_cli.inject import xid_line
+from simulator.engine_process import engine_environment
 from simulator.events import read_events
 from simulator.servers import free_port
-from simulator.worker_process import worker_environment
 from tests.fleet import Fleet, simulated_fleet
 from tests.harness import eventually, make_settings, running_worker, unique
 from tests.test_health_signals import monitor_only
@@ -73,7 +73,7 @@ async def autorepair(env: dict[str, str], *args: str) -> tuple[int, str, str]:
 
 def cli_env(settings: Settings) -> dict[str, str]:
     # Wide enough that rich never folds an instance id or a URL in the table output.
-    return worker_environment(settings) | {"COLUMNS": "300"}
+    return engine_environment(settings) | {"COLUMNS": "300"}
 
 
 async def cli_json(settings: Settings, *args: str) -> Any:

@@ -17,7 +17,7 @@ from temporalio.client import Client, WorkflowExecutionStatus
 from contract.groups import AutoRepair
 from contract.health import HealthState
 from contract.ids import health_workflow_id, repair_workflow_id
-from simulator.worker_process import worker_environment
+from simulator.engine_process import engine_environment
 from tests.fleet import assert_start_before_stop, simulated_fleet
 from tests.harness import eventually
 from worker.settings import Settings
@@ -169,7 +169,7 @@ async def start_worker_process(settings: Settings, log_path: Path) -> asyncio.su
         "-m",
         "operator_cli.main",
         "worker",
-        env=worker_environment(settings),
+        env=engine_environment(settings),
         stdout=log,
         stderr=log,
     )

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from temporalio.client import Client
 
-from simulator.worker_process import WorkerProcess
+from simulator.engine_process import EngineProcess
 from tests.durability_harness import (
     DurableFleet,
     assert_repaired_exactly_once,
@@ -51,7 +51,7 @@ async def test_two_workers_share_the_repairs_and_a_sigkill_of_one_mid_run_repair
 ) -> None:
     async with durable_fleet(client, aws_env, tmp_path, instances=INSTANCES, group_settings=GROUP) as d:
         task_queue = d.fleet.settings.temporal.task_queue
-        other = WorkerProcess(d.fleet.settings, tmp_path / "worker-2.log")
+        other = EngineProcess(d.fleet.settings, tmp_path / "worker-2.log")
         await other.start()
         try:
             workers = {worker_identity(d.worker): d.worker, worker_identity(other): other}

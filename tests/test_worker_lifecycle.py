@@ -27,8 +27,8 @@ from temporalio.client import Client
 
 from contract.event_outbox import OutboxView, Sink, SinkTarget, outbox_workflow_id
 from contract.repair import RepairPhase
+from simulator.engine_process import EngineProcess
 from simulator.servers import free_port
-from simulator.worker_process import WorkerProcess
 from tests.durability_harness import (
     assert_repaired_exactly_once,
     durable_fleet,
@@ -117,7 +117,7 @@ async def test_no_event_is_lost_when_a_replica_dies_while_the_sink_is_down(
     port = free_port()  # the webhook: nothing listens yet
     webhook = {"webhook_url": f"http://127.0.0.1:{port}/events", "webhook_timeout": timedelta(seconds=1)}
     async with durable_fleet(client, aws_env, tmp_path, instances=5, events=webhook) as d:
-        other = WorkerProcess(d.fleet.settings, tmp_path / "worker-2.log")
+        other = EngineProcess(d.fleet.settings, tmp_path / "worker-2.log")
         await other.start()
         try:
             [target] = d.sim.live_instances()[:1]
