@@ -33,10 +33,11 @@ from simulator.demo_summary import EventLog, percentile, timings
 from simulator.servers import find_binary, free_port
 
 REPO = Path(__file__).resolve().parents[1]
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 # simulator/fleet.py logs each fault it writes; the demo's log has the time of day it was written.
 INJECTED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*fleet-sim: injected Xid \d+ on (i-[0-9a-f]+)")
 # A child of the demo, by what its command line says it is.
-ROLES = (("moto_server", "moto"), ("temporal", "temporal"), (" worker", "worker"))
+ROLES = (("moto_server", "moto"), ("temporal", "temporal"), (" worker", "worker"), (" ingest", "ingest"))
 
 
 def faults_written(log: Path) -> dict[str, datetime]:
@@ -56,6 +57,7 @@ class Run:
     seconds: float
     timings: dict[str, list[float]]
     cpu_seconds: dict[str, float]
+    rss_mb: dict[str, float] = field(default_factory=dict)  # each role's peak resident memory, sampled each second
     task_waits: list[float] = field(default_factory=list)  # every workflow task of the run
     surge_task_waits: list[float] = field(default_factory=list)  # those scheduled after the first fault was written
     task_timeouts: int = 0
@@ -79,17 +81,32 @@ def role(pid: int) -> str:
     return next((name for needle, name in ROLES if needle in command), "other")
 
 
-def run_demo(commit: str, tree: Path, instances: int, faults: int, state: Path) -> Run:
+def rss_mb(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/statm").read_text().split()
+    except OSError:
+        return 0.0
+    return int(fields[1]) * PAGE_BYTES / 2**20
+
+
+def run_demo(commit: str, tree: Path, instances: int, faults: int, state: Path, time_limit: int | None = None) -> Run:
     command = [sys.executable, "-m", "operator_cli.main", "demo", "--instances", str(instances), "--faults"]
     command += [str(faults), "--until-repaired", "--exit", "--state-dir", str(state)]
+    if time_limit is not None:
+        command += ["--time-limit", str(time_limit)]
     began = time.monotonic()
     cpu: dict[str, dict[int, float]] = {}
-    with subprocess.Popen(command, cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT) as demo:
+    rss: dict[str, dict[int, float]] = {}
+    # Beside the state dir, which the demo wipes as it starts.
+    with (
+        state.with_name(state.name + ".out").open("wb") as out,
+        subprocess.Popen(command, cwd=tree, stdout=out, stderr=subprocess.STDOUT) as demo,
+    ):
         while demo.poll() is None:
             # The last reading of each process before it ends: the servers are gone once the demo exits.
-            cpu.setdefault("demo", {})[demo.pid] = cpu_seconds(demo.pid)
-            for child in children(demo.pid):
-                cpu.setdefault(role(child), {})[child] = max(cpu_seconds(child), cpu.get(role(child), {}).get(child, 0))
+            for pid, name in [(demo.pid, "demo"), *((child, role(child)) for child in children(demo.pid))]:
+                cpu.setdefault(name, {})[pid] = max(cpu_seconds(pid), cpu.get(name, {}).get(pid, 0))
+                rss.setdefault(name, {})[pid] = max(rss_mb(pid), rss.get(name, {}).get(pid, 0))
             time.sleep(1.0)
     took = time.monotonic() - began
     events = EventLog(state / "events.jsonl")
@@ -97,7 +114,8 @@ def run_demo(commit: str, tree: Path, instances: int, faults: int, state: Path) 
     written = faults_written(state / "demo.log")
     measured = timings(events, written)
     used = {name: round(sum(by_pid.values()), 1) for name, by_pid in sorted(cpu.items())}
-    run = Run(commit, demo.returncode, round(took, 1), measured, used)
+    peak = {name: round(sum(by_pid.values()), 1) for name, by_pid in sorted(rss.items())}
+    run = Run(commit, demo.returncode, round(took, 1), measured, used, peak)
     waits, run.task_timeouts = asyncio.run(workflow_task_waits(state / "temporal.db"))
     first_fault = min(written.values(), default=datetime.max.replace(tzinfo=UTC)).timestamp()
     run.task_waits = [wait for _, wait in waits]
