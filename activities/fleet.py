@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
@@ -64,9 +65,20 @@ if TYPE_CHECKING:
 # The ECS agent's default (ECS_CONTAINER_STOP_TIMEOUT) for a container without stopTimeout, on EC2.
 ECS_DEFAULT_STOP_TIMEOUT = 30
 ECS_REASON_MAX = 255
-# While waiting for ECS registration, look at the EC2 instance itself every this many polls (not every poll,
-# to stay far from the EC2 API rate limits with many repairs waiting at once).
-EC2_CHECK_EVERY_POLLS = 15
+# While waiting for ECS registration, look at the EC2 instance itself this often (not every poll, to stay far from
+# the EC2 API rate limits with many repairs waiting at once).
+EC2_CHECK_EVERY = timedelta(seconds=30)
+# The wait's polls of ECS grow by this factor from poll_interval up to a cap: a replacement boots for minutes, and 200
+# repairs polling every 2 s would ask ECS 100 times a second, five times its published cluster-read rate (20/s).
+POLL_GROWTH = 1.5
+POLL_CAP_MAX = timedelta(seconds=30)
+
+
+def poll_cap(ready_timeout: timedelta, first: timedelta) -> timedelta:
+    """A fortieth of the wait, within [first, 30 s]: at the default 20 minutes a replacement that registered is seen
+    within 30 s (5 % of a 10-minute boot), and 200 waiting repairs ask ECS under 7 times a second."""
+    return max(first, min(ready_timeout / 40, POLL_CAP_MAX))
+
 
 # Bounds the activity result (and the semaphore's history) whatever an operator drained by hand.
 OUT_OF_SERVICE_IDS_MAX = 1_000
@@ -251,13 +263,16 @@ class FleetActivities:
         group = self._group(ref.group)
         # A plain InstanceRef (a direct call) has no deadline: the activity's timeout alone ends the wait.
         ready_by = ref.ready_by if isinstance(ref, ReplacementWait) else None
-        polls = 0
+        wait = self._poll_seconds
+        cap = poll_cap(group.replacement_ready_timeout, timedelta(seconds=wait)).total_seconds()
+        ec2_due = time.monotonic()
         while True:
             ci = await self._ecs.find_container_instance(group, ref.instance_id)
             status = ci.get("status", "UNKNOWN") if ci else "NOT_REGISTERED"
             if ci is not None and status == "ACTIVE":
                 return ContainerInstanceRef(container_instance_arn=ci["containerInstanceArn"])
-            if polls % EC2_CHECK_EVERY_POLLS == 0:
+            if time.monotonic() >= ec2_due:
+                ec2_due = time.monotonic() + EC2_CHECK_EVERY.total_seconds()
                 instance = await self._ec2.instance(ref.instance_id)
                 state = (instance or {}).get("State", {}).get("Name")
                 # Waiting for an instance that is gone would only end at the timeout; fail now so the workflow
@@ -279,8 +294,8 @@ class FleetActivities:
                     non_retryable=True,
                 )
             activity.heartbeat(status)
-            polls += 1
-            await asyncio.sleep(self._poll_seconds)
+            await asyncio.sleep(wait)
+            wait = min(wait * POLL_GROWTH, cap)
 
     @activity.defn(name="terminate_replacement")
     async def terminate_replacement(self, ref: ReplacementRef) -> TerminateResult:
