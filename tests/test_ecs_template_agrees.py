@@ -133,6 +133,17 @@ def test_the_probe_heartbeats_as_often_as_the_settings_expect(stack: Stack):
 # --- the ingest, the worker and setup -------------------------------------------------------------------------------
 
 
+def test_the_balancer_keeps_each_host_on_one_ingest_replica(stack: Stack):
+    """Duration-based stickiness (the balancer's cookie, which the probe's HTTP session sends back:
+    tests/test_ingest_reporter_cookies.py), as ACTIONS.md's finding 1 asks."""
+    group = stack.template["Resources"]["IngestTargetGroup"]["Properties"]
+    attributes = {a["Key"]: a["Value"] for a in group["TargetGroupAttributes"]}
+    assert attributes["stickiness.enabled"] == "true"
+    assert attributes["stickiness.type"] == "lb_cookie"
+    # Longer than any pause in a host's heartbeats (a minute apart), within the ALB's 7-day maximum.
+    assert 3600 <= int(attributes["stickiness.lb_cookie.duration_seconds"]) <= 7 * 86400
+
+
 def test_the_ingest_environment_loads_the_real_settings(stack: Stack, environment):
     ingest = stack.container("IngestTaskDefinition", "ingest")
     assert ingest["Command"] == ["ingest"] and build_parser().parse_args(ingest["Command"]).command == "ingest"
