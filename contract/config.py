@@ -212,7 +212,8 @@ class IngestSettings(SettingsSection):
     instance_burst: int = Field(default=20, ge=1)
     total_rate: float = Field(default=2000.0, gt=0)
     total_burst: int = Field(default=4000, ge=1)
-    # How long an instance's group membership (tag or ECS cluster) is believed before it is looked up again.
+    # How long an instance's group membership (tag or ECS cluster) is believed before it is looked up again; the old
+    # answer is given for up to this long again while it is (ingest/membership.py).
     membership_ttl: timedelta = timedelta(minutes=5)
     # After a report proven through STS the host gets a session token for its instance, good this long (at most an
     # hour), so that its next reports cost no STS call (ingest/sessions.py). Replicas share `session_secret` to

@@ -254,6 +254,12 @@ def build_app(ingest: Ingest) -> web.Application:
             yield
 
     app.cleanup_ctx.append(liveness_batches)
+
+    async def membership_reads(app: web.Application) -> AsyncIterator[None]:
+        yield
+        await ingest.membership.close()  # its background reads of EC2 end with the app
+
+    app.cleanup_ctx.append(membership_reads)
     temporal = ingest.temporal
     if temporal is not None:
 
