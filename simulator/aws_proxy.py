@@ -195,6 +195,19 @@ class Rewrite:
         return request.action == self.action and self.service in (None, request.service)
 
 
+@dataclass
+class Answerer:
+    """Answer `action` (json protocol) with HTTP 200 and what `make(request)` returns, or pass it on to moto when that
+    is None (FlakyAws.answer_with)."""
+
+    action: str
+    make: Callable[[AwsRequest], dict[str, object] | None]
+    service: str | None = None
+
+    def applies(self, request: AwsRequest) -> bool:
+        return request.action == self.action and request.protocol == "json" and self.service in (None, request.service)
+
+
 @dataclass(frozen=True)
 class Latency:
     """Hold the answer to `action` ("*": any call no other rule names) for a delay drawn uniformly from
@@ -254,6 +267,7 @@ class FlakyAws:
         self._faults: list[Fault] = []
         self._canned: list[Canned] = []
         self._rewrites: list[Rewrite] = []
+        self._answerers: list[Answerer] = []
         self._latencies: list[Latency] = []
         self._random = random.Random(0)  # the same delays in the same order on every run with the same calls
         self._log = _Log()
@@ -311,6 +325,17 @@ class FlakyAws:
             self._canned.append(canned)
         return canned
 
+    def answer_with(
+        self, action: str, make: Callable[[AwsRequest], dict[str, object] | None], *, service: str | None = None
+    ) -> Answerer:
+        """Add a rule that answers `action` itself (on the proxy's threads, after faults and canned answers): what
+        `make(request)` returns, or moto's answer when it returns None. For what moto does at a cost real AWS does
+        not (a query it ignores, so that it lists a whole cluster to find one instance)."""
+        rule = Answerer(action=action, make=make, service=service)
+        with self._lock:
+            self._answerers.append(rule)
+        return rule
+
     def rewrite(
         self, action: str, edit: Callable[[AwsRequest, bytes], bytes], *, service: str | None = None
     ) -> Rewrite:
@@ -343,11 +368,12 @@ class FlakyAws:
             return self._random.uniform(chosen[-1].low_s, chosen[-1].high_s) if chosen else 0.0
 
     def heal(self) -> None:
-        """Drop every fault, canned answer and rewrite: from now on everything is forwarded, unchanged. Latency rules
-        stay: AWS that works again is not AWS that answers at once."""
+        """Drop every fault, canned answer, answerer and rewrite: from now on everything is forwarded, unchanged.
+        Latency rules stay: AWS that works again is not AWS that answers at once."""
         with self._lock:
             self._faults.clear()
             self._canned.clear()
+            self._answerers.clear()
             self._rewrites.clear()
 
     def calls(self, action: str) -> int:
@@ -444,6 +470,15 @@ class FlakyAws:
     def _record(self, request: AwsRequest, status: int, fault: Fault | None) -> None:
         with self._lock:
             self._log.seen.append(Seen(request=request, status=status, fault=fault.code if fault else None))
+
+    def _made(self, request: AwsRequest) -> dict[str, object] | None:
+        with self._lock:
+            rules = [r for r in self._answerers if r.applies(request)]
+        for rule in rules:
+            made = rule.make(request)
+            if made is not None:
+                return made
+        return None
 
     def _rewritten(self, request: AwsRequest, status: int, body: bytes) -> bytes:
         if not 200 <= status < 300:
@@ -560,10 +595,11 @@ def _handler_for(proxy: FlakyAws) -> type[BaseHTTPRequestHandler]:
             started = time.monotonic()
             decided = proxy._decide(request)
             fault = decided if isinstance(decided, Fault) else None
+            made = proxy._made(request) if decided is None else None
             # HEAD (S3's HeadObject): no body either way, and the length said is moto's, the object's.
             head_length: str | None = None
-            if isinstance(decided, Canned):
-                out_body = json.dumps(decided.body).encode()
+            if isinstance(decided, Canned) or made is not None:
+                out_body = json.dumps(decided.body if isinstance(decided, Canned) else made).encode()
                 out_headers = [("Content-Type", "application/x-amz-json-1.1"), ("x-amzn-RequestId", str(uuid.uuid4()))]
                 status = 200
             elif fault is not None:

@@ -3,8 +3,8 @@
 Everything runs for real except the hardware: a Temporal dev server (with the Web UI), a moto server
 standing in for EC2/ECS/EventBridge/IAM/STS over HTTP, the repair worker (all workflows and activities) as
 `autorepair worker` and `autorepair ingest` each in a process of its own (their logs: <state>/worker.log and
-<state>/ingest.log), and the real node probe on each simulated node reading a kernel-log file and reporting through the ingest, signed with credentials
-of its own instance. Faults are NVRM lines written into those files.
+<state>/ingest.log), and the real node probe on each simulated node reading a kernel-log file and reporting through
+the ingest, signed with credentials of its own instance. Faults are NVRM lines written into those files.
 
 This module is the command itself: its flags, the validated plan they make, and the run (servers, worker,
 fleet, fault injection, watching until done). The engine reaches moto through a `FlakyAws` proxy that injects
@@ -49,7 +49,7 @@ from simulator.demo_judge import Judge, Outcome
 from simulator.demo_summary import EventLog, LiveSummary, describe_event, summary_line, timings_line
 from simulator.engine_process import EngineProcess
 from simulator.fleet import FleetSnapshot, SimTiming, SimulatedFleet
-from simulator.fleet_aws import EngineCalls, ecs_instance_filter
+from simulator.fleet_aws import EngineCalls, ecs_instance_lookup
 from simulator.host_identity import HOST_ROLE, HostIdentities
 from simulator.probes import via_ingest
 from simulator.servers import MotoServer, ServerError, TemporalDevServer
@@ -287,8 +287,8 @@ async def demo_stack(
     """Moto, Temporal, the engine's proxy, the worker, the ingest and the (not yet set up) fleet; taken down in
     order on the way out: probes and worker stop while Temporal, the proxy and moto still answer.
 
-    The proxy applies ListContainerInstances' `ec2InstanceId == ...` filter as ECS does (moto ignores it, and the
-    engine's every lookup of one instance would describe the whole cluster). `follow_engine=False, ecs_filter=False`
+    The proxy answers ListContainerInstances' `ec2InstanceId == ...` query as ECS does (moto ignores it, and the
+    engine's every lookup of one instance would list the whole cluster). `follow_engine=False, ecs_filter=False`
     is the demo as it was, for comparison (benchmarks.sim_cost): every tick describes the whole group."""
     from contract.temporal_client import connect
 
@@ -334,7 +334,8 @@ async def demo_stack(
             engine_calls=engine_calls,
         )
         if ecs_filter:
-            proxy.rewrite("ListContainerInstances", ecs_instance_filter(fleet.container_instances_of), service="ecs")
+            lookup = ecs_instance_lookup(fleet.container_instances_of, moto.endpoint_url)
+            proxy.answer_with("ListContainerInstances", lookup, service="ecs")
         try:
             yield DemoStack(moto, temporal, proxy, settings, client, worker, fleet, engine_calls)
         finally:

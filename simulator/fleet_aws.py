@@ -7,8 +7,8 @@
 - The ECS service scheduler during a drain: cooperative tasks are stopped; stubborn ones stay until StopTask.
 - Reading the world back: group instances, container instance statuses, running task counts; the whole group, or
   only the instances and container instances named.
-- ECS as the engine asks it: `ecs_instance_filter` applies ListContainerInstances' `filter` for one instance, which
-  moto ignores (it lists the whole cluster: at 200 instances, every lookup of one instance would describe them all).
+- ECS as the engine asks it: `ecs_instance_lookup` answers ListContainerInstances' `filter` for one instance, which
+  moto ignores (it lists the whole cluster: at 1,000 instances, every lookup of one instance took ten calls).
 - Following the engine: `EngineCalls` hears the engine's AWS calls (a `FlakyAws` listener in front of moto) and
   keeps what they changed (instances launched, terminated, stopped, rebooted, tagged or detached; container instances
   drained or deregistered; SSM commands sent), so the fleet looks again at those alone.
@@ -531,23 +531,42 @@ class EngineCalls:
 _EC2_INSTANCE_QUERY = re.compile(r"\s*ec2InstanceId\s*==\s*(i-[0-9a-f]{8,17})\s*")
 
 
-def ecs_instance_filter(arns_of: Callable[[str], Collection[str]]) -> Callable[[AwsRequest, bytes], bytes]:
-    """A FlakyAws rewrite of ListContainerInstances (`proxy.rewrite("ListContainerInstances", ...)`) that applies the
-    cluster query `ec2InstanceId == i-...` as ECS does: only that instance's container instances, which `arns_of`
-    names (the fleet registers every one, so it knows). Moto ignores the filter and lists the whole cluster; any other
-    filter, or none, is left as moto answers it. Each page is narrowed; its nextToken stays."""
+def ecs_instance_lookup(
+    arns_of: Callable[[str], Collection[str]], endpoint_url: str
+) -> Callable[[AwsRequest], dict[str, object] | None]:
+    """A FlakyAws answerer of ListContainerInstances (`proxy.answer_with("ListContainerInstances", ...)`) for the
+    cluster query `ec2InstanceId == i-...`, answered as ECS does: only that instance's registered container instances.
+    Moto ignores the query and lists the whole cluster, a page of 100 per call, so each of the engine's lookups of
+    one instance cost a call per 100 instances, every one listing them all (at 1,000 instances, with 200 repairs
+    waiting for their replacements, more than moto could answer). `arns_of` names what the fleet registered for the
+    instance (the ECS agent's, so all there are); moto is asked only whether those are still registered, one
+    DescribeContainerInstances. Any other query, a later page, or a cluster moto does not know goes to moto."""
+    ecs: ECSClient = boto3.client(
+        "ecs", region_name="us-east-1", endpoint_url=endpoint_url, config=Config(max_pool_connections=AWS_CONCURRENCY)
+    )
 
-    def narrow(request: AwsRequest, answer: bytes) -> bytes:
+    def answer(request: AwsRequest) -> dict[str, object] | None:
         try:
-            query = str(json.loads(request.body or b"{}").get("filter") or "")
-            page = json.loads(answer)
+            query = json.loads(request.body or b"{}")
         except ValueError:
-            return answer
-        matched = _EC2_INSTANCE_QUERY.fullmatch(query)
-        if matched is None or not isinstance(page, dict):
-            return answer
-        keep = set(arns_of(matched.group(1)))
-        page["containerInstanceArns"] = [arn for arn in page.get("containerInstanceArns", []) if arn in keep]
-        return json.dumps(page).encode()
+            return None
+        if not isinstance(query, dict) or query.get("nextToken") or query.get("status"):
+            return None
+        matched = _EC2_INSTANCE_QUERY.fullmatch(str(query.get("filter") or ""))
+        if matched is None or not isinstance(query.get("cluster"), str):
+            return None
+        candidates = sorted(arns_of(matched.group(1)))
+        if not candidates:
+            return {"containerInstanceArns": []}
+        try:
+            described = ecs.describe_container_instances(cluster=query["cluster"], containerInstances=candidates)
+        except ClientError:
+            return None  # moto's own answer says what is wrong (an unknown cluster)
+        registered = [
+            ci["containerInstanceArn"]
+            for ci in described.get("containerInstances", [])
+            if ci.get("status") != "INACTIVE" and "containerInstanceArn" in ci
+        ]
+        return {"containerInstanceArns": registered}
 
-    return narrow
+    return answer

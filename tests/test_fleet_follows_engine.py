@@ -24,7 +24,7 @@ from botocore.exceptions import ClientError
 from contract.names import REBOOT_TAG
 from simulator.aws_proxy import Answered, FlakyAws
 from simulator.fleet import SimTiming, SimulatedFleet
-from simulator.fleet_aws import EngineCalls, SimWorkload, ecs_instance_filter
+from simulator.fleet_aws import EngineCalls, SimWorkload, ecs_instance_lookup
 from simulator.nodes import SimNode
 
 # A full look only at start: every later change must come from the engine's calls (or the test says otherwise).
@@ -247,18 +247,26 @@ async def test_head_object_goes_through_the_proxy(proxy: FlakyAws, aws_env: str)
 
 
 async def test_the_proxy_narrows_a_listing_to_one_instance_as_ecs_does(
-    following: Callable[..., Awaitable[SimulatedFleet]], proxy: FlakyAws
+    following: Callable[..., Awaitable[SimulatedFleet]], proxy: FlakyAws, aws_env: str
 ) -> None:
-    """moto ignores ListContainerInstances' filter; the demo's proxy applies the engine's one query, so looking up one
-    instance does not describe the whole cluster."""
+    """moto ignores ListContainerInstances' filter; the demo's proxy answers the engine's one query itself, asking moto
+    only whether that instance's container instance is still registered, so looking up one instance does not list
+    the whole cluster."""
     fleet = await following(instances=3)
-    proxy.rewrite("ListContainerInstances", ecs_instance_filter(fleet.container_instances_of), service="ecs")
+    moto = FlakyAws(aws_env).start()  # injects nothing: counts what the lookup asks moto
+    lookup = ecs_instance_lookup(fleet.container_instances_of, moto.url)
+    proxy.answer_with("ListContainerInstances", lookup, service="ecs")
     ecs = _engine(proxy, "ecs")
     chosen = fleet.node(sorted(fleet.live_instances())[1])
     every = set(ecs.list_container_instances(cluster=fleet.cluster)["containerInstanceArns"])
     assert len(every) == 3 and chosen.container_instance_arn in every
 
-    narrowed = ecs.list_container_instances(cluster=fleet.cluster, filter=f"ec2InstanceId == {chosen.instance_id}")
+    try:
+        narrowed = ecs.list_container_instances(cluster=fleet.cluster, filter=f"ec2InstanceId == {chosen.instance_id}")
+        # moto was asked about that one container instance, and listed nothing.
+        assert (moto.calls("DescribeContainerInstances"), moto.calls("ListContainerInstances")) == (1, 0)
+    finally:
+        moto.close()
     assert narrowed["containerInstanceArns"] == [chosen.container_instance_arn]
     unknown = ecs.list_container_instances(cluster=fleet.cluster, filter="ec2InstanceId == i-0123456789abcdef0")
     assert unknown["containerInstanceArns"] == []
