@@ -37,7 +37,13 @@ PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 # simulator/fleet.py logs each fault it writes; the demo's log has the time of day it was written.
 INJECTED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*fleet-sim: injected Xid \d+ on (i-[0-9a-f]+)")
 # A child of the demo, by what its command line says it is.
-ROLES = (("moto_server", "moto"), ("temporal", "temporal"), (" worker", "worker"), (" ingest", "ingest"))
+ROLES = (
+    ("moto_server", "moto"),
+    ("moto_main", "moto"),
+    ("temporal", "temporal"),
+    (" worker", "worker"),
+    (" ingest", "ingest"),
+)
 
 
 def faults_written(log: Path) -> dict[str, datetime]:
@@ -109,6 +115,9 @@ def run_demo(commit: str, tree: Path, instances: int, faults: int, state: Path, 
                 rss.setdefault(name, {})[pid] = max(rss_mb(pid), rss.get(name, {}).get(pid, 0))
             time.sleep(1.0)
     took = time.monotonic() - began
+    if not (state / "temporal.db").exists():
+        output = state.with_name(state.name + ".out").read_text(errors="replace")
+        raise RuntimeError(f"the demo never started (exit {demo.returncode}):\n{output[-2000:]}")
     events = EventLog(state / "events.jsonl")
     events.read_new()
     written = faults_written(state / "demo.log")

@@ -269,6 +269,11 @@ class TemporalDevServer(_Subprocess):
         return self
 
 
+def moto_command(host: str, port: int) -> list[str]:
+    """moto_server with its EC2 tag lookup indexed (simulator/moto_main.py says why)."""
+    return [sys.executable, "-m", "simulator.moto_main", "-H", host, "-p", str(port)]
+
+
 class MotoServer(_Subprocess):
     """`moto_server` over HTTP: boto3 in the worker and in the simulator talk to it like to AWS."""
 
@@ -283,14 +288,13 @@ class MotoServer(_Subprocess):
         stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S,
     ) -> None:
         super().__init__(state_dir, port, start_timeout_s=start_timeout_s, stop_timeout_s=stop_timeout_s)
-        self.binary = find_binary("moto_server")
 
     @property
     def endpoint_url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
     def command(self) -> list[str]:
-        return [self.binary, "-H", self.host, "-p", str(self.port)]
+        return moto_command(self.host, self.port)
 
     async def _ready(self) -> bool:
         def get() -> bool:

@@ -14,7 +14,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
 from contract import search_attributes
-from simulator.servers import find_binary, free_port
+from simulator.servers import find_binary, free_port, moto_command
 from tests.harness import SERVER_STARTUP_TIMEOUT
 
 # The longest files (minutes each, end to end), started first when files run side by side (`make test`): started last,
@@ -43,7 +43,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def moto_endpoint() -> Iterator[str]:
     port = free_port()
     proc = subprocess.Popen(
-        [find_binary("moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+        moto_command("127.0.0.1", port),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

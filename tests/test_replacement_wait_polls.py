@@ -1,5 +1,6 @@
 """How often a repair waiting for its replacement asks ECS (activities/fleet.py's poll_cap): rarely enough that a
-surge of waiting repairs stays under ECS's cluster-read rate, often enough that a registered replacement is soon seen."""
+surge of waiting repairs stays under ECS's cluster-read rate, often enough that a registered replacement is soon
+seen."""
 
 from __future__ import annotations
 
