@@ -1,8 +1,9 @@
 """Whether an instance belongs to the capacity group it names: its EC2 tag (contract.names.GROUP_TAG) says so, or it
 is registered in that group's ECS cluster. Answers, yes and no, are believed for `ingest.membership_ttl`, then given
 for up to that long again while they are asked anew in the background, many instances to an EC2 call
-(ingest/tag_reads.py); an AWS error is no answer (MembershipUnknown, the ingest says 503) and is not remembered. A group the settings do not
-have is no member of anything, and said so (`group_known`): the probe's --group is wrong."""
+(ingest/tag_reads.py); an AWS error is no answer (MembershipUnknown, the ingest says 503) and is not remembered. A
+group the settings do not have is no member of anything, and said so (`group_known`): the probe's --group is
+wrong."""
 
 from __future__ import annotations
 
