@@ -90,20 +90,21 @@ def _aws_clients_in(holder: object, depth: int = 2) -> list[AwsClients]:
 # --- [worker] and [aws] as settings ------------------------------------------------------------------------------
 
 
-def test_the_defaults_are_the_sdks_own() -> None:
+def test_the_defaults_are_the_sdks_own_but_the_activities() -> None:
     """Stated defaults, not silent ones: an SDK upgrade that changes its defaults fails here, to be looked at."""
     tuning = WorkerTuning()
     sdk = inspect.signature(Worker.__init__).parameters
     fixed = vars(WorkerTuner.create_fixed())  # what the SDK uses when max_concurrent_* are unset
     assert tuning.max_concurrent_workflow_tasks == fixed["workflow_slot_supplier"].num_slots == 100
-    assert tuning.max_concurrent_activities == fixed["activity_slot_supplier"].num_slots == 100
+    # Ten times the SDK's: a replacement's wait holds an activity for the whole boot (worker/tuning.py says why).
+    assert fixed["activity_slot_supplier"].num_slots == 100 and tuning.max_concurrent_activities == 1_000
     assert PollerBehaviorSimpleMaximum(tuning.workflow_task_pollers) == sdk["workflow_task_poller_behavior"].default
     assert PollerBehaviorSimpleMaximum(tuning.activity_task_pollers) == sdk["activity_task_poller_behavior"].default
     assert tuning.max_cached_workflows == sdk["max_cached_workflows"].default
     assert tuning.sticky_queue_schedule_to_start_timeout == sdk["sticky_queue_schedule_to_start_timeout"].default
-    # The AWS threads follow the activities unless set; a bare AwsClients gets as many as the SDK's default.
-    assert tuning.aws_threads == tuning.max_concurrent_activities == DEFAULT_CALL_THREADS
-    assert WorkerTuning(max_concurrent_activities=40).aws_threads == 40
+    # The AWS threads are their own setting: as many as a bare AwsClients gets, whatever the activities.
+    assert tuning.aws_threads == DEFAULT_CALL_THREADS == 100
+    assert WorkerTuning(max_concurrent_activities=40).aws_threads == DEFAULT_CALL_THREADS
     assert WorkerTuning(max_concurrent_activities=40, aws_call_threads=8).aws_threads == 8
     assert AwsSettings().max_concurrent_calls_per_api == 16
 
@@ -121,7 +122,8 @@ def test_worker_and_aws_tables_are_read_from_the_file_and_the_environment(
     monkeypatch.setenv("AUTOREPAIR_WORKER__ACTIVITY_TASK_POLLERS", "9")
     settings = Settings.load()
     assert settings.aws.max_concurrent_calls_per_api == 4
-    assert settings.worker.max_concurrent_activities == 30 == settings.worker.aws_threads
+    assert settings.worker.max_concurrent_activities == 30
+    assert settings.worker.aws_threads == DEFAULT_CALL_THREADS
     assert settings.worker.max_cached_workflows == 0
     assert settings.worker.sticky_queue_schedule_to_start_timeout == timedelta(seconds=3)
     assert settings.worker.activity_task_pollers == 9

@@ -1,7 +1,11 @@
 """`[worker]`: how much the worker takes on at once, passed to the Temporal SDK's Worker (worker/main.py).
 
 The defaults are the SDK's own (temporalio 1.35; tests/test_worker_tuning.py fails if an SDK upgrade changes them),
-stated here so that a benchmark can measure them and an operator can see what a change moves away from.
+stated here so that a benchmark can measure them and an operator can see what a change moves away from, except
+`max_concurrent_activities`: a repair waiting for its replacement holds an activity for the whole boot, and at the
+SDK's 100, 200 repairs at once (a fifth of 1,000 instances) left every other activity waiting 8-16 s for a slot at the
+median and up to 94 s, past the events' timeouts (benchmarks/SCALE.md). The activities are asyncio tasks; their AWS
+calls have threads of their own (`aws_call_threads`).
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from datetime import timedelta
 
 from pydantic import ConfigDict, Field
 
+from activities.aws import DEFAULT_CALL_THREADS
 from contract.config import PositiveDuration, SettingsSection
 
 
@@ -20,7 +25,9 @@ class WorkerTuning(SettingsSection):
         default=100, ge=1, description="Workflow tasks (a workflow's code between two awaits) run at once"
     )
     max_concurrent_activities: int = Field(
-        default=100, ge=1, description="Activities run at once; most make one AWS call at a time"
+        default=1_000,
+        ge=1,
+        description="Activities run at once; most make one AWS call at a time, a replacement's wait one for the boot",
     )
     workflow_task_pollers: int = Field(
         default=5,
@@ -40,18 +47,18 @@ class WorkerTuning(SettingsSection):
         default=timedelta(seconds=10),
         description="A task waiting this long on this worker's sticky queue goes to any worker (which replays)",
     )
-    aws_call_threads: int | None = Field(
-        default=None,
+    aws_call_threads: int = Field(
+        default=DEFAULT_CALL_THREADS,
         ge=1,
         description=(
-            "Threads for the activities' AWS calls, a pool of their own (activities/aws.py); unset: "
-            "max_concurrent_activities, one per activity slot"
+            "Threads for the activities' AWS calls, a pool of their own (activities/aws.py); a call waiting its turn "
+            "holds no thread"
         ),
     )
 
     @property
     def aws_threads(self) -> int:
-        return self.aws_call_threads or self.max_concurrent_activities
+        return self.aws_call_threads
 
     def settings_problems(self) -> list[tuple[str | None, str]]:
         if self.max_cached_workflows and self.max_concurrent_workflow_tasks < 2:
