@@ -145,10 +145,6 @@ class GroupMembership:
         self.lookups = 0  # AWS lookups made (cache misses and refreshes), for the tests and the log
 
     @property
-    def ec2_calls(self) -> int:
-        return self._tags.calls
-
-    @property
     def refreshing(self) -> int:
         """Answers being asked again in the background just now."""
         return len(self._refreshing)
