@@ -28,12 +28,11 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from benchmarks.sim_cost import cpu_seconds
+from benchmarks.sim_cost import cpu_seconds, rss_mb
 from simulator.demo_summary import EventLog, percentile, timings
 from simulator.servers import find_binary, free_port
 
 REPO = Path(__file__).resolve().parents[1]
-PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 # simulator/fleet.py logs each fault it writes; the demo's log has the time of day it was written.
 INJECTED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*fleet-sim: injected Xid \d+ on (i-[0-9a-f]+)")
 # A child of the demo, by what its command line says it is.
@@ -87,14 +86,6 @@ def role(pid: int) -> str:
     return next((name for needle, name in ROLES if needle in command), "other")
 
 
-def rss_mb(pid: int) -> float:
-    try:
-        fields = Path(f"/proc/{pid}/statm").read_text().split()
-    except OSError:
-        return 0.0
-    return int(fields[1]) * PAGE_BYTES / 2**20
-
-
 def run_demo(commit: str, tree: Path, instances: int, faults: int, state: Path, time_limit: int | None = None) -> Run:
     command = [sys.executable, "-m", "operator_cli.main", "demo", "--instances", str(instances), "--faults"]
     command += [str(faults), "--until-repaired", "--exit", "--state-dir", str(state)]
@@ -112,7 +103,7 @@ def run_demo(commit: str, tree: Path, instances: int, faults: int, state: Path, 
             # The last reading of each process before it ends: the servers are gone once the demo exits.
             for pid, name in [(demo.pid, "demo"), *((child, role(child)) for child in children(demo.pid))]:
                 cpu.setdefault(name, {})[pid] = max(cpu_seconds(pid), cpu.get(name, {}).get(pid, 0))
-                rss.setdefault(name, {})[pid] = max(rss_mb(pid), rss.get(name, {}).get(pid, 0))
+                rss.setdefault(name, {})[pid] = max(rss_mb(pid) or 0.0, rss.get(name, {}).get(pid, 0))
             time.sleep(1.0)
     took = time.monotonic() - began
     if not (state / "temporal.db").exists():

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 from botocore.credentials import ReadOnlyCredentials
 
 from benchmarks import ingest_throughput as throughput
+from benchmarks.sim_cost import rss_mb
 from benchmarks.support import CRITICAL_XIDS, check_critical_xids
 from contract.config import IngestSettings
 from contract.health import HealthState
@@ -79,14 +80,6 @@ PROBE_SOURCES = [ProbeSourceHealth(name=name, state=HealthState.OK) for name in 
 
 
 # --- Reading processes and Prometheus endpoints -------------------------------------------------------------------
-
-
-def rss_mb(pid: int) -> float | None:
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return round(int(line.split()[1]) / 1024, 1)
-    return None
 
 
 _SAMPLE_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")

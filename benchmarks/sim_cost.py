@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -64,6 +65,15 @@ def cpu_seconds(pid: int | None) -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime (fields 14 and 15 of stat)
+
+
+def rss_mb(pid: int) -> float | None:
+    """Resident memory of a process now, in MiB, from /proc (None when unknown)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    return None
 
 
 def own_cpu_seconds() -> float:

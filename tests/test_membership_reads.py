@@ -110,13 +110,17 @@ class Lookup(AwsMembershipLookup):
         return False
 
 
-async def test_a_stale_answer_is_given_while_it_is_asked_again_and_a_too_old_one_is_waited_for() -> None:
+def one_member() -> tuple[FakeClock, SlowTags, GroupMembership]:
+    """i-1 tagged for gpu-a, answers fresh for 300 s on a clock the test moves, refreshes sent at once."""
     clock = FakeClock()
     ec2 = SlowTags({"i-1": "gpu-a"}, delay=0)
     lookup = Lookup(ec2)
-    membership = GroupMembership(
-        [GROUP], lookup, ttl_s=300, clock=clock, tag_reads=TagReads(lookup.group_tags, refresh_every_s=0)
-    )
+    tag_reads = TagReads(lookup.group_tags, refresh_every_s=0)
+    return clock, ec2, GroupMembership([GROUP], lookup, ttl_s=300, clock=clock, tag_reads=tag_reads)
+
+
+async def test_a_stale_answer_is_given_while_it_is_asked_again_and_a_too_old_one_is_waited_for() -> None:
+    clock, ec2, membership = one_member()
     try:
         assert (await membership.check("i-1", "gpu-a")).member
         clock.now += 100
@@ -143,12 +147,7 @@ async def test_a_stale_answer_is_given_while_it_is_asked_again_and_a_too_old_one
 
 
 async def test_a_failed_refresh_keeps_the_answer_until_it_is_too_old_then_the_report_gets_unknown() -> None:
-    clock = FakeClock()
-    ec2 = SlowTags({"i-1": "gpu-a"}, delay=0)
-    lookup = Lookup(ec2)
-    membership = GroupMembership(
-        [GROUP], lookup, ttl_s=300, clock=clock, tag_reads=TagReads(lookup.group_tags, refresh_every_s=0)
-    )
+    clock, ec2, membership = one_member()
     try:
         assert (await membership.check("i-1", "gpu-a")).member
         ec2.fail = ClientError({"Error": {"Code": "RequestLimitExceeded", "Message": "slow down"}}, "DescribeInstances")
