@@ -179,6 +179,11 @@ async def test_a_repair_an_operator_cancelled_is_not_retried(client: Client, aws
         await eventually(
             partial(health_of, health), lambda v: v.repair is not None and v.repair.workflow_id == first.id
         )
+        # Cancelled only once it has started: a cancel that lands while it still reads its group's config fails it
+        # before its RepairStarted, which the end of this test counts.
+        await eventually(
+            lambda: asyncio.sleep(0, events_of(settings, "RepairStarted", instance)), lambda e: len(e) == 1
+        )
 
         await first.cancel()  # `temporal workflow cancel --workflow-id repair/<instance>/1`
         await eventually(first.describe, lambda d: d.status == WorkflowExecutionStatus.CANCELED)
