@@ -18,7 +18,6 @@ With the group's `quarantine`, the impaired instance is stopped, not terminated:
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import TYPE_CHECKING
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
@@ -28,8 +27,9 @@ from contract.config import format_seconds
 from contract.evidence import QUARANTINE_TAG
 from contract.groups import CapacityGroup
 from contract.repair import RepairPhase
+from workflows.activity_errors import describe_error
 from workflows.options import CALL_RETRY, CALL_TIMEOUT
-from workflows.repair_replacement import describe_error
+from workflows.repair_context import RepairContext
 
 with workflow.unsafe.imports_passed_through():
     from activities.evidence import EvidenceActivities
@@ -41,11 +41,7 @@ with workflow.unsafe.imports_passed_through():
         EvidenceManifest,
         EvidenceRequest,
         EvidenceStored,
-        InstanceRef,
     )
-
-if TYPE_CHECKING:
-    from workflows.repair import InstanceRepairWorkflow
 
 # Evidence is worth minutes, not the repair: an S3 that keeps refusing is given up on after a few tries.
 EVIDENCE_RETRY = RetryPolicy(
@@ -54,13 +50,14 @@ EVIDENCE_RETRY = RetryPolicy(
 MIN_POLL = timedelta(seconds=1)
 
 
-async def keep_evidence(wf: InstanceRepairWorkflow, group: CapacityGroup) -> None:
+async def keep_evidence(repair: RepairContext, group: CapacityGroup) -> None:
     """Steps 1-3, once per repair; nothing for a group without an evidence bucket."""
-    if wf._evidence_taken or group.evidence_bucket is None:
+    record = repair.record
+    if record.evidence_taken or group.evidence_bucket is None:
         return
-    wf._evidence_taken = True
-    await wf._enter(RepairPhase.COLLECTING_EVIDENCE)
-    input = wf._input
+    record.evidence_taken = True
+    await repair.enter(RepairPhase.COLLECTING_EVIDENCE)
+    input = record.input
     try:
         stored: EvidenceStored = await workflow.execute_activity_method(
             EvidenceActivities.store_evidence,
@@ -79,7 +76,7 @@ async def keep_evidence(wf: InstanceRepairWorkflow, group: CapacityGroup) -> Non
             start_to_close_timeout=CALL_TIMEOUT,
             retry_policy=EVIDENCE_RETRY,
         )
-        note = await _host_part(wf, group, stored)
+        note = await _host_part(repair, group, stored)
         manifest: EvidenceManifest = await workflow.execute_activity_method(
             EvidenceActivities.finish_evidence,
             EvidenceFinish(
@@ -99,13 +96,13 @@ async def keep_evidence(wf: InstanceRepairWorkflow, group: CapacityGroup) -> Non
         if is_cancelled_exception(err):
             raise
         why = describe_error(err)
-        wf._notes[RepairPhase.COLLECTING_EVIDENCE] = f"**not stored**: {why}"
-        await wf._event(EventType.EVIDENCE_NOT_STORED, reason=input.reason, why=why)
+        record.notes[RepairPhase.COLLECTING_EVIDENCE] = f"**not stored**: {why}"
+        await repair.event(EventType.EVIDENCE_NOT_STORED, reason=input.reason, why=why)
         return
-    wf._evidence = manifest.location
+    record.evidence = manifest.location
     missing = f"; missing: {', '.join(manifest.missing)}" if manifest.missing else ""
-    wf._notes[RepairPhase.COLLECTING_EVIDENCE] = f"{manifest.location}{missing}"
-    await wf._event(
+    record.notes[RepairPhase.COLLECTING_EVIDENCE] = f"{manifest.location}{missing}"
+    await repair.event(
         EventType.EVIDENCE_STORED,
         reason=input.reason,
         evidence=manifest.location,
@@ -115,12 +112,12 @@ async def keep_evidence(wf: InstanceRepairWorkflow, group: CapacityGroup) -> Non
     )
 
 
-async def _host_part(wf: InstanceRepairWorkflow, group: CapacityGroup, stored: EvidenceStored) -> str:
+async def _host_part(repair: RepairContext, group: CapacityGroup, stored: EvidenceStored) -> str:
     """Wait for the host's command; "" when it ran, else what the manifest says of the host's missing objects."""
     if stored.command_id is None:
         return f"the host could not be asked: {stored.command_error}" if stored.command_error else ""
-    instance_id = wf._input.instance_id
-    check = EvidenceCommandCheck(group=wf._input.group, instance_id=instance_id, command_id=stored.command_id)
+    instance_id = repair.record.instance_id
+    check = EvidenceCommandCheck(group=repair.record.group, instance_id=instance_id, command_id=stored.command_id)
     deadline = workflow.now() + group.bug_report_timeout
     poll = max(group.task_poll_interval, MIN_POLL)
     while True:
@@ -141,41 +138,24 @@ async def _host_part(wf: InstanceRepairWorkflow, group: CapacityGroup, stored: E
             return f"the host's command was still {status.status} after {format_seconds(group.bug_report_timeout)}"
 
 
-async def quarantine(wf: InstanceRepairWorkflow) -> None:
+async def quarantine(repair: RepairContext) -> None:
     """The group's quarantine, in place of the termination: the instance stopped, out of ECS and the group."""
-    await wf._enter(RepairPhase.QUARANTINING)
+    record = repair.record
+    await repair.enter(RepairPhase.QUARANTINING)
     result = await workflow.execute_activity_method(
         FleetActivities.quarantine_instance,
-        InstanceRef(group=wf._input.group, instance_id=wf._input.instance_id),
-        summary=f"quarantine {wf._input.instance_id}: deregister, leave the group, stop (not terminate)",
+        repair.instance,
+        summary=f"quarantine {record.instance_id}: deregister, leave the group, stop (not terminate)",
         start_to_close_timeout=CALL_TIMEOUT,
         retry_policy=CALL_RETRY,
     )
     if result.gone:
-        wf._notes[RepairPhase.QUARANTINING] = f"already {result.previous_state or 'gone'}: nothing to keep"
+        record.notes[RepairPhase.QUARANTINING] = f"already {result.previous_state or 'gone'}: nothing to keep"
     else:
-        wf._notes[RepairPhase.QUARANTINING] = f"stopped, tagged {QUARANTINE_TAG}"
-    await wf._event(
+        record.notes[RepairPhase.QUARANTINING] = f"stopped, tagged {QUARANTINE_TAG}"
+    await repair.event(
         EventType.QUARANTINED,
         previous_state=result.previous_state,
         kept=not result.gone,
-        **wf._evidence_link(),
+        **record.evidence_link(),
     )
-
-
-def runbook(steps: list[tuple[RepairPhase, str]], group: CapacityGroup) -> list[tuple[RepairPhase, str]]:
-    """The repair's steps for this group: the evidence before the termination, and a quarantine in its place."""
-    out: list[tuple[RepairPhase, str]] = []
-    for phase, text in steps:
-        if phase is RepairPhase.TERMINATING:
-            if group.evidence_bucket is not None:
-                out.append((RepairPhase.COLLECTING_EVIDENCE, EVIDENCE_STEP))
-            if group.quarantine:
-                out.append((RepairPhase.QUARANTINING, QUARANTINE_STEP))
-                continue
-        out.append((phase, text))
-    return out
-
-
-EVIDENCE_STEP = "Store the evidence in S3 (findings, kernel log, bug report)"
-QUARANTINE_STEP = "Stop and keep the impaired instance (quarantine)"

@@ -9,13 +9,12 @@ terminates an instance without a ready replacement.
 A launch call that fails (no capacity) is not an attempt: each attempt retries its launch with backoff for as long as
 it takes, as before. Attempts count replacements that launched and never became ready.
 
-Run inside InstanceRepairWorkflow.run(), on its state (the notes of its runbook, its events, its phase timeline).
+Each step takes the repair's RepairContext (workflows/repair_context.py): its record, its events, its phases.
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import TYPE_CHECKING
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
@@ -26,15 +25,13 @@ from contract.config import format_seconds
 from contract.groups import CapacityGroup
 from contract.repair import RepairPhase
 from workflows import repair_zones
+from workflows.activity_errors import capacity_error, describe_error, permanent_error
 from workflows.options import CALL_RETRY, CALL_TIMEOUT
+from workflows.repair_context import RepairContext
 
 with workflow.unsafe.imports_passed_through():
-    from activities.errors import CAPACITY_CODES
     from activities.fleet import FleetActivities
     from activities.models import DrainResult, EventType, LaunchRequest, ReplacementRef, ReplacementWait
-
-if TYPE_CHECKING:
-    from workflows.repair import InstanceRepairWorkflow
 
 LAUNCH_BACKOFF_FIRST = timedelta(seconds=5)
 LAUNCH_BACKOFF_MAX = timedelta(minutes=10)
@@ -66,45 +63,47 @@ def client_token(instance_id: str, attempt: int, repair_attempt: int = 0) -> str
     return f"autorepair-{instance_id}"[: CLIENT_TOKEN_MAX - len(suffix)] + suffix
 
 
-async def replace(wf: InstanceRepairWorkflow, group: CapacityGroup, drained: DrainResult) -> str:
+async def replace(repair: RepairContext, group: CapacityGroup, drained: DrainResult) -> str:
     """Launch replacements until one is ACTIVE in ECS, at most `max_replacement_attempts`; returns its id. An earlier
     attempt's replacement that still serves is adopted instead: a retried repair never launches a second one."""
-    adopted = await _adopt(wf)
+    record = repair.record
+    adopted = await _adopt(repair)
     if adopted is not None:
         return adopted
     limit = group.max_replacement_attempts
     given_up: list[str] = []
     for attempt in range(1, limit + 1):
-        await wf._enter(RepairPhase.LAUNCHING_REPLACEMENT)
-        replacement = await _launch(wf, group, drained, attempt, limit)
-        wf._replacement = replacement
-        wf._notes[RepairPhase.LAUNCHING_REPLACEMENT] = replacement + _of(attempt, limit)
-        await wf._event(EventType.REPLACEMENT_LAUNCHED, replacement_instance_id=replacement, attempt=attempt)
+        await repair.enter(RepairPhase.LAUNCHING_REPLACEMENT)
+        replacement = await _launch(repair, group, drained, attempt, limit)
+        record.replacement = replacement
+        record.notes[RepairPhase.LAUNCHING_REPLACEMENT] = replacement + _of(attempt, limit)
+        await repair.event(EventType.REPLACEMENT_LAUNCHED, replacement_instance_id=replacement, attempt=attempt)
 
         # Shown from the next step on: which replacement is awaited, and those given up on before it.
-        wf._notes[RepairPhase.WAITING_FOR_REPLACEMENT] = "; ".join([replacement + _of(attempt, limit), *given_up])
-        await wf._enter(RepairPhase.WAITING_FOR_REPLACEMENT)
-        failure = await _wait_until_active(wf, group, replacement, attempt, limit)
+        record.notes[RepairPhase.WAITING_FOR_REPLACEMENT] = "; ".join([replacement + _of(attempt, limit), *given_up])
+        await repair.enter(RepairPhase.WAITING_FOR_REPLACEMENT)
+        failure = await _wait_until_active(repair, group, replacement, attempt, limit)
         if failure is None:
-            await wf._event(EventType.REPLACEMENT_READY, replacement_instance_id=replacement, attempt=attempt)
+            await repair.event(EventType.REPLACEMENT_READY, replacement_instance_id=replacement, attempt=attempt)
             return replacement
         why, error = failure
-        await _abandon(wf, replacement, attempt, limit, why, error)
+        await _abandon(repair, replacement, attempt, limit, why, error)
         given_up.append(f"attempt {attempt}: {replacement} {why}, terminated")
-        wf._notes[RepairPhase.WAITING_FOR_REPLACEMENT] = "; ".join(given_up)
+        record.notes[RepairPhase.WAITING_FOR_REPLACEMENT] = "; ".join(given_up)
     raise ReplacementsExhausted(
         f"no replacement became ACTIVE in ECS in {limit} attempt{'s' if limit > 1 else ''} "
         f"(max_replacement_attempts of capacity group {group.name}): {'; '.join(given_up)}. "
-        f"{wf._input.instance_id} is left DRAINING and running, not terminated: a repair never terminates an "
+        f"{record.instance_id} is left DRAINING and running, not terminated: a repair never terminates an "
         "instance without a ready replacement"
     )
 
 
-async def _adopt(wf: InstanceRepairWorkflow) -> str | None:
-    earlier, input = wf._input.earlier_replacement, wf._input
+async def _adopt(repair: RepairContext) -> str | None:
+    record = repair.record
+    earlier, input = record.input.earlier_replacement, record.input
     if earlier is None:
         return None
-    await wf._enter(RepairPhase.WAITING_FOR_REPLACEMENT)
+    await repair.enter(RepairPhase.WAITING_FOR_REPLACEMENT)
     check = await workflow.execute_activity_method(
         FleetActivities.check_replacement,
         ReplacementRef(group=input.group, instance_id=earlier, impaired_instance_id=input.instance_id),
@@ -113,12 +112,12 @@ async def _adopt(wf: InstanceRepairWorkflow) -> str | None:
         retry_policy=CALL_RETRY,
     )
     if not check.serving:
-        wf._notes[RepairPhase.WAITING_FOR_REPLACEMENT] = f"{earlier} of an earlier attempt not adopted: {check.why}"
+        record.notes[RepairPhase.WAITING_FOR_REPLACEMENT] = f"{earlier} of an earlier attempt not adopted: {check.why}"
         return None
-    wf._replacement = earlier
-    wf._notes[RepairPhase.LAUNCHING_REPLACEMENT] = f"{earlier}, launched by an earlier attempt: adopted"
-    wf._notes[RepairPhase.WAITING_FOR_REPLACEMENT] = f"{earlier} ACTIVE"
-    await wf._event(EventType.REPLACEMENT_READY, replacement_instance_id=earlier, attempt=0, adopted=True)
+    record.replacement = earlier
+    record.notes[RepairPhase.LAUNCHING_REPLACEMENT] = f"{earlier}, launched by an earlier attempt: adopted"
+    record.notes[RepairPhase.WAITING_FOR_REPLACEMENT] = f"{earlier} ACTIVE"
+    await repair.event(EventType.REPLACEMENT_READY, replacement_instance_id=earlier, attempt=0, adopted=True)
     return earlier
 
 
@@ -126,18 +125,17 @@ def _of(attempt: int, limit: int) -> str:
     return f" (attempt {attempt} of {limit})" if limit > 1 else ""
 
 
-async def _launch(
-    wf: InstanceRepairWorkflow, group: CapacityGroup, drained: DrainResult, attempt: int, limit: int
-) -> str:
-    instance_id = wf._input.instance_id
-    zones = await repair_zones.plan(wf, group, drained)
+async def _launch(repair: RepairContext, group: CapacityGroup, drained: DrainResult, attempt: int, limit: int) -> str:
+    record = repair.record
+    instance_id = record.instance_id
+    zones = await repair_zones.plan(record, group, drained)
     reported = workflow.patched(LAUNCH_OUTCOMES)
     backoff = LAUNCH_BACKOFF_FIRST
     tries = 1
     while True:
-        token = client_token(instance_id, attempt, wf._input.attempt)
+        token = client_token(instance_id, attempt, record.input.attempt)
         request = LaunchRequest(
-            group=wf._input.group,
+            group=record.group,
             impaired_instance_id=instance_id,
             availability_zone=zones.here.availability_zone,
             subnet_id=zones.here.subnet_id,
@@ -158,26 +156,26 @@ async def _launch(
                     maximum_attempts=3,
                 ),
             )
-            if reported and (tries > 1 or zones.here.availability_zone in wf._avoid_azs):
-                await repair_zones.tell_semaphore(wf, zones.here.availability_zone, capacity_error=False)
+            if reported and (tries > 1 or zones.here.availability_zone in record.avoid_azs):
+                await repair_zones.tell_semaphore(record, zones.here.availability_zone, capacity_error=False)
             return launched.replacement_instance_id
         except ActivityError as err:
             if permanent_error(err) or is_cancelled_exception(err):
                 raise
             # Capacity shortages last minutes to hours: keep the instance draining, keep trying, and say so.
-            wf._error = describe_error(err)
+            record.error = describe_error(err)
             zone = zones.here.availability_zone
             next_try = ""
             if capacity_error(err):
                 if reported:
-                    await repair_zones.tell_semaphore(wf, zone, capacity_error=True)
+                    await repair_zones.tell_semaphore(record, zone, capacity_error=True)
                 next_try = zones.capacity_error()
-                wf._error += f"; {next_try}"
-            wf._notes[RepairPhase.LAUNCHING_REPLACEMENT] = f"attempt {tries} failed: {wf._error}"
-            await wf._notify_health()
-            await wf._event(
+                record.error += f"; {next_try}"
+            record.notes[RepairPhase.LAUNCHING_REPLACEMENT] = f"attempt {tries} failed: {record.error}"
+            await repair.notify_health()
+            await repair.event(
                 EventType.REPLACEMENT_LAUNCH_FAILED,
-                error=wf._error,
+                error=record.error,
                 attempt=tries,
                 retry_in_seconds=int(backoff.total_seconds()),
                 **({"availability_zone": zone, "next_try": next_try} if next_try else {}),
@@ -185,7 +183,7 @@ async def _launch(
             await workflow.sleep(backoff, summary=f"back off before launch attempt {tries + 1}")
             backoff = min(backoff * 2, LAUNCH_BACKOFF_MAX)
             tries += 1
-            wf._error = None
+            record.error = None
 
 
 def ready_heartbeat_timeout(ready_timeout: timedelta) -> timedelta:
@@ -193,12 +191,12 @@ def ready_heartbeat_timeout(ready_timeout: timedelta) -> timedelta:
 
 
 async def _wait_until_active(
-    wf: InstanceRepairWorkflow, group: CapacityGroup, replacement: str, attempt: int, limit: int
+    repair: RepairContext, group: CapacityGroup, replacement: str, attempt: int, limit: int
 ) -> tuple[str, str] | None:
     """None once the replacement is ACTIVE; else why it never will be, in short and in the activity's words. Any
     other failure fails the repair: another replacement would meet it too."""
     timeout = group.replacement_ready_timeout
-    wait = ReplacementWait(group=wf._input.group, instance_id=replacement, ready_by=workflow.now() + timeout)
+    wait = ReplacementWait(group=repair.record.group, instance_id=replacement, ready_by=workflow.now() + timeout)
     try:
         await workflow.execute_activity_method(
             FleetActivities.await_container_instance_active,
@@ -220,19 +218,18 @@ async def _wait_until_active(
         raise
 
 
-async def _abandon(
-    wf: InstanceRepairWorkflow, replacement: str, attempt: int, limit: int, why: str, error: str
-) -> None:
+async def _abandon(repair: RepairContext, replacement: str, attempt: int, limit: int, why: str, error: str) -> None:
     """Terminate the replacement before the next is launched: a late one must never serve next to its successor."""
+    record = repair.record
     await workflow.execute_activity_method(
         FleetActivities.terminate_replacement,
-        ReplacementRef(group=wf._input.group, instance_id=replacement, impaired_instance_id=wf._input.instance_id),
+        ReplacementRef(group=record.group, instance_id=replacement, impaired_instance_id=record.instance_id),
         summary=f"terminate replacement {replacement}: {why}",
         start_to_close_timeout=CALL_TIMEOUT,
         retry_policy=CALL_RETRY,
     )
-    wf._replacement = None
-    await wf._event(
+    record.replacement = None
+    await repair.event(
         EventType.REPLACEMENT_ABANDONED,
         attempt=attempt,
         replacement_instance_id=replacement,
@@ -240,18 +237,3 @@ async def _abandon(
         error=error,
         attempts_left=limit - attempt,
     )
-
-
-def capacity_error(err: ActivityError) -> bool:
-    return isinstance(err.cause, ApplicationError) and err.cause.type in CAPACITY_CODES
-
-
-def permanent_error(err: ActivityError) -> bool:
-    return isinstance(err.cause, ApplicationError) and err.cause.non_retryable
-
-
-def describe_error(err: BaseException) -> str:
-    cause = err.cause if isinstance(err, ActivityError) else None
-    if isinstance(cause, ApplicationError):
-        return f"{cause.type}: {cause.message}" if cause.type else cause.message
-    return str(cause or err)

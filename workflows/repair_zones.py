@@ -11,7 +11,6 @@ AZs' launch health for the group's other repairs (workflows/semaphore_zones.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from temporalio import workflow
 from temporalio.exceptions import FailureError
@@ -21,13 +20,11 @@ from contract.groups import CapacityGroup
 from contract.ids import semaphore_workflow_id
 from contract.semaphore import LaunchOutcome
 from workflows.options import CALL_RETRY, CALL_TIMEOUT
+from workflows.repair_record import RepairRecord
 
 with workflow.unsafe.imports_passed_through():
     from activities.fleet import FleetActivities
     from activities.models import DrainResult, SubnetZonesRequest
-
-if TYPE_CHECKING:
-    from workflows.repair import InstanceRepairWorkflow
 
 
 @dataclass(frozen=True)
@@ -68,7 +65,7 @@ class Zones:
         return f"moving to {self.here.subnet_id} in {self.here.availability_zone}"
 
 
-async def plan(wf: InstanceRepairWorkflow, group: CapacityGroup, drained: DrainResult) -> Zones:
+async def plan(record: RepairRecord, group: CapacityGroup, drained: DrainResult) -> Zones:
     """The impaired instance's subnet first, unless the group may move and its AZ is one to avoid; then one subnet
     per other AZ of the group's, in the order the settings list them."""
     home = Placement(drained.subnet_id, drained.availability_zone)
@@ -86,18 +83,18 @@ async def plan(wf: InstanceRepairWorkflow, group: CapacityGroup, drained: DrainR
         zone = found.zones.get(subnet)
         if zone is not None and zone not in {p.availability_zone for p in order}:
             order.append(Placement(subnet, zone))
-    avoid = set(wf._avoid_azs)
+    avoid = set(record.avoid_azs)
     order.sort(key=lambda p: p.availability_zone in avoid)  # stable: home first among the AZs not avoided
     return Zones(order, True, group.capacity_errors_before_moving)
 
 
-async def tell_semaphore(wf: InstanceRepairWorkflow, zone: str | None, capacity_error: bool) -> None:
+async def tell_semaphore(record: RepairRecord, zone: str | None, capacity_error: bool) -> None:
     if not zone:
         return
-    handle = workflow.get_external_workflow_handle(semaphore_workflow_id(wf._input.group))
+    handle = workflow.get_external_workflow_handle(semaphore_workflow_id(record.group))
     outcome = LaunchOutcome(
         holder_workflow_id=workflow.info().workflow_id,
-        token=wf._permit_token,
+        token=record.permit_token,
         availability_zone=zone,
         capacity_error=capacity_error,
     )
