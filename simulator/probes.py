@@ -12,22 +12,55 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 from simulator.nodes import SimNode
 
 if TYPE_CHECKING:
+    from temporalio.client import Client
+
     from node_probe.probe import ProbeConfig
-    from simulator.fleet import SimulatedFleet
     from simulator.host_identity import HostIdentities
 
 log = logging.getLogger(__name__)
 
+
+class ProbeTiming(Protocol):
+    """The fleet's time constants a probe runs at (SimTiming provides them)."""
+
+    @property
+    def heartbeat_interval(self) -> timedelta: ...
+
+    @property
+    def probe_poll_interval(self) -> timedelta: ...
+
+
+class ProbeFleet(Protocol):
+    """What a node's probe needs from the fleet it runs in (SimulatedFleet provides it). Declared here rather than
+    naming the fleet, so simulator.fleet can depend on this module without this module depending back on it."""
+
+    @property
+    def group(self) -> str: ...
+
+    @property
+    def task_queue(self) -> str: ...
+
+    @property
+    def state_dir(self) -> Path: ...
+
+    @property
+    def client(self) -> Client | None: ...
+
+    @property
+    def timing(self) -> ProbeTiming: ...
+
+
 # What runs as a node's probe; tests pass a fake that only records starts.
-ProbeRunner = Callable[["SimulatedFleet", SimNode], Awaitable[None]]
+ProbeRunner = Callable[[ProbeFleet, SimNode], Awaitable[None]]
 
 
-async def run_real_probe(fleet: SimulatedFleet, node: SimNode) -> None:
+async def run_real_probe(fleet: ProbeFleet, node: SimNode) -> None:
     """The real node probe, following the node's kernel log and signalling its health workflow directly (the
     probe's trusted-lab mode: the end-to-end tests' default)."""
     # Imported here so the AWS side of the simulator (and its tests) works without Temporal or the probe.
@@ -47,7 +80,7 @@ def via_ingest(url: str, ingest_id: str, sts_endpoint: str, identities: HostIden
     """The real node probe reporting through the ingest, as a host in production does: each node signs its
     reports with credentials of its own instance (HostIdentities)."""
 
-    async def run(fleet: SimulatedFleet, node: SimNode) -> None:
+    async def run(fleet: ProbeFleet, node: SimNode) -> None:
         from node_probe.delivery.ingest_reporter import IngestReporter
         from node_probe.probe import Probe
 
@@ -63,7 +96,7 @@ def via_ingest(url: str, ingest_id: str, sts_endpoint: str, identities: HostIden
     return run
 
 
-def _probe_config(fleet: SimulatedFleet, node: SimNode) -> ProbeConfig:
+def _probe_config(fleet: ProbeFleet, node: SimNode) -> ProbeConfig:
     from node_probe.probe import ProbeConfig
 
     return ProbeConfig(

@@ -26,6 +26,7 @@ from simulator.aws_proxy import Answered, FlakyAws
 from simulator.fleet import SimTiming, SimulatedFleet
 from simulator.fleet_aws import EngineCalls, SimWorkload, ecs_instance_lookup
 from simulator.nodes import SimNode
+from simulator.probes import ProbeFleet
 
 # A full look only at start: every later change must come from the engine's calls (or the test says otherwise).
 FOLLOWING = SimTiming(
@@ -41,7 +42,7 @@ class _FakeProbe:
     def __init__(self) -> None:
         self.starts: list[str] = []
 
-    async def __call__(self, fleet: SimulatedFleet, node: SimNode) -> None:
+    async def __call__(self, fleet: ProbeFleet, node: SimNode) -> None:
         self.starts.append(node.instance_id)
         await asyncio.Event().wait()
 

@@ -24,6 +24,7 @@ from contract.names import GROUP_TAG
 from simulator.fleet import CRITICAL_XIDS, NOISE_XIDS, SimTiming, SimulatedFleet
 from simulator.fleet_aws import SimWorkload
 from simulator.nodes import SimNode
+from simulator.probes import ProbeFleet
 from simulator.servers import MotoServer, TemporalDevServer, port_in_use, search_attribute_args
 
 FAST = SimTiming(
@@ -207,7 +208,7 @@ class _FakeProbe:
     def __init__(self) -> None:
         self.starts: list[str] = []
 
-    async def __call__(self, fleet: SimulatedFleet, node: SimNode) -> None:
+    async def __call__(self, fleet: ProbeFleet, node: SimNode) -> None:
         self.starts.append(node.instance_id)
         await asyncio.Event().wait()
 
