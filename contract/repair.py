@@ -35,6 +35,11 @@ class RepairPhase(StrEnum):
     QUARANTINING = "Quarantining"
 
 
+# Repairs that closed without replacing the instance: a later attempt may follow, once it has closed.
+ENDED_UNREPAIRED = frozenset({RepairPhase.FAILED, RepairPhase.CANCELLED, RepairPhase.DISCARDED})
+FINISHED = ENDED_UNREPAIRED | {RepairPhase.COMPLETED}
+
+
 # NVIDIA's immediate actions (the Xid catalog's resolution bucket, GpuFinding.immediate_action) that a GPU reset or
 # a reboot carries out; every other action (CONTACT_SUPPORT, WORKFLOW_XID_48, the NVLink workflows, none) goes
 # straight to a replacement.

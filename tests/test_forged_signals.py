@@ -24,7 +24,7 @@ from tests.harness import eventually, make_settings, running_worker, unique
 from tests.test_health_signals import finding, health_of, monitor_only, start_health
 from worker.settings import Settings
 from workflows.drain_semaphore import MAX_WAITERS
-from workflows.health import MAX_WARNING_KINDS
+from workflows.instance_health import MAX_WARNING_KINDS
 from workflows.models import PermitGrant, PermitRelease, RepairProgress, RepairStatus, SemaphoreView
 
 

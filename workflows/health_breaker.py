@@ -1,6 +1,6 @@
 """A health workflow's part in the breaker (workflows/breaker.py): it tells its group's semaphore of each impairment,
-says whether its repair is critical (maintenance windows), and, when its held repair is discarded, goes back to
-proving its fault."""
+and asks the liveness tracker to judge a silence afresh. Whether its repair is critical is the check table's
+(workflows/health_checks.py); going back to proving its fault is InstanceHealth.prove_again."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from contract import names
 from contract.breaker import ImpairmentReport
 from contract.health import CheckType, HealthState
 from contract.liveness import RecheckLoss
-from workflows import health_aws_checks as aws_checks
-from workflows import health_controls as controls
+from workflows import health_aws_rules as aws_rules
+from workflows.health_checks import impaired
 from workflows.models import HealthCarry
 from workflows.options import CALL_RETRY, CALL_TIMEOUT
 
@@ -21,19 +21,14 @@ with workflow.unsafe.imports_passed_through():
     from activities.breaker_ops import BreakerOps
 
 
-def _impaired(state: HealthCarry, check: CheckType) -> bool:
-    current = state.checks.get(check)
-    return current is not None and current.status is HealthState.IMPAIRED
-
-
 async def report_impairment(state: HealthCarry, instance_id: str, group: str, reason: str) -> None:
     """Tell the group's semaphore, whose breaker counts impairments whether repair is ENABLED or not; never of an
     instance AWS scheduled an event for (a retirement says nothing of the fleet's health)."""
-    if aws_checks.planned_only(state):
+    if aws_rules.planned_only(state):
         state.impairment_reported = True
         return
     since: list[datetime] = [c.lastStatusChange for c in state.checks.values() if c.status is HealthState.IMPAIRED]
-    silent = _impaired(state, CheckType.AGENT_CONNECTIVITY)
+    silent = impaired(state, CheckType.AGENT_CONNECTIVITY)
     report = ImpairmentReport(
         instance_id=instance_id,
         group=group,
@@ -52,16 +47,6 @@ async def report_impairment(state: HealthCarry, instance_id: str, group: str, re
     state.impairment_reported = True
 
 
-def critical(state: HealthCarry) -> bool:
-    """A GPU fault, a lost agent or an instance EC2 finds broken or is taking away: repaired outside maintenance
-    windows too. A DAEMON-only impairment, or an operator's repair of a healthy instance, waits for a window."""
-    return (
-        _impaired(state, CheckType.ACCELERATED_COMPUTE)
-        or _impaired(state, CheckType.AGENT_CONNECTIVITY)
-        or aws_checks.critical(state)
-    )
-
-
 async def recheck_loss(state: HealthCarry, instance_id: str, tracker_id: str | None) -> None:
     """Ask the tracker to judge the silence afresh: a loss it declared is forgotten, and told again only if the
     instance stays silent a full window from now."""
@@ -73,13 +58,3 @@ async def recheck_loss(state: HealthCarry, instance_id: str, tracker_id: str | N
         await workflow.get_external_workflow_handle(tracker_id).signal(names.SIGNAL_RECHECK_LOSS, recheck)
     except Exception as err:  # no tracker running: one that starts judges every instance afresh anyway
         workflow.logger.info("tracker %s not asked to recheck %s: %s", tracker_id, instance_id, err)
-
-
-def prove_again(state: HealthCarry, why: str) -> None:
-    """Its held repair was discarded: back to OK until the fault is seen again (a fresh finding, or a heartbeat loss
-    that lasts a full threshold from now). The findings stay, listed as cleared by the breaker."""
-    state.recheck_loss = _impaired(state, CheckType.AGENT_CONNECTIVITY)
-    cleared = controls.clear_impaired_checks(state, "the breaker", why, workflow.now())
-    state.cleared_findings = [*state.cleared_findings, *cleared][-controls.MAX_CLEARED :]
-    state.repair_withheld = None
-    state.repair_requested = False

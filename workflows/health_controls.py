@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Awaitable, Callable, Sequence
-from datetime import datetime, timedelta
-from typing import Any, Protocol
+from datetime import timedelta
+from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
@@ -33,27 +33,16 @@ from contract.instances import (
     InstanceInclude,
     InstanceRepairNow,
 )
-from contract.probe import KIND_CONTAINER_RUNTIME, KIND_DAEMON, GpuFinding
-from contract.repair import RepairPhase
-from workflows.models import ContainerInstanceHealthStatus, HealthCarry, HealthCheckResult, RepairView
+from contract.repair import FINISHED, RepairPhase
+from workflows.health_checks import CLEARABLE, clear_impaired, impaired
+from workflows.instance_health import InstanceHealth, excluded_text
+from workflows.models import HealthCarry, RepairView
 from workflows.options import CALL_TIMEOUT
 
 with workflow.unsafe.imports_passed_through():
-    from activities.models import EventType, FleetEvent, WithdrawRepairRequest
+    from activities.models import EventType, WithdrawRepairRequest
     from activities.workflow_ops import WorkflowOps
 
-MAX_CLEARED = 20  # impairments cleared as false, kept in the carried state: the newest
-CLEARABLE = (
-    CheckType.ACCELERATED_COMPUTE,
-    CheckType.DAEMON,
-    CheckType.CONTAINER_RUNTIME,
-    CheckType.AGENT_CONNECTIVITY,
-    CheckType.EC2_STATUS,
-)
-# Repairs that closed without replacing the instance: a later attempt may follow, once it has closed
-# (WorkflowOps.start_repair).
-ENDED_UNREPAIRED = frozenset({RepairPhase.FAILED, RepairPhase.CANCELLED, RepairPhase.DISCARDED})
-FINISHED = ENDED_UNREPAIRED | {RepairPhase.COMPLETED}
 # How long `repair now` waits for the run loop to start the repair, so that its answer can name it.
 START_WAIT = timedelta(seconds=30)
 # A withdrawal is one update of a repair on the same task queue: a few tries, then the control is refused, not stuck.
@@ -63,118 +52,61 @@ WITHDRAW_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_atte
 # 400 bytes (limit.userMetadataSummarySize): an oversized one would fail the workflow task for good.
 MAX_REASON_BYTES = 200
 
-StatusKey = list[tuple[CheckType, HealthState, str | None]]
-
-
-class ControlledHealth(Protocol):
-    """What the controls use of InstanceHealthWorkflow."""
-
-    _instance_id: str
-    _group: str
-    _state: HealthCarry
-    _outbox: list[FleetEvent]
-    _retired: bool
-    _signals_this_run: int
-    _control_in_progress: str | None
-
-    def _status_key(self) -> StatusKey: ...
-
-    def _publish_if_changed(self, before: StatusKey) -> None: ...
-
-    def _instance_event(self, type: EventType, **fields: Any) -> None: ...
-
-    def _health_status(self) -> ContainerInstanceHealthStatus: ...
-
-    def _details_markdown(self) -> str: ...
-
-
-# --- for the run loop -------------------------------------------------------------------------------------------
-
-
-def excluded_text(exclusion: Exclusion) -> str:
-    return f"excluded by {exclusion.by}: {exclusion.reason or 'no reason given'}"
-
-
-def withheld_for_group(state: HealthCarry) -> bool:
-    """A repair withheld because the group's auto repair is DISABLED, not because the instance is excluded: only
-    then is the group looked at again now and then (an excluded instance waits for `include`)."""
-    return state.repair_withheld is not None and state.excluded is None
-
-
-def repair_reason(state: HealthCarry, impairment: tuple[str, GpuFinding | None]) -> tuple[str, GpuFinding | None]:
-    """An operator's repair says who asked and why; the finding, if any, still names the GPU."""
-    reason, finding = impairment
-    return state.operator_repair or reason, finding
-
-
-def details_lines(state: HealthCarry) -> list[str]:
-    lines = []
-    if state.excluded is not None:
-        since = iso(state.excluded.since)
-        lines += ["", f"**Excluded from repair** since {since}: {excluded_text(state.excluded)}"]
-    if state.cleared_findings:
-        last = state.cleared_findings[-1]
-        lines += [
-            "",
-            f"{len(state.cleared_findings)} impairments cleared as false; last {last.status_reason} "
-            f"by {last.cleared_by} at {iso(last.cleared_at)}",
-        ]
-    return lines
-
 
 # --- validators: refuse without a trace ---------------------------------------------------------------------------
 
 
-def refuse_exclude(wf: ControlledHealth, request: InstanceExclude) -> None:
-    _refuse_any(wf, "exclude")
-    exclusion = wf._state.excluded
+def refuse_exclude(health: InstanceHealth, request: InstanceExclude) -> None:
+    _refuse_any(health, "exclude")
+    exclusion = health.state.excluded
     if exclusion is not None:
         raise _refused(
-            f"{wf._instance_id} is already {excluded_text(exclusion)} (since {iso(exclusion.since)}); "
+            f"{health.instance_id} is already {excluded_text(exclusion)} (since {iso(exclusion.since)}); "
             "include it first to change that"
         )
 
 
-def refuse_include(wf: ControlledHealth, request: InstanceInclude) -> None:
-    _refuse_any(wf, "include")
-    if wf._state.excluded is None:
-        raise _refused(f"{wf._instance_id} is not excluded")
+def refuse_include(health: InstanceHealth, request: InstanceInclude) -> None:
+    _refuse_any(health, "include")
+    if health.state.excluded is None:
+        raise _refused(f"{health.instance_id} is not excluded")
 
 
-def refuse_repair(wf: ControlledHealth, request: InstanceRepairNow) -> None:
-    _refuse_any(wf, "repair")
-    state = wf._state
+def refuse_repair(health: InstanceHealth, request: InstanceRepairNow) -> None:
+    _refuse_any(health, "repair")
+    state = health.state
     if not request.reason.strip():
         raise _refused("give a reason (--reason TEXT): it goes into the repair's history and its events")
     if state.excluded is not None:
-        raise _refused(f"{wf._instance_id} is {excluded_text(state.excluded)}; include it first")
+        raise _refused(f"{health.instance_id} is {excluded_text(state.excluded)}; include it first")
     if state.repair is not None and state.repair.phase not in FINISHED:
         raise _refused(
-            f"{wf._instance_id} is being repaired already: {state.repair.workflow_id} is {state.repair.phase.value}"
+            f"{health.instance_id} is being repaired already: {state.repair.workflow_id} is {state.repair.phase.value}"
         )
     if state.operator_repair is not None:
-        raise _refused(f"a repair of {wf._instance_id} was requested already ({state.operator_repair})")
+        raise _refused(f"a repair of {health.instance_id} was requested already ({state.operator_repair})")
 
 
-def refuse_clear(wf: ControlledHealth, request: FindingsClear) -> None:
-    _refuse_any(wf, "clear")
-    if not any(_impaired(wf._state, check) for check in CLEARABLE):
-        raise _refused(f"nothing to clear: no check of {wf._instance_id} is IMPAIRED")
-    repair = wf._state.repair
+def refuse_clear(health: InstanceHealth, request: FindingsClear) -> None:
+    _refuse_any(health, "clear")
+    if not any(impaired(health.state, check) for check in CLEARABLE):
+        raise _refused(f"nothing to clear: no check of {health.instance_id} is IMPAIRED")
+    repair = health.state.repair
     if repair is not None and repair.phase not in FINISHED and repair.phase is not RepairPhase.WAITING_FOR_PERMIT:
         raise _refused(
             f"{repair.workflow_id} is {repair.phase.value} already: a repair that holds its drain permit is not "
-            f"taken back, and {wf._instance_id} will be replaced"
+            f"taken back, and {health.instance_id} will be replaced"
         )
 
 
-def _refuse_any(wf: ControlledHealth, action: str) -> None:
-    if wf._retired:
-        why = wf._state.retired_reason or "its repair completed"
-        raise _refused(f"{wf._instance_id} has retired ({why}): nothing to {action}", type="InstanceRetired")
-    if wf._control_in_progress is not None:
+def _refuse_any(health: InstanceHealth, action: str) -> None:
+    if health.retired:
+        why = health.state.retired_reason or "its repair completed"
+        raise _refused(f"{health.instance_id} has retired ({why}): nothing to {action}", type="InstanceRetired")
+    if health.control_in_progress is not None:
         raise _refused(
-            f"another control of {wf._instance_id} is in progress ({wf._control_in_progress}); try again in a moment"
+            f"another control of {health.instance_id} is in progress ({health.control_in_progress}); "
+            "try again in a moment"
         )
 
 
@@ -185,49 +117,49 @@ def _refused(message: str, type: str = "InstanceControlRefused") -> ApplicationE
 # --- handlers -----------------------------------------------------------------------------------------------------
 
 
-async def exclude(wf: ControlledHealth, request: InstanceExclude) -> InstanceControlResult:
+async def exclude(health: InstanceHealth, request: InstanceExclude) -> InstanceControlResult:
     async def apply() -> InstanceControlResult:
-        state, who = wf._state, _who(request.requested_by)
+        state, who = health.state, _who(request.requested_by)
         exclusion = Exclusion(by=who, reason=request.reason, since=workflow.now())
-        note, withdrawn = await _take_back_waiting_repair(wf, excluded_text(exclusion))
+        note, withdrawn = await _take_back_waiting_repair(health, excluded_text(exclusion))
         state.excluded = exclusion
         dropped, state.operator_repair = state.operator_repair, None
         if state.repair_withheld is not None or withdrawn:
             # Withheld as for a DISABLED group, with the reason; `include` re-arms it.
-            impaired = wf._health_status().overallStatus is HealthState.IMPAIRED
+            impaired = health.health_status().overallStatus is HealthState.IMPAIRED
             state.repair_withheld = excluded_text(exclusion) if impaired else None
             state.repair_requested = impaired
         notes = [note] if note else []
         if dropped:
             notes.append(f"the repair requested earlier ({dropped}) will not start")
         _publish(
-            wf,
+            health,
             EventType.INSTANCE_EXCLUDED,
             request.requested_by,
             request.reason,
             repair_workflow_id=_repair_id(state) if note else None,
             repair=note,
         )
-        return _result(wf, "; ".join([f"{wf._instance_id} excluded from repair by {who}", *notes]))
+        return _result(health, "; ".join([f"{health.instance_id} excluded from repair by {who}", *notes]))
 
-    return await _controlled(wf, "exclude", apply)
+    return await _controlled(health, "exclude", apply)
 
 
-async def include(wf: ControlledHealth, request: InstanceInclude) -> InstanceControlResult:
+async def include(health: InstanceHealth, request: InstanceInclude) -> InstanceControlResult:
     async def apply() -> InstanceControlResult:
-        state, who = wf._state, _who(request.requested_by)
+        state, who = health.state, _who(request.requested_by)
         exclusion = state.excluded
         if exclusion is None:  # the validator saw it excluded; nothing else changes it while a control runs
-            raise _refused(f"{wf._instance_id} is not excluded")
+            raise _refused(f"{health.instance_id} is not excluded")
         state.excluded = None
         # Re-armed as when the group is ENABLED again: the run loop decides anew (and reads the group's switch).
         re_armed = state.repair_withheld is not None
         if re_armed:
             state.repair_withheld = None
             state.repair_requested = False
-        impaired = wf._health_status().overallStatus is HealthState.IMPAIRED
+        impaired = health.health_status().overallStatus is HealthState.IMPAIRED
         _publish(
-            wf,
+            health,
             EventType.INSTANCE_INCLUDED,
             request.requested_by,
             request.reason,
@@ -236,17 +168,17 @@ async def include(wf: ControlledHealth, request: InstanceInclude) -> InstanceCon
             excluded_since=iso(exclusion.since),
             repair_re_armed=re_armed and impaired,
         )
-        message = f"{wf._instance_id} included again by {who} (was {excluded_text(exclusion)})"
+        message = f"{health.instance_id} included again by {who} (was {excluded_text(exclusion)})"
         if re_armed and impaired:
             message += "; it is IMPAIRED: its repair starts now, unless the group's auto repair is DISABLED"
-        return _result(wf, message)
+        return _result(health, message)
 
-    return await _controlled(wf, "include", apply)
+    return await _controlled(health, "include", apply)
 
 
-async def repair_now(wf: ControlledHealth, request: InstanceRepairNow) -> InstanceControlResult:
+async def repair_now(health: InstanceHealth, request: InstanceRepairNow) -> InstanceControlResult:
     async def apply() -> InstanceControlResult:
-        state, who = wf._state, _who(request.requested_by)
+        state, who = health.state, _who(request.requested_by)
         previous = state.repair
         # The run loop starts it (where every repair starts), through the drain cap, DISABLED group or not: it is no
         # automatic repair.
@@ -256,11 +188,11 @@ async def repair_now(wf: ControlledHealth, request: InstanceRepairNow) -> Instan
         # A fresh attempt, whatever failed before: after it, failures count from zero again (health_repairs.py).
         state.repair_retry = state.repair_retry.afresh()
         _publish(
-            wf,
+            health,
             EventType.REPAIR_REQUESTED,
             request.requested_by,
             request.reason,
-            overall_status=wf._health_status().overallStatus.value,
+            overall_status=health.health_status().overallStatus.value,
         )
         with contextlib.suppress(TimeoutError):  # then it says so: not started yet
             await workflow.wait_condition(
@@ -271,24 +203,24 @@ async def repair_now(wf: ControlledHealth, request: InstanceRepairNow) -> Instan
         repair = state.repair
         if repair is not None and repair is not previous:
             return _result(
-                wf, f"repair of {wf._instance_id} started: {repair.workflow_id} ({repair.phase.value}), asked by {who}"
+                health,
+                f"repair of {health.instance_id} started: {repair.workflow_id} ({repair.phase.value}), asked by {who}",
             )
-        return _result(wf, f"repair of {wf._instance_id} requested by {who}; not started yet")
+        return _result(health, f"repair of {health.instance_id} requested by {who}; not started yet")
 
-    return await _controlled(wf, "repair", apply)
+    return await _controlled(health, "repair", apply)
 
 
-async def clear(wf: ControlledHealth, request: FindingsClear) -> InstanceControlResult:
+async def clear(health: InstanceHealth, request: FindingsClear) -> InstanceControlResult:
     async def apply() -> InstanceControlResult:
-        state, who = wf._state, _who(request.requested_by)
-        note, withdrawn = await _take_back_waiting_repair(wf, f"finding cleared as false by {who}")
+        state, who = health.state, _who(request.requested_by)
+        note, withdrawn = await _take_back_waiting_repair(health, f"finding cleared as false by {who}")
         if _running(state.repair) and not withdrawn:
             raise _refused(f"{note}; nothing cleared")
-        before = wf._status_key()
+        before = health.status_key()
         # A cleared heartbeat loss is judged afresh by the tracker: still silent a full window from now, lost again.
-        state.recheck_loss = _impaired(state, CheckType.AGENT_CONNECTIVITY)
-        cleared = clear_impaired_checks(state, who, request.reason, workflow.now())
-        state.cleared_findings = [*state.cleared_findings, *cleared][-MAX_CLEARED:]
+        state.recheck_loss = impaired(state, CheckType.AGENT_CONNECTIVITY)
+        cleared = clear_impaired(state, who, request.reason, workflow.now())
         if not _running(state.repair):
             # The decision to repair (or to withhold it, or to retry a failed repair) is void with the impairment; a
             # fresh finding decides anew.
@@ -296,7 +228,7 @@ async def clear(wf: ControlledHealth, request: FindingsClear) -> InstanceControl
             state.repair_requested = False
             state.repair_retry = state.repair_retry.afresh()
         _publish(
-            wf,
+            health,
             EventType.FINDING_CLEARED,
             request.requested_by,
             request.reason,
@@ -304,38 +236,38 @@ async def clear(wf: ControlledHealth, request: FindingsClear) -> InstanceControl
             repair_workflow_id=_repair_id(state) if note else None,
             repair=note,
         )
-        wf._publish_if_changed(before)
+        health.publish_if_changed(before)
         checks = ", ".join(dict.fromkeys(c.check.value for c in cleared))
-        message = f"{checks} of {wf._instance_id} back to OK, cleared by {who}" + (f"; {note}" if note else "")
-        return _result(wf, message, cleared)
+        message = f"{checks} of {health.instance_id} back to OK, cleared by {who}" + (f"; {note}" if note else "")
+        return _result(health, message, cleared)
 
-    return await _controlled(wf, "clear", apply)
+    return await _controlled(health, "clear", apply)
 
 
 async def _controlled(
-    wf: ControlledHealth, action: str, apply: Callable[[], Awaitable[InstanceControlResult]]
+    health: InstanceHealth, action: str, apply: Callable[[], Awaitable[InstanceControlResult]]
 ) -> InstanceControlResult:
     """One control at a time; whatever goes wrong fails this update, never the workflow task."""
-    wf._signals_this_run += 1  # an update is an event in the history like a signal: it counts towards a new run
-    wf._control_in_progress = action
+    health.signals_this_run += 1  # an update is an event in the history like a signal: it counts towards a new run
+    health.control_in_progress = action
     try:
         result = await apply()
     except ApplicationError:
         raise
     except Exception as err:
-        workflow.logger.exception("%s of %s failed", action, wf._instance_id)
-        raise _refused(f"{action} of {wf._instance_id} failed: {type(err).__name__}: {err}"[:500]) from err
+        workflow.logger.exception("%s of %s failed", action, health.instance_id)
+        raise _refused(f"{action} of {health.instance_id} failed: {type(err).__name__}: {err}"[:500]) from err
     finally:
-        wf._control_in_progress = None
-        workflow.set_current_details(wf._details_markdown())
+        health.control_in_progress = None
+        workflow.set_current_details(health.details_markdown())
     workflow.logger.info("%s: %s", action, result.message)
     return result
 
 
-async def _take_back_waiting_repair(wf: ControlledHealth, why: str) -> tuple[str | None, bool]:
+async def _take_back_waiting_repair(health: InstanceHealth, why: str) -> tuple[str | None, bool]:
     """What became of the instance's running repair, in a phrase (None: there is none), and whether it was taken
     back: one still waiting for its permit is withdrawn, one past it left to finish."""
-    repair = wf._state.repair
+    repair = health.state.repair
     if repair is None or repair.phase in FINISHED:
         return None, False
     if repair.phase is not RepairPhase.WAITING_FOR_PERMIT:
@@ -343,7 +275,7 @@ async def _take_back_waiting_repair(wf: ControlledHealth, why: str) -> tuple[str
     try:
         answer = await workflow.execute_activity_method(
             WorkflowOps.withdraw_repair,
-            WithdrawRepairRequest(workflow_id=repair.workflow_id, token=wf._state.repair_token or "", reason=why),
+            WithdrawRepairRequest(workflow_id=repair.workflow_id, token=health.state.repair_token or "", reason=why),
             summary=_cut(f"withdraw {repair.workflow_id}: it waits for a drain permit ({why})", MAX_REASON_BYTES),
             start_to_close_timeout=CALL_TIMEOUT,
             retry_policy=WITHDRAW_RETRY,
@@ -360,49 +292,6 @@ async def _take_back_waiting_repair(wf: ControlledHealth, why: str) -> tuple[str
         repair.phase = RepairPhase.CANCELLED
         repair.error = f"withdrawn: {why}"
     return f"{repair.workflow_id} withdrawn (it was waiting for a drain permit)", True
-
-
-def clear_impaired_checks(state: HealthCarry, who: str, reason: str, now: datetime) -> list[ClearedFinding]:
-    """Each impaired check back to OK; the findings behind it kept, listed as cleared by whom."""
-    done = {c.finding_id for c in state.cleared_findings if c.finding_id}
-    cleared: list[ClearedFinding] = []
-    for check in CLEARABLE:
-        current = state.checks.get(check)
-        if current is None or current.status is not HealthState.IMPAIRED:
-            continue
-        behind: Sequence[GpuFinding | None] = [
-            f for f in state.findings if f.impairs and f.finding_id not in done and _check_of(f) is check
-        ] or [None]
-        cleared += [
-            ClearedFinding(
-                check=check,
-                status_reason=finding.reason if finding is not None else current.statusReason,
-                finding_id=finding.finding_id if finding is not None else "",
-                cleared_by=who,
-                cleared_at=now,
-                reason=reason,
-            )
-            for finding in behind
-        ]
-        state.checks[check] = HealthCheckResult(
-            type=check, status=HealthState.OK, lastUpdated=now, lastStatusChange=now
-        )
-        if check is CheckType.DAEMON:
-            state.daemons_down = []
-        elif check is CheckType.CONTAINER_RUNTIME:
-            state.runtimes_down = []
-    return cleared
-
-
-def _check_of(finding: GpuFinding) -> CheckType:
-    if finding.kind == KIND_DAEMON:
-        return CheckType.DAEMON
-    return CheckType.CONTAINER_RUNTIME if finding.kind == KIND_CONTAINER_RUNTIME else CheckType.ACCELERATED_COMPUTE
-
-
-def _impaired(state: HealthCarry, check: CheckType) -> bool:
-    current = state.checks.get(check)
-    return current is not None and current.status is HealthState.IMPAIRED
 
 
 def _running(repair: RepairView | None) -> bool:
@@ -422,16 +311,16 @@ def _who(requested_by: str) -> str:
     return requested_by or "unknown"
 
 
-def _publish(wf: ControlledHealth, type: EventType, requested_by: str, reason: str, **fields: Any) -> None:
-    wf._instance_event(type, requested_by=_who(requested_by), reason=reason, **fields)
+def _publish(health: InstanceHealth, type: EventType, requested_by: str, reason: str, **fields: Any) -> None:
+    health.instance_event(type, requested_by=_who(requested_by), reason=reason, **fields)
 
 
-def _result(wf: ControlledHealth, message: str, cleared: Sequence[ClearedFinding] = ()) -> InstanceControlResult:
-    state, repair = wf._state, wf._state.repair
+def _result(health: InstanceHealth, message: str, cleared: Sequence[ClearedFinding] = ()) -> InstanceControlResult:
+    state, repair = health.state, health.state.repair
     return InstanceControlResult(
-        instance_id=wf._instance_id,
+        instance_id=health.instance_id,
         message=message,
-        overall_status=wf._health_status().overallStatus,
+        overall_status=health.health_status().overallStatus,
         excluded=state.excluded,
         repair_workflow_id=repair.workflow_id if repair is not None else None,
         repair_phase=repair.phase if repair is not None else None,

@@ -11,14 +11,13 @@ Runbook (the run loop of workflows/health.py calls into here):
   4. An attempt an operator cancelled or withdrew is not retried; a DISCARDED one goes back to proving its fault
      (workflows/health_breaker.py), and after it (or a fix in place) a new impairment counts afresh.
 
-Histories recorded before retries existed never counted a failure: counting is behind the patch REPAIR_RETRIES.
+Histories recorded before retries existed never counted a failure: counting is behind the patch REPAIR_RETRIES
+(workflows/instance_health.py, which keeps the count from each attempt's progress).
 """
 
 from __future__ import annotations
 
 import asyncio
-from datetime import timedelta
-from typing import Any, Protocol
 
 from temporalio import workflow
 from temporalio.exceptions import ActivityError
@@ -26,77 +25,18 @@ from temporalio.exceptions import ActivityError
 from contract.formats import iso
 from contract.groups import AutoRepair, CapacityGroup
 from contract.ids import repair_attempt_of
-from contract.probe import GpuFinding
-from contract.repair import RepairInput, RepairPhase
+from contract.repair import ENDED_UNREPAIRED, RepairInput, RepairPhase
 from workflows import health_breaker as breaker
-from workflows import health_controls as controls
 from workflows.group_config import read_group_config
 from workflows.group_events import activity_cause
-from workflows.models import HealthCarry, RepairProgress, RepairRetry, RepairView
+from workflows.health_checks import critical
+from workflows.instance_health import InstanceHealth, excluded_text
+from workflows.models import HealthCarry, RepairView
 from workflows.options import CALL_RETRY, CALL_TIMEOUT
 
 with workflow.unsafe.imports_passed_through():
     from activities.models import EventType, StartRepairRequest
     from activities.workflow_ops import WorkflowOps
-
-# A patch id: histories recorded before failed repairs were counted and retried.
-REPAIR_RETRIES = "repair-retries"
-
-
-class RepairingHealth(Protocol):
-    """What this module uses of InstanceHealthWorkflow."""
-
-    _instance_id: str
-    _group: str
-    _state: HealthCarry
-    news_beside_steps: bool
-
-    def _instance_event(self, type: EventType, **fields: Any) -> None: ...
-
-    def _is_impaired(self) -> bool: ...
-
-    def _impairment(self) -> tuple[str, GpuFinding | None]: ...
-
-    async def _group_config(self, summary: str | None = None) -> CapacityGroup: ...
-
-
-# --- from the progress signal: state only, no activity --------------------------------------------------------------
-
-
-def on_progress(state: HealthCarry, progress: RepairProgress) -> None:
-    """A finished attempt's outcome: a failure is counted by the run loop (once, even if its progress is told
-    twice); a discarded one starts the count afresh."""
-    if not progress.finished:
-        return
-    retry = state.repair_retry
-    if progress.phase is RepairPhase.FAILED and progress.workflow_id not in (retry.to_count, retry.last_counted):
-        if workflow.patched(REPAIR_RETRIES):
-            retry.to_count = progress.workflow_id
-    elif progress.phase in (RepairPhase.DISCARDED, RepairPhase.COMPLETED):
-        # Discarded: back to proving the fault; completed and still here: fixed in place. A new fault starts afresh.
-        state.repair_retry = RepairRetry()
-
-
-# --- for the run loop ---------------------------------------------------------------------------------------------
-
-
-def wanted(state: HealthCarry) -> bool:
-    """A failed attempt waits for its retry: repaired then whether still IMPAIRED or not, since the failed attempt
-    may have left the instance DRAINING."""
-    return state.repair_retry.next_at is not None
-
-
-def may_start_now(state: HealthCarry) -> bool:
-    next_at = state.repair_retry.next_at
-    return next_at is None or workflow.now() >= next_at
-
-
-def wake(state: HealthCarry) -> timedelta | None:
-    """How long until a retry is due, for the run loop's timer; None when none waits."""
-    next_at = state.repair_retry.next_at
-    if next_at is None or state.repair_requested:
-        return None
-    return max(next_at - workflow.now(), timedelta(0))
 
 
 def wake_summary(state: HealthCarry) -> str | None:
@@ -106,16 +46,16 @@ def wake_summary(state: HealthCarry) -> str | None:
     return f"repair failed: start attempt {retry.failed + 1} of {retry.max_attempts} at {iso(retry.next_at, 'seconds')}"
 
 
-async def count_failure(wf: RepairingHealth, group: CapacityGroup) -> None:
+async def count_failure(health: InstanceHealth, group: CapacityGroup) -> None:
     """Count a failed attempt and decide what follows it: a retry after the backoff, or RepairsExhausted. `group`:
     the configuration the run loop has, used if the group cannot be read now."""
-    state, retry = wf._state, wf._state.repair_retry
+    state, retry = health.state, health.state.repair_retry
     workflow_id, retry.to_count = retry.to_count, None
     try:
-        group = await read_group_config(wf._group, "read group config: retry the failed repair?")
+        group = await read_group_config(health.group, "read group config: retry the failed repair?")
     except ActivityError as err:
         cause = activity_cause(err)
-        workflow.logger.warning("group %s not re-read (%s): its last known config decides", wf._group, cause)
+        workflow.logger.warning("group %s not re-read (%s): its last known config decides", health.group, cause)
     repair = state.repair
     retry.last_counted = workflow_id
     retry.failed += 1
@@ -125,11 +65,11 @@ async def count_failure(wf: RepairingHealth, group: CapacityGroup) -> None:
     if retry.failed < group.max_repair_attempts:
         retry.next_at = workflow.now() + group.repair_retry_wait(retry.failed)
         state.repair_requested = False  # the run loop starts the next attempt once next_at has come
-        workflow.logger.warning("%s: %s", wf._instance_id, retry.text())
+        workflow.logger.warning("%s: %s", health.instance_id, retry.text())
         return
     retry.exhausted, retry.next_at = True, None
-    workflow.logger.warning("%s: %s; waiting for an operator", wf._instance_id, retry.text())
-    wf._instance_event(
+    workflow.logger.warning("%s: %s; waiting for an operator", health.instance_id, retry.text())
+    health.instance_event(
         EventType.REPAIRS_EXHAUSTED,
         attempts=retry.failed,
         max_repair_attempts=group.max_repair_attempts,
@@ -139,31 +79,32 @@ async def count_failure(wf: RepairingHealth, group: CapacityGroup) -> None:
     )
 
 
-async def start(wf: RepairingHealth) -> None:
+async def start(health: InstanceHealth, news_beside_steps: bool) -> None:
     """Start the instance's next repair attempt, unless its group's auto repair is DISABLED or it is excluded."""
-    state = wf._state
-    report = wf._is_impaired() and not state.impairment_reported
-    if wf.news_beside_steps and report:
+    state = health.state
+    report = health.is_impaired() and not state.impairment_reported
+    if news_beside_steps and report:
         # The breaker counts the impairment whatever the group's switch says: both at once, one round trip.
         state.repair_requested = True
         group, _ = await asyncio.gather(
-            wf._group_config(), breaker.report_impairment(state, wf._instance_id, wf._group, wf._impairment()[0])
+            read_group_config(health.group),
+            breaker.report_impairment(state, health.instance_id, health.group, health.impairment()[0]),
         )
     else:
         # The switch is read at the moment of the decision, so turning repair off takes effect at once.
-        group = await wf._group_config()
+        group = await read_group_config(health.group)
         state.repair_requested = True
         if report:
-            await breaker.report_impairment(state, wf._instance_id, wf._group, wf._impairment()[0])
+            await breaker.report_impairment(state, health.instance_id, health.group, health.impairment()[0])
     if group.auto_repair is AutoRepair.DISABLED and state.operator_repair is None:
-        workflow.logger.info("instance impaired; auto repair DISABLED for group %s, monitoring only", wf._group)
-        state.repair_withheld = f"auto repair DISABLED for group {wf._group} at {iso(workflow.now())}"
+        workflow.logger.info("instance impaired; auto repair DISABLED for group %s, monitoring only", health.group)
+        state.repair_withheld = f"auto repair DISABLED for group {health.group} at {iso(workflow.now())}"
         return
     if state.excluded is not None:  # an operator's: watched, never repaired until `include`
-        state.repair_withheld = controls.excluded_text(state.excluded)
+        state.repair_withheld = excluded_text(state.excluded)
         return
     retry = state.repair_retry
-    reason, finding = controls.repair_reason(state, wf._impairment())
+    reason, finding = health.repair_reason()
     if state.operator_repair is None and retry.next_at is not None and retry.reason:
         reason = retry.reason  # a retry repeats the failed attempt's reason
     attempt = state.repair_attempt + 1
@@ -171,28 +112,28 @@ async def start(wf: RepairingHealth) -> None:
     gpu = f" on GPU {finding.gpu.pci}" if finding is not None and finding.gpu.pci else ""
     of = f" (attempt {attempt})" if attempt > 1 else ""
     repair = RepairInput(
-        instance_id=wf._instance_id,
-        group=wf._group,
+        instance_id=health.instance_id,
+        group=health.group,
         reason=reason,
         finding=finding,
         progress_token=str(workflow.uuid4()),
-        critical=breaker.critical(state),
+        critical=critical(state),
         attempt=attempt,
         last_in_place_fix=state.last_in_place_fix,  # the remediation ladder's (workflows/health_ladder.py)
         earlier_replacement=previous.replacement_instance_id
-        if previous is not None and previous.phase in controls.ENDED_UNREPAIRED
+        if previous is not None and previous.phase in ENDED_UNREPAIRED
         else None,
     )
     started = await workflow.execute_activity_method(
         WorkflowOps.start_repair,
         StartRepairRequest(
             repair=repair,
-            summary=f"repair {wf._instance_id}{of}: {reason}{gpu}",
+            summary=f"repair {health.instance_id}{of}: {reason}{gpu}",
             previous_workflow_id=previous.workflow_id
-            if previous is not None and previous.phase in controls.ENDED_UNREPAIRED
+            if previous is not None and previous.phase in ENDED_UNREPAIRED
             else "",
         ),
-        summary=f"start repair of {wf._instance_id}{of} ({reason})",
+        summary=f"start repair of {health.instance_id}{of} ({reason})",
         start_to_close_timeout=CALL_TIMEOUT,
         retry_policy=CALL_RETRY,
     )
@@ -208,8 +149,3 @@ async def start(wf: RepairingHealth) -> None:
     )
     state.operator_repair = None
     retry.next_at, retry.reason, retry.exhausted = None, None, False
-
-
-def details_lines(state: HealthCarry) -> list[str]:
-    text = state.repair_retry.text()
-    return ["", f"**{text[0].upper()}{text[1:]}**"] if text else []

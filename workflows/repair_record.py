@@ -10,10 +10,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from contract.repair import PhaseStep, RepairInput, RepairPhase
+from contract.repair import FINISHED, PhaseStep, RepairInput, RepairPhase
 from workflows.repair_ladder import Ladder
-
-FINISHED = frozenset({RepairPhase.COMPLETED, RepairPhase.FAILED, RepairPhase.CANCELLED, RepairPhase.DISCARDED})
 
 
 @dataclass
