@@ -530,9 +530,7 @@ async def run_probe_command(args: argparse.Namespace) -> int:
     finally:
         for sig in handled:
             loop.remove_signal_handler(sig)
-        close = getattr(probe._reporter, "close", None)  # the ingest's HTTP session; Temporal's client has none
-        if close is not None:
-            await close()
+        await probe.close()
     return 0
 
 

@@ -329,6 +329,12 @@ class Probe:
             self._enqueue_rollups(self._bursts.flush())
             self._save_repeats()
 
+    async def close(self) -> None:
+        """Close what the reporter holds open (the ingest's HTTP session; Temporal's client has nothing to close)."""
+        close = getattr(self._reporter, "close", None)
+        if close is not None:
+            await close()
+
     async def _consume(self, source: RecordSource) -> None:
         """Until cancelled. A source that fails is restarted: one source's error must not stop the heartbeats and
         the other sources, which is what letting it end the probe would do."""

@@ -360,7 +360,7 @@ class FlakyAws:
         for action, (low, high) in (profile or AWS_LATENCY_MS).items():
             self.slow(action, low / 1000, high / 1000)
 
-    def _delay(self, request: AwsRequest) -> float:
+    def delay(self, request: AwsRequest) -> float:
         with self._lock:
             rules = [r for r in self._latencies if r.applies(request)]
             named = [r for r in rules if r.action != "*"]
@@ -412,7 +412,7 @@ class FlakyAws:
 
         return stop
 
-    def _tell(self, answered: Answered) -> None:
+    def tell(self, answered: Answered) -> None:
         with self._lock:
             listeners = list(self._listeners)
         for listener in listeners:
@@ -446,7 +446,7 @@ class FlakyAws:
 
     # --- request handling (proxy threads) ------------------------------------------------------------------
 
-    def _decide(self, request: AwsRequest) -> Fault | Canned | None:
+    def decide(self, request: AwsRequest) -> Fault | Canned | None:
         with self._lock:
             self._log.calls[request.action] += 1
             for canned in self._canned:
@@ -458,20 +458,20 @@ class FlakyAws:
                     return fault
             return None
 
-    def _arrived(self) -> None:
+    def arrived(self) -> None:
         with self._lock:
             self._log.in_flight += 1
             self._log.peak_in_flight = max(self._log.peak_in_flight, self._log.in_flight)
 
-    def _left(self) -> None:
+    def left(self) -> None:
         with self._lock:
             self._log.in_flight -= 1
 
-    def _record(self, request: AwsRequest, status: int, fault: Fault | None) -> None:
+    def record(self, request: AwsRequest, status: int, fault: Fault | None) -> None:
         with self._lock:
             self._log.seen.append(Seen(request=request, status=status, fault=fault.code if fault else None))
 
-    def _made(self, request: AwsRequest) -> dict[str, object] | None:
+    def made(self, request: AwsRequest) -> dict[str, object] | None:
         with self._lock:
             rules = [r for r in self._answerers if r.applies(request)]
         for rule in rules:
@@ -480,7 +480,7 @@ class FlakyAws:
                 return made
         return None
 
-    def _rewritten(self, request: AwsRequest, status: int, body: bytes) -> bytes:
+    def rewritten(self, request: AwsRequest, status: int, body: bytes) -> bytes:
         if not 200 <= status < 300:
             return body
         with self._lock:
@@ -580,22 +580,22 @@ def _handler_for(proxy: FlakyAws) -> type[BaseHTTPRequestHandler]:
         protocol_version = "HTTP/1.1"
 
         def _handle(self) -> None:
-            proxy._arrived()
+            proxy.arrived()
             try:
                 self._answer()
             finally:
-                proxy._left()
+                proxy.left()
 
         def _answer(self) -> None:
             length = int(self.headers.get("Content-Length") or 0)
             body = self.rfile.read(length) if length else b""
             headers = {k.lower(): v for k, v in self.headers.items()}
             request = parse_request(headers, self.path, body)
-            delay = proxy._delay(request)
+            delay = proxy.delay(request)
             started = time.monotonic()
-            decided = proxy._decide(request)
+            decided = proxy.decide(request)
             fault = decided if isinstance(decided, Fault) else None
-            made = proxy._made(request) if decided is None else None
+            made = proxy.made(request) if decided is None else None
             # HEAD (S3's HeadObject): no body either way, and the length said is moto's, the object's.
             head_length: str | None = None
             if isinstance(decided, Canned) or made is not None:
@@ -610,11 +610,11 @@ def _handler_for(proxy: FlakyAws) -> type[BaseHTTPRequestHandler]:
                 status, upstream_headers, out_body = forward(proxy.upstream, self.command, self.path, forwarded, body)
                 # send_response() writes its own Server and Date.
                 out_headers = [(k, v) for k, v in upstream_headers if k.lower() not in HOP_BY_HOP | {"server", "date"}]
-                out_body = proxy._rewritten(request, status, out_body)
+                out_body = proxy.rewritten(request, status, out_body)
                 if self.command == "HEAD":
                     head_length = next((v for k, v in upstream_headers if k.lower() == "content-length"), "0")
-            proxy._record(request, status, fault)
-            proxy._tell(Answered(request, status, out_body, time.monotonic() - started))
+            proxy.record(request, status, fault)
+            proxy.tell(Answered(request, status, out_body, time.monotonic() - started))
             # The delay covers moto's own time: the answer leaves no sooner than AWS's would.
             left = delay - (time.monotonic() - started)
             if left > 0:

@@ -104,3 +104,70 @@ def test_the_autorepair_command_runs_without_the_simulator() -> None:
     usage = result.stdout.splitlines()[0]
     assert "probe" in usage and "worker" in usage and "demo" not in usage
     assert "usage: autorepair probe" in result.stdout
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imported_modules(path: Path, modules: set[str]) -> set[str]:
+    """Our modules `path` imports, under TYPE_CHECKING and inside functions too: a cycle is a cycle to a reader."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name in modules}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                child = f"{node.module}.{alias.name}"
+                if child in modules:
+                    found.add(child)
+                elif node.module in modules:
+                    found.add(node.module)
+    return found
+
+
+def test_no_import_cycle_among_product_files() -> None:
+    paths = {_module_name(p): p for folder in ALLOWED for p in _sources(folder)}
+    graph = {name: _imported_modules(path, set(paths)) - {name} for name, path in paths.items()}
+    cycles: list[list[str]] = []
+    done: set[str] = set()
+
+    def visit(name: str, trail: list[str]) -> None:
+        if name in trail:
+            cycles.append([*trail[trail.index(name) :], name])
+            return
+        if name in done:
+            return
+        for imported in sorted(graph[name]):
+            visit(imported, [*trail, name])
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [])
+    assert not cycles, [" -> ".join(cycle) for cycle in cycles]
+
+
+# Public despite the underscore: the namedtuple API, and os._exit (a process's exit without cleanup).
+PUBLIC_UNDERSCORED = {"_replace", "_fields", "_asdict", "_make", "_exit"}
+
+
+def _reaches(path: Path) -> list[str]:
+    return [
+        f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}"
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.Attribute)
+        and node.attr.startswith("_")
+        and not node.attr.startswith("__")
+        and node.attr not in PUBLIC_UNDERSCORED
+        and not (isinstance(node.value, ast.Name) and node.value.id in {"self", "cls"})
+        and not (isinstance(node.value, ast.Call) and ast.unparse(node.value.func) == "super")
+    ]
+
+
+@pytest.mark.parametrize("folder", sorted(ALLOWED))
+def test_no_code_reaches_into_another_objects_private_members(folder: str) -> None:
+    """`other._member` couples a module to another's insides, which a rename breaks silently: steps take what they
+    need (a context object, a plain model's public methods). Only its own `self._member` is its own business."""
+    reaches = [reach for path in _sources(folder) for reach in _reaches(path)]
+    assert not reaches, reaches
