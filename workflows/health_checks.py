@@ -14,7 +14,13 @@ from datetime import datetime
 
 from contract.health import SEVERITY, CheckType, HealthState
 from contract.instances import ClearedFinding
-from contract.probe import KIND_CONTAINER_RUNTIME, KIND_DAEMON, GpuFinding
+from contract.probe import (
+    KIND_CONTAINER_RUNTIME,
+    KIND_CONTAINER_RUNTIME_RECOVERED,
+    KIND_DAEMON,
+    KIND_DAEMON_RECOVERED,
+    GpuFinding,
+)
 from workflows.models import ContainerInstanceHealthStatus, HealthCarry, HealthCheckResult
 
 MAX_CLEARED = 20  # impairments cleared as false, kept in the carried state: the newest
@@ -31,19 +37,30 @@ class Check:
     critical: bool
     # An operator may clear it as a false finding (`autorepair instance clear`).
     clearable: bool
+    # Finding kinds that say what impaired it is back (a host service up again): then the check is OK again, unless
+    # a repair began (workflows/health_services.py). None: it stays impaired until the instance is replaced.
+    recovered_kinds: frozenset[str] = frozenset()
 
 
 # In the order an impaired check names its repair's reason: the most specific first (a GPU finding names the Xid and
 # the GPU). AGENT_CONNECTIVITY is last: a heartbeat loss says least of what is wrong.
 CHECKS: tuple[Check, ...] = (
     Check(CheckType.ACCELERATED_COMPUTE, frozenset(), from_start=True, critical=True, clearable=True),
-    Check(CheckType.DAEMON, frozenset({KIND_DAEMON}), from_start=False, critical=False, clearable=True),
+    Check(
+        CheckType.DAEMON,
+        frozenset({KIND_DAEMON}),
+        from_start=False,
+        critical=False,
+        clearable=True,
+        recovered_kinds=frozenset({KIND_DAEMON_RECOVERED}),
+    ),
     Check(
         CheckType.CONTAINER_RUNTIME,
         frozenset({KIND_CONTAINER_RUNTIME}),
         from_start=False,
         critical=False,
         clearable=True,
+        recovered_kinds=frozenset({KIND_CONTAINER_RUNTIME_RECOVERED}),
     ),
     Check(CheckType.EC2_STATUS, frozenset(), from_start=False, critical=True, clearable=True),
     Check(CheckType.AGENT_CONNECTIVITY, frozenset(), from_start=True, critical=True, clearable=True),
@@ -52,6 +69,9 @@ BY_TYPE = {check.type: check for check in CHECKS}
 CLEARABLE = tuple(check.type for check in CHECKS if check.clearable)
 FROM_START = tuple(check.type for check in CHECKS if check.from_start)
 _BY_KIND = {kind: check.type for check in CHECKS for kind in check.finding_kinds}
+# Host services: checks that come back by themselves, by the kinds that impair them and the kinds that end it.
+SERVICE_DOWN = {kind: check.type for check in CHECKS if check.recovered_kinds for kind in check.finding_kinds}
+SERVICE_BACK = {kind: check.type for check in CHECKS for kind in check.recovered_kinds}
 
 
 def check_of(finding: GpuFinding) -> CheckType:

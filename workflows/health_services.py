@@ -10,36 +10,25 @@ marked critical is a warning, which the workflow counts like any other finding.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from datetime import datetime
 
 from contract.health import CheckType, HealthState
-from contract.probe import (
-    KIND_CONTAINER_RUNTIME,
-    KIND_CONTAINER_RUNTIME_RECOVERED,
-    KIND_DAEMON,
-    KIND_DAEMON_RECOVERED,
-    GpuFinding,
-)
+from contract.probe import GpuFinding
+from workflows.health_checks import SERVICE_BACK, SERVICE_DOWN, set_check
 from workflows.models import HealthCarry
 
 # Services down kept in the carried state, per check; past it one is counted as dropped, not kept.
 MAX_DOWN = 32
 
-SetCheck = Callable[[CheckType, HealthState, "str | None", datetime], None]
 
-_DOWN = {KIND_DAEMON: CheckType.DAEMON, KIND_CONTAINER_RUNTIME: CheckType.CONTAINER_RUNTIME}
-_BACK = {KIND_DAEMON_RECOVERED: CheckType.DAEMON, KIND_CONTAINER_RUNTIME_RECOVERED: CheckType.CONTAINER_RUNTIME}
-
-
-def took(state: HealthCarry, finding: GpuFinding, now: datetime, set_check: SetCheck) -> bool:
+def took(state: HealthCarry, finding: GpuFinding, now: datetime) -> bool:
     """Apply a host-service finding to its check. False for a GPU finding and for a service's warning: the
     workflow deals with those itself."""
-    check = _BACK.get(finding.kind)
+    check = SERVICE_BACK.get(finding.kind)
     if check is not None:
-        _back(state, check, finding.reason, now, set_check)
+        _back(state, check, finding.reason, now)
         return True
-    check = _DOWN.get(finding.kind)
+    check = SERVICE_DOWN.get(finding.kind)
     if check is None or not finding.impairs:
         return False
     down = _down_list(state, check)
@@ -52,20 +41,20 @@ def took(state: HealthCarry, finding: GpuFinding, now: datetime, set_check: SetC
     if current is not None and current.status is HealthState.IMPAIRED:
         current.lastUpdated = now  # the first service down stays the reason
     else:
-        set_check(check, HealthState.IMPAIRED, finding.reason, now)
+        set_check(state, check, HealthState.IMPAIRED, finding.reason, now)
     return True
 
 
-def _back(state: HealthCarry, check: CheckType, reason: str, now: datetime, set_check: SetCheck) -> None:
+def _back(state: HealthCarry, check: CheckType, reason: str, now: datetime) -> None:
     down = [other for other in _down_list(state, check) if other != reason]
     _set_down_list(state, check, down)
     current = state.checks.get(check)
     if current is None or current.status is not HealthState.IMPAIRED or state.repair is not None:
         return
     if down:
-        set_check(check, HealthState.IMPAIRED, down[0], now)
+        set_check(state, check, HealthState.IMPAIRED, down[0], now)
     else:
-        set_check(check, HealthState.OK, None, now)
+        set_check(state, check, HealthState.OK, None, now)
 
 
 def _down_list(state: HealthCarry, check: CheckType) -> list[str]:

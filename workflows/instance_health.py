@@ -199,7 +199,7 @@ class InstanceHealth:
         state.findings = _bounded_context([*state.findings, finding][-RECENT_FINDINGS:])
         now = self._host.now()
         # A critical daemon or container runtime down (or back) is ECS's DAEMON or CONTAINER_RUNTIME check.
-        if services.took(state, finding, now, self.set_check):
+        if services.took(state, finding, now):
             return
         check = checks.check_of(finding)
         current = state.checks.get(check)
