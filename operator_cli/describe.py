@@ -159,6 +159,8 @@ def health_entry(view: InstanceHealthView, url: str | None = None) -> dict[str, 
         "warningCounts": view.warning_counts,
         "repair": view.repair.model_dump(mode="json") if view.repair is not None else None,
         "repairWithheld": view.repair_withheld,
+        # Why it is, or is not, being repaired, in one word and a phrase (workflows/models.py RepairStance).
+        "repairDecision": view.repair_decision.model_dump(mode="json") if view.repair_decision is not None else None,
         # Failed repairs retried by the health workflow: "repair failed (...), next try at T (attempt n of N)" or
         # "repairs exhausted after N attempts" (then only `autorepair instance repair` starts another).
         "repairRetry": _retry_entry(view),
@@ -253,6 +255,8 @@ def _print_instances(entries: list[dict[str, Any]], group: str | None) -> None:
             )
         elif entry["repairWithheld"]:
             repairs.add_row(instance, "", "not repaired", entry["repairWithheld"], "", "")
+        elif (decision := entry.get("repairDecision")) and decision["stance"] != "NotNeeded":
+            repairs.add_row(instance, "", decision["stance"], decision["why"], "", "")
         if entry.get("repairRetry"):
             retries.append((instance, entry["repairRetry"]))
         for source in entry["probeSources"]:

@@ -6,6 +6,7 @@ the workflow tests keep what only a server shows (signals on the wire, timers, a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -15,13 +16,14 @@ from activities.models import EventType
 from contract.aws_status import AwsInstanceStatus, Ec2StatusCheck, ScheduledEvent
 from contract.groups import CapacityGroup
 from contract.health import CheckType, HealthState, HeartbeatLossInjection
+from contract.instances import Exclusion
 from contract.liveness import LivenessChange
 from contract.probe import KIND_CONTAINER_RUNTIME, KIND_DAEMON, KIND_DAEMON_RECOVERED, GpuFinding, GpuRef, Heartbeat
 from contract.repair import RepairPhase
 from workflows import health_aws_rules as aws_rules
 from workflows import health_checks as checks
 from workflows.instance_health import MAX_WARNING_KINDS, REPAIR_RETRIES, InstanceHealth
-from workflows.models import RepairProgress, RepairView
+from workflows.models import HealthCarry, RepairProgress, RepairStance, RepairView
 
 START = datetime(2026, 12, 5, 12, 0, tzinfo=UTC)
 INSTANCE, GROUP = "i-0abc", "g"
@@ -449,3 +451,72 @@ def test_a_scheduled_event_impairs_its_lead_before_and_is_told_once(health: Inst
     aws_rules.apply_decision(state, aws_rules.decide(state, group, at), at)
     assert status(health, CheckType.EC2_STATUS)[0] is HealthState.IMPAIRED
     assert aws_rules.planned_only(state)  # AWS planned it: not the breaker's to count
+
+
+# --- why it is, or is not, repaired -----------------------------------------------------------------------------------
+
+
+def decision(health: InstanceHealth) -> tuple[RepairStance, str]:
+    made = health.repair_decision()
+    return made.stance, made.why
+
+
+def test_one_answer_says_why_an_instance_is_or_is_not_repaired(health: InstanceHealth, host: FakeHost) -> None:
+    healthy(health)
+    assert decision(health) == (RepairStance.NOT_NEEDED, "")
+    signal(health, health.on_finding, finding())
+    assert decision(health) == (RepairStance.DUE, "XID_79")
+    health.state.retry_at = START + timedelta(seconds=30)
+    health.state.last_activity_error = "starting the repair failed, trying again in 0:00:30: throttled"
+    made = health.repair_decision()
+    assert (made.stance, made.until) == (RepairStance.BACKING_OFF, START + timedelta(seconds=30))
+    host.tick(30)
+    health.state.repair_requested = True
+    assert decision(health) == (RepairStance.STARTING, "XID_79")
+    repairing(health)
+    assert decision(health) == (RepairStance.REPAIRING, "repair/i-0abc/1 is WaitingForPermit")
+    assert health.view().repair_decision == health.repair_decision()
+
+
+def withheld(state: HealthCarry) -> None:
+    state.repair_withheld = "auto repair DISABLED for group g"
+
+
+def excluded(state: HealthCarry) -> None:
+    state.excluded = Exclusion(by="ana", reason="RMA", since=START)
+
+
+def exhausted(state: HealthCarry) -> None:
+    state.repair_retry.exhausted = True
+
+
+def retry_waiting(state: HealthCarry) -> None:
+    state.repair_retry.next_at = START + timedelta(minutes=5)
+
+
+def dormant(state: HealthCarry) -> None:
+    state.dormant, state.retired_reason = True, "stopped"
+
+
+@pytest.mark.parametrize(
+    ("setup", "stance"),
+    [
+        (withheld, RepairStance.WITHHELD),
+        (excluded, RepairStance.EXCLUDED),
+        (exhausted, RepairStance.EXHAUSTED),
+        (retry_waiting, RepairStance.RETRY_WAITING),
+        (dormant, RepairStance.DORMANT),
+    ],
+    ids=["withheld", "excluded", "exhausted", "retry-waiting", "dormant"],
+)
+def test_an_impaired_instance_not_being_repaired_says_why(
+    health: InstanceHealth, setup: Callable[[HealthCarry], None], stance: RepairStance
+) -> None:
+    signal(health, health.on_finding, finding())
+    setup(health.state)
+    assert health.repair_decision().stance is stance
+
+
+def test_a_retired_instance_says_so(health: InstanceHealth) -> None:
+    health.on_liveness(LivenessChange(instance_id=INSTANCE, lost=True, gone="terminated"))
+    assert decision(health) == (RepairStance.RETIRED, "terminated")

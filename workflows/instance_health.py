@@ -28,8 +28,10 @@ from workflows.models import (
     HealthCarry,
     HealthCheckResult,
     InstanceHealthView,
+    RepairDecision,
     RepairProgress,
     RepairRetry,
+    RepairStance,
 )
 from workflows.signal_input import Rejected, worth_logging
 
@@ -153,6 +155,34 @@ class InstanceHealth:
         backing_off = state.retry_at is not None and now < state.retry_at
         retry_later = state.repair_retry.next_at is not None and now < state.repair_retry.next_at
         return wanted and not state.repair_requested and not backing_off and not retry_later
+
+    def repair_decision(self) -> RepairDecision:
+        """Why it is, or is not, being repaired: one answer derived from the carried state, first match wins."""
+        state, now = self.state, self._host.now()
+        repair, retry = state.repair, state.repair_retry
+        if self.retired:
+            return RepairDecision(stance=RepairStance.RETIRED, why=state.retired_reason or "replaced")
+        if repair is not None and repair.phase not in FINISHED:
+            return RepairDecision(stance=RepairStance.REPAIRING, why=f"{repair.workflow_id} is {repair.phase.value}")
+        if state.dormant:
+            return RepairDecision(stance=RepairStance.DORMANT, why=f"left on purpose: {state.retired_reason}")
+        if state.excluded is not None:
+            return RepairDecision(stance=RepairStance.EXCLUDED, why=excluded_text(state.excluded))
+        if state.repair_withheld is not None:
+            return RepairDecision(stance=RepairStance.WITHHELD, why=state.repair_withheld)
+        if retry.exhausted:
+            return RepairDecision(stance=RepairStance.EXHAUSTED, why=retry.text() or "")
+        if retry.next_at is not None and now < retry.next_at:
+            return RepairDecision(stance=RepairStance.RETRY_WAITING, why=retry.text() or "", until=retry.next_at)
+        if not (self.is_impaired() or state.operator_repair is not None or retry.next_at is not None):
+            return RepairDecision(stance=RepairStance.NOT_NEEDED)
+        reason, _ = self.repair_reason()
+        if state.retry_at is not None and now < state.retry_at:
+            why = state.last_activity_error or reason
+            return RepairDecision(stance=RepairStance.BACKING_OFF, why=why, until=state.retry_at)
+        if state.repair_requested:
+            return RepairDecision(stance=RepairStance.STARTING, why=reason)
+        return RepairDecision(stance=RepairStance.DUE, why=reason)
 
     def repair_reason(self) -> tuple[str, GpuFinding | None]:
         """An operator's repair says who asked and why; the finding, if any, still names the GPU."""
@@ -379,6 +409,7 @@ class InstanceHealth:
             cleared_findings=state.cleared_findings,
             repair_retry=state.repair_retry,
             last_in_place_fix=state.last_in_place_fix,
+            repair_decision=self.repair_decision(),
         )
 
     def details_markdown(self) -> str:

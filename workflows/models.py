@@ -7,6 +7,7 @@ purpose: the `healthStatus` an operator queries is the one DescribeContainerInst
 from __future__ import annotations
 
 from datetime import datetime
+from enum import StrEnum
 
 from pydantic import BaseModel, Field
 
@@ -174,6 +175,28 @@ class HealthRun(HealthInput):
     carry: HealthCarry | None = None
 
 
+class RepairStance(StrEnum):
+    """Where an instance stands with repair, one answer to "why is it (not) being repaired?"."""
+
+    NOT_NEEDED = "NotNeeded"  # nothing impaired, nothing asked
+    DUE = "Due"  # the run loop starts its repair now
+    STARTING = "Starting"  # its start was asked for
+    REPAIRING = "Repairing"  # a repair runs
+    BACKING_OFF = "BackingOff"  # starting it failed (an activity); tried again at `until`
+    RETRY_WAITING = "RetryWaiting"  # a repair failed; the next attempt starts at `until`
+    EXHAUSTED = "Exhausted"  # every attempt allowed failed: only an operator's `instance repair` starts another
+    WITHHELD = "Withheld"  # its group's auto repair is DISABLED
+    EXCLUDED = "Excluded"  # an operator excluded it
+    DORMANT = "Dormant"  # it left on purpose and may come back
+    RETIRED = "Retired"  # replaced, or gone for good
+
+
+class RepairDecision(BaseModel):
+    stance: RepairStance
+    why: str = ""
+    until: datetime | None = None
+
+
 class InstanceHealthView(BaseModel):
     instance_id: str
     group: str
@@ -198,6 +221,8 @@ class InstanceHealthView(BaseModel):
     repair_retry: RepairRetry = Field(default_factory=RepairRetry)
     boot_id: str | None = None
     last_in_place_fix: InPlaceFix | None = None
+    # Derived from the state above (InstanceHealth.repair_decision): why it is, or is not, being repaired.
+    repair_decision: RepairDecision | None = None
 
 
 # --- Drain semaphore -------------------------------------------------------------------------------------------
