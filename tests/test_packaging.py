@@ -165,7 +165,10 @@ def test_a_lock_that_no_longer_matches_pyproject_is_refused(tmp_path: Path):
     assert stale != current
     (tmp_path / "pyproject.toml").write_text(stale)
     shutil.copy(ROOT / "uv.lock", tmp_path / "uv.lock")
-    result = _run([UV, "lock", "--check", "--offline"], cwd=tmp_path)
+    # Not offline: to say the lock needs updating uv resolves the new requirement, which needs the index's pages of
+    # the project's dependencies; offline it found them only if a test before this one (the images' `uv sync`) had
+    # cached them, so in a random order it failed with "not found in the cache" instead.
+    result = _run([UV, "lock", "--check"], cwd=tmp_path, timeout=300)
     assert result.returncode != 0
     assert "needs to be updated" in result.stderr, result.stderr
 
