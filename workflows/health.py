@@ -47,7 +47,8 @@ from workflows import health_retry as retry
 from workflows.group_config import read_group_config
 from workflows.group_events import publish
 from workflows.in_order import InOrder
-from workflows.instance_health import InstanceHealth, Log
+from workflows.instance_health import InstanceHealth
+from workflows.model_log import Log
 from workflows.models import HealthRun, InstanceHealthView, RepairProgress
 from workflows.signal_input import Rejected, decode
 

@@ -23,6 +23,7 @@ from workflows import health_aws_rules as aws_rules
 from workflows import health_checks as checks
 from workflows import health_ladder as ladder
 from workflows import health_services as services
+from workflows.model_log import Log
 from workflows.models import (
     ContainerInstanceHealthStatus,
     HealthCarry,
@@ -45,12 +46,6 @@ MAX_WARNING_KINDS = 256
 REPAIR_RETRIES = "repair-retries"
 
 StatusKey = list[tuple[CheckType, HealthState, str | None]]
-
-
-class Log(Protocol):
-    def info(self, msg: str, *args: object) -> None: ...
-
-    def warning(self, msg: str, *args: object) -> None: ...
 
 
 class HealthHost(Protocol):
