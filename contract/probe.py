@@ -3,13 +3,28 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Final
+from typing import Final, Literal, get_args
 
 from pydantic import BaseModel, Field
 
 from contract.health import HealthState
 from contract.limits import MAX_COUNT, MAX_PROBE_SOURCES, Id, Name, Text
 
+# Every kind of finding the probe sends, defined once: its sources make them (node_probe/classify/record.py) and the
+# health workflow's check table says which check each impairs (workflows/health_checks.py). A new kind goes here.
+FindingKind = Literal[
+    "xid",
+    "sxid",
+    "gpu_fallen_off_bus",
+    "gpu_init_failed",
+    "nvml",
+    "dcgm",
+    "daemon",
+    "daemon_recovered",
+    "container_runtime",
+    "container_runtime_recovered",
+]
+FINDING_KINDS: Final[tuple[str, ...]] = get_args(FindingKind)
 # Kinds of finding about the host's services rather than its GPUs: each is a state transition (down, back up) that
 # the probe never folds into a burst, and the health workflow maps to its own check (DAEMON, CONTAINER_RUNTIME).
 KIND_DAEMON: Final = "daemon"
@@ -42,8 +57,7 @@ class GpuFinding(BaseModel):
     group: Id
     kind: Name = Field(
         min_length=1,
-        description="xid, sxid, gpu_fallen_off_bus, gpu_init_failed, nvml, dcgm, daemon, daemon_recovered, "
-        "container_runtime, container_runtime_recovered",
+        description=", ".join(FINDING_KINDS),
     )
     code: int | None = Field(default=None, ge=0, le=2**31 - 1)
     reason: Name = Field(min_length=1, description="ECS-style status reason, e.g. XID_79")

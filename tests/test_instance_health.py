@@ -18,7 +18,16 @@ from contract.groups import CapacityGroup
 from contract.health import CheckType, HealthState, HeartbeatLossInjection
 from contract.instances import Exclusion
 from contract.liveness import LivenessChange
-from contract.probe import KIND_CONTAINER_RUNTIME, KIND_DAEMON, KIND_DAEMON_RECOVERED, GpuFinding, GpuRef, Heartbeat
+from contract.probe import (
+    FINDING_KINDS,
+    KIND_CONTAINER_RUNTIME,
+    KIND_DAEMON,
+    KIND_DAEMON_RECOVERED,
+    STATE_TRANSITION_KINDS,
+    GpuFinding,
+    GpuRef,
+    Heartbeat,
+)
 from contract.repair import RepairPhase
 from workflows import health_aws_rules as aws_rules
 from workflows import health_checks as checks
@@ -125,6 +134,12 @@ def test_every_check_has_exactly_one_row() -> None:
     assert sorted(check.type for check in checks.CHECKS) == sorted(CheckType)
     assert checks.FROM_START == (CheckType.ACCELERATED_COMPUTE, CheckType.AGENT_CONNECTIVITY)
     assert set(checks.CLEARABLE) == set(CheckType)
+
+
+def test_every_host_service_kind_the_probe_sends_has_its_row() -> None:
+    in_table = {kind for check in checks.CHECKS for kind in check.finding_kinds | check.recovered_kinds}
+    assert STATE_TRANSITION_KINDS <= in_table <= set(FINDING_KINDS)
+    assert set(checks.SERVICE_DOWN) | set(checks.SERVICE_BACK) == STATE_TRANSITION_KINDS
 
 
 @pytest.mark.parametrize(

@@ -3,21 +3,12 @@ this host."""
 
 from __future__ import annotations
 
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
-# The host-service kinds are contract.probe's KIND_* (tests/test_container_runtime.py holds the two together).
-RecordKind = Literal[
-    "xid",
-    "sxid",
-    "gpu_fallen_off_bus",
-    "gpu_init_failed",
-    "nvml",
-    "dcgm",
-    "daemon",
-    "daemon_recovered",
-    "container_runtime",
-    "container_runtime_recovered",
-]
+from contract.probe import FindingKind
+
+# The kinds are the contract's: what a source records is what the probe sends.
+RecordKind = FindingKind
 
 
 class FaultRecord(NamedTuple):
