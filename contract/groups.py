@@ -137,6 +137,10 @@ class CapacityGroup(SettingsSection):
     # The same GPU (the same instance, when the GPU cannot be told) faulting again this soon after a fix in place:
     # replaced, not rebooted again.
     escalation_window: timedelta = timedelta(hours=24)
+    # An instance fixed in place this many times within fix_window is replaced at its next fault, whichever GPU: a
+    # host that keeps needing reboots is failing, however each single fault looks.
+    max_fixes_in_place: int = Field(default=3, ge=1, le=100)
+    fix_window: timedelta = timedelta(days=7)
     # Evidence before a replacement terminates anything (docs/operations.md, "Evidence and quarantine"): the
     # findings and their kernel-log lines are stored under the incident in this bucket (none: nothing is stored),
     # and with bug_report the host's kernel log and `nvidia-bug-report.sh` through SSM Run Command, waited for at most

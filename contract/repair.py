@@ -35,6 +35,8 @@ class RepairPhase(StrEnum):
     QUARANTINING = "Quarantining"
 
 
+# Fixes in place an instance's health workflow keeps, newest last: far above any sane max_fixes_in_place.
+MAX_FIXES_KEPT = 20
 # Repairs that closed without replacing the instance: a later attempt may follow, once it has closed.
 ENDED_UNREPAIRED = frozenset({RepairPhase.FAILED, RepairPhase.CANCELLED, RepairPhase.DISCARDED})
 FINISHED = ENDED_UNREPAIRED | {RepairPhase.COMPLETED}
@@ -86,6 +88,9 @@ class RepairInput(BaseModel):
     # The instance's last fix in place, as its health workflow learnt it: the same GPU faulting again within the
     # group's escalation_window is replaced, not rebooted again.
     last_in_place_fix: InPlaceFix | None = None
+    # The instance's fixes in place its health workflow keeps (the newest MAX_FIXES_KEPT): the group's
+    # max_fixes_in_place within fix_window are counted from them.
+    in_place_fixes: list[InPlaceFix] = Field(default_factory=list, max_length=MAX_FIXES_KEPT)
     # Which attempt at repairing the instance this is (from 1; contract/ids.py repair_workflow_id). 0: one started
     # before attempts had ids of their own, as `repair/<instance>`.
     attempt: int = Field(default=0, ge=0)

@@ -156,6 +156,8 @@ def _print_group(document: dict[str, Any]) -> None:
         "gpu_reset",
         "reboot_timeout",
         "escalation_window",
+        "max_fixes_in_place",
+        "fix_window",
     ):
         if effective.get(key) is not None:
             table.add_row(key, str(effective[key]), "")

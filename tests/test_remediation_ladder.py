@@ -24,6 +24,7 @@ from contract.ids import health_workflow_id, repair_workflow_id
 from contract.probe import GpuFinding, GpuRef
 from contract.repair import RepairAction
 from simulator.aws_proxy import FlakyAws
+from simulator.kernel_lines import P5_GPU_PCI
 from tests.fleet import START_BEFORE_STOP, Fleet, assert_start_before_stop, simulated_fleet
 from tests.harness import eventually
 from tests.test_ops_cli import autorepair, cli_env, cli_json
@@ -165,6 +166,39 @@ async def test_reboot_clears_in_place_and_the_same_gpu_faulting_again_is_replace
         assert node.reboots == 1
         details = await current_details(client, repair_workflow_id(faulty, 2))
         assert "- escalated reboot → **replace**: XID_79 on GPU" in details
+
+
+async def test_an_instance_fixed_in_place_max_fixes_in_place_times_is_replaced_at_its_next_fault(
+    client: Client, aws_env: str, tmp_path: Path
+) -> None:
+    async with simulated_fleet(client, aws_env, tmp_path, instances=3) as fleet:
+        reboot_first(fleet, max_fixes_in_place=1)
+        await fleet.all_healthy(3)
+        faulty = fleet.sim.live_instances()[0]
+        first_gpu, other_gpu = P5_GPU_PCI[0], P5_GPU_PCI[1]
+        fleet.sim.inject_fault(faulty, xid=79, pci=first_gpu)
+        await closed(fleet, repair_workflow_id(faulty, 1))
+        assert steps_of(fleet, repair_workflow_id(faulty, 1)) == REBOOTED_IN_PLACE
+        view = await eventually(
+            lambda: fleet.sim.health(faulty),
+            lambda v: v is not None and v.healthStatus.overallStatus is HealthState.OK and len(v.in_place_fixes) == 1,
+        )
+        assert view is not None and view.in_place_fixes[0].workflow_id == repair_workflow_id(faulty, 1)
+
+        # Another GPU: not the escalation_window's rule (that is the same GPU's), but the instance's second fault
+        # after max_fixes_in_place = 1 fix: replaced at once, start-before-stop, and said why.
+        fleet.sim.inject_fault(faulty, xid=79, pci=other_gpu)
+        second = await closed(fleet, repair_workflow_id(faulty, 2))
+        assert steps_of(fleet, repair_workflow_id(faulty, 2)) == ESCALATED_AT_ONCE
+        [escalated] = fleet.events("Escalated", faulty)
+        assert escalated["why"] == (
+            f"XID_79: the instance was fixed in place 1 time within fix_window 604800s, the last by "
+            f"{repair_workflow_id(faulty, 1)} (max_fixes_in_place 1)"
+        )
+        assert second.action is RepairAction.REPLACE and fleet.replacements_of(faulty) == [
+            second.replacement_instance_id
+        ]
+        assert fleet.sim.node(faulty).reboots == 1
 
 
 async def test_a_reboot_that_does_not_clear_the_fault_is_replaced(client: Client, aws_env: str, tmp_path: Path) -> None:

@@ -139,6 +139,41 @@ def test_an_earlier_fix_counts_only_within_the_window_and_for_the_same_gpu(
         assert "the instance" in ladder.escalations[0][2]
 
 
+def fixes(*ago_hours: float, gpu: str | None = OTHER_GPU) -> list[InPlaceFix]:
+    return [
+        InPlaceFix(
+            workflow_id=f"repair/i-1/{n}", action=RepairAction.REBOOT, gpu=gpu, fixed_at=NOW - timedelta(hours=h)
+        )
+        for n, h in enumerate(ago_hours, start=1)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("recent", "config", "first"),
+    [
+        (fixes(100, 50, 2), group(), RepairAction.REPLACE),  # three within the default 7 days: the fourth replaces
+        (fixes(200, 50, 2), group(), RepairAction.REBOOT),  # one of them older than the window
+        (fixes(50, 2), group(), RepairAction.REBOOT),  # two: room for a third
+        (fixes(2), group(max_fixes_in_place=1), RepairAction.REPLACE),
+        (fixes(30, 2), group(max_fixes_in_place=2, fix_window="P1D"), RepairAction.REBOOT),
+    ],
+    ids=["three-in-a-week", "one-too-old", "two", "max-one", "short-window"],
+)
+def test_an_instance_fixed_in_place_too_often_is_replaced_whichever_gpu(
+    recent: list[InPlaceFix], config: CapacityGroup, first: RepairAction
+) -> None:
+    ladder = chosen(repair_input(finding()).model_copy(update={"in_place_fixes": recent}), config)
+    assert ladder.first is first
+    if first is RepairAction.REPLACE:
+        [(_, _, why)] = ladder.escalations
+        count = len(recent)
+        assert why == (
+            f"XID_79: the instance was fixed in place {count} time{'s' if count > 1 else ''} within fix_window "
+            f"{int(config.fix_window.total_seconds())}s, the last by repair/i-1/{count} "
+            f"(max_fixes_in_place {config.max_fixes_in_place})"
+        )
+
+
 def test_an_escalation_is_recorded_once_and_moves_the_action() -> None:
     ladder = chosen(repair_input(finding("RESET_GPU")), group(gpu_reset=True))
     ladder.escalate(RepairAction.GPU_RESET, RepairAction.REBOOT, "refused")

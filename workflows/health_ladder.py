@@ -15,6 +15,7 @@ from datetime import datetime
 
 from contract.health import CheckType, HealthState
 from contract.probe import STATE_TRANSITION_KINDS, GpuFinding, Heartbeat
+from contract.repair import MAX_FIXES_KEPT
 from workflows.models import HealthCarry, HealthCheckResult, RepairProgress
 
 # Checks a fix in place clears: the GPU fault it dealt with, and the agent silence the reboot itself caused (the
@@ -53,6 +54,7 @@ def fixed_in_place(state: HealthCarry, progress: RepairProgress, now: datetime) 
     if fix is None:
         return False
     state.last_in_place_fix = fix
+    state.in_place_fixes = [*state.in_place_fixes, fix][-MAX_FIXES_KEPT:]
     for check in CLEARED_BY_FIX:
         current = state.checks.get(check)
         if current is not None and current.status is HealthState.IMPAIRED:

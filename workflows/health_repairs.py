@@ -120,6 +120,7 @@ async def start(health: InstanceHealth, news_beside_steps: bool) -> None:
         critical=critical(state),
         attempt=attempt,
         last_in_place_fix=state.last_in_place_fix,  # the remediation ladder's (workflows/health_ladder.py)
+        in_place_fixes=state.in_place_fixes,
         earlier_replacement=previous.replacement_instance_id
         if previous is not None and previous.phase in ENDED_UNREPAIRED
         else None,

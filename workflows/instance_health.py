@@ -404,6 +404,7 @@ class InstanceHealth:
             cleared_findings=state.cleared_findings,
             repair_retry=state.repair_retry,
             last_in_place_fix=state.last_in_place_fix,
+            in_place_fixes=state.in_place_fixes,
             repair_decision=self.repair_decision(),
         )
 

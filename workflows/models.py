@@ -165,6 +165,8 @@ class HealthCarry(BaseModel):
     # The probe's boot as its last forwarded heartbeat said, and the last fix in place (workflows/health_ladder.py).
     boot_id: str | None = None
     last_in_place_fix: InPlaceFix | None = None
+    # Every fix in place, newest last (at most MAX_FIXES_KEPT): the group's max_fixes_in_place rule counts them.
+    in_place_fixes: list[InPlaceFix] = Field(default_factory=list)
     repair_retry: RepairRetry = Field(default_factory=RepairRetry)
     aws: AwsChecks = Field(default_factory=AwsChecks)
 
@@ -221,6 +223,7 @@ class InstanceHealthView(BaseModel):
     repair_retry: RepairRetry = Field(default_factory=RepairRetry)
     boot_id: str | None = None
     last_in_place_fix: InPlaceFix | None = None
+    in_place_fixes: list[InPlaceFix] = Field(default_factory=list)
     # Derived from the state above (InstanceHealth.repair_decision): why it is, or is not, being repaired.
     repair_decision: RepairDecision | None = None
 

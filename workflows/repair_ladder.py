@@ -62,6 +62,14 @@ def replace_at_once(input: RepairInput, group: CapacityGroup, now: datetime) -> 
     if finding.immediate_action not in IN_PLACE_ACTIONS:
         action = finding.immediate_action or "none"
         return f"{finding.reason}: NVIDIA's immediate action is {action}, not a GPU reset or a reboot"
+    recent = [f for f in input.in_place_fixes if now - f.fixed_at <= group.fix_window]
+    if len(recent) >= group.max_fixes_in_place:
+        times = f"{len(recent)} time{'s' if len(recent) > 1 else ''}"
+        return (
+            f"{finding.reason}: the instance was fixed in place {times} within fix_window "
+            f"{format_seconds(group.fix_window)}, the last by {recent[-1].workflow_id} "
+            f"(max_fixes_in_place {group.max_fixes_in_place})"
+        )
     fix = input.last_in_place_fix
     if fix is None or now - fix.fixed_at > group.escalation_window:
         return None

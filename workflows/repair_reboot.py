@@ -13,7 +13,8 @@ RESTART_VM or RESTART_BM (GpuFinding.immediate_action) is first handled in place
 Escalation (an `Escalated` event saying why) to the replacement steps of repair.py, start-before-stop:
   - at the start, when the finding's action is anything else (CONTACT_SUPPORT, WORKFLOW_XID_48, the NVLink
     workflows, a heartbeat loss: no finding at all), or the same GPU (the same instance when the GPU cannot be told)
-    was fixed in place within the group's `escalation_window` (RepairInput.last_in_place_fix);
+    was fixed in place within the group's `escalation_window` (RepairInput.last_in_place_fix), or the instance was
+    fixed in place `max_fixes_in_place` times within `fix_window` (RepairInput.in_place_fixes), whichever GPU;
   - after the reset or reboot, when a new GPU fault shows, or the instance is not back by `reboot_timeout`.
 Under `remediation = "replace"` nothing here runs: the repair's history is the one it always was.
 Which rung, and whether the instance is back, are decided in workflows/repair_ladder.py.
