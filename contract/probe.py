@@ -34,6 +34,8 @@ KIND_CONTAINER_RUNTIME_RECOVERED: Final = "container_runtime_recovered"
 STATE_TRANSITION_KINDS: Final = frozenset(
     {KIND_DAEMON, KIND_DAEMON_RECOVERED, KIND_CONTAINER_RUNTIME, KIND_CONTAINER_RUNTIME_RECOVERED}
 )
+# Far above any instance type's GPUs (8 today): a count past it is no count.
+MAX_GPUS_PER_HOST: Final = 64
 # The most sources one finding names: kernel log, kmsg, journald, NVML, DCGM, with room to spare.
 MAX_FINDING_SOURCES: Final = 8
 # The kernel-log lines around an impairing fault one finding carries (node_probe/classify/context.py).
@@ -101,3 +103,6 @@ class Heartbeat(BaseModel):
     # The host's boot (/proc/sys/kernel/random/boot_id): a reboot-first repair waits for a heartbeat from a new one.
     # None from probes before it.
     boot_id: Name | None = None
+    # The GPUs NVML enumerates on this host; fewer than its instance type has impairs ACCELERATED_COMPUTE. None: not
+    # known (no NVML, or it cannot be read), or a probe before it.
+    gpu_count: int | None = Field(default=None, ge=0, le=MAX_GPUS_PER_HOST)

@@ -299,6 +299,7 @@ class Probe:
             gpu_health_reason=reason,
             sources=sources,
             boot_id=self._boot_id or None,
+            gpu_count=len(self._nvml.gpus) if self._nvml is not None and self._nvml.gpus else None,
         )
 
     async def run(self) -> None:

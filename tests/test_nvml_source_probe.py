@@ -11,8 +11,10 @@ from typing import Any
 import pynvml
 
 from contract.health import HealthState
+from contract.probe import Heartbeat
 from node_probe.classify.kernel_log import parse_lines
 from node_probe.classify.policy import Policy
+from node_probe.delivery.liveness_relay import LivenessRelay, routes_of
 from node_probe.probe import Probe, ProbeConfig
 from node_probe.sources.nvml import nvml_available
 from tests.fake_nvml import NO_INSTANCE, NOW, XID, FakeNvml, make_source, two_gpus
@@ -38,6 +40,20 @@ async def test_probe_delivers_an_nvml_xid_finding_with_the_gpus_identity(tmp_pat
     assert (finding.kind, finding.reason, finding.impairs, finding.source) == ("xid", "XID_79", True, "nvml")
     assert finding.gpu.pci == "0000:3b:00" and finding.gpu.uuid == "GPU-11111111-2222-3333-4444-555555555555"
     assert reporter.heartbeats[0].gpu_health == HealthState.OK
+    assert reporter.heartbeats[0].gpu_count == 2  # what NVML enumerates: the worker compares it with the type's
+
+
+def test_the_heartbeat_counts_the_gpus_nvml_enumerates_and_none_while_it_cannot_read_them() -> None:
+    fake = FakeNvml(two_gpus())
+    fake.init_error = pynvml.NVML_ERROR_DRIVER_NOT_LOADED
+    nvml = make_source(fake)
+    probe = Probe(ProbeConfig(instance_id="i-1", group="g"), FakeReporter(), sources=[nvml])
+    nvml.check()
+    assert probe.heartbeat().gpu_count is None  # not known is not zero: never a missing GPU
+    fake.init_error = None
+    nvml.check()
+    assert probe.heartbeat().gpu_count == 2
+    assert Probe(ProbeConfig(instance_id="i-1", group="g"), FakeReporter(), sources=[]).heartbeat().gpu_count is None
 
 
 async def test_heartbeat_is_insufficient_data_while_any_gpu_source_is_down_naming_each(tmp_path: Any) -> None:
@@ -125,3 +141,13 @@ def test_an_nvml_xid_and_the_kernel_logs_line_for_it_are_one_burst() -> None:
     policy = Policy()
     key_log = dedupe_key(from_log, policy.classify(from_log, NOW))
     assert key_log == dedupe_key(from_nvml, policy.classify(from_nvml, NOW))
+
+
+async def test_a_gpu_gone_from_the_host_is_news_the_relay_forwards() -> None:
+    reporter = FakeReporter()
+    relay = LivenessRelay(reporter, routes_of([]), "q", relay=True)  # type: ignore[arg-type]
+    beat = Heartbeat(instance_id="i-1", group="g", sent_at=NOW, gpu_count=8)
+    await relay.send_heartbeat(beat, "q")
+    await relay.send_heartbeat(beat.model_copy(update={"sent_at": NOW + timedelta(seconds=10)}), "q")
+    await relay.send_heartbeat(beat.model_copy(update={"gpu_count": 7}), "q")
+    assert [h.gpu_count for h in reporter.heartbeats] == [8, 7]

@@ -60,9 +60,9 @@ def routes_of(groups: list[CapacityGroup]) -> Callable[[str], LivenessRoute]:
 
 def _signature(beat: Heartbeat) -> tuple[object, ...]:
     """What a health workflow needs to hear about when it changes; the send time is not part of it. A new boot is
-    news: a reboot-first repair waits for it."""
+    news: a reboot-first repair waits for it; so is a GPU gone from the host."""
     sources = tuple((s.name, s.state, s.reason, s.gpu_source) for s in beat.sources)
-    return (beat.group, beat.gpu_health, beat.gpu_health_reason, sources, beat.boot_id)
+    return (beat.group, beat.gpu_health, beat.gpu_health_reason, sources, beat.boot_id, beat.gpu_count)
 
 
 class LivenessRelay:
