@@ -47,6 +47,8 @@ class Ec2:
 
     def __init__(self, aws: AwsClients) -> None:
         self._aws = aws
+        # An instance type's GPUs never change: read once per type a worker meets (a few dozen at most).
+        self._gpus_of_type: dict[str, int | None] = {}
 
     async def instances(self, instance_ids: Iterable[str]) -> dict[str, InstanceTypeDef]:
         """Instances by id. A filter, not InstanceIds=, so an id that no longer exists is skipped."""
@@ -72,6 +74,19 @@ class Ec2:
 
     async def instance(self, instance_id: str) -> InstanceTypeDef | None:
         return (await self.instances([instance_id])).get(instance_id)
+
+    async def gpus_of_type(self, instance_type: str) -> int | None:
+        """The GPUs an instance type has (None: EC2 gives no GPU information for it)."""
+        if instance_type not in self._gpus_of_type:
+            resp = await self._aws.call(
+                f"instance type {instance_type}",
+                self._aws.ec2.describe_instance_types,
+                InstanceTypes=[instance_type],  # type: ignore[list-item]
+            )
+            types = resp.get("InstanceTypes", [])
+            gpus = types[0].get("GpuInfo", {}).get("Gpus") if types else None
+            self._gpus_of_type[instance_type] = sum(g.get("Count", 0) for g in gpus) if gpus else None
+        return self._gpus_of_type[instance_type]
 
     async def auto_scaling_group(self, group: CapacityGroup) -> AutoScalingGroupTypeDef:
         name = group.auto_scaling_group or ""

@@ -32,6 +32,7 @@ from activities.launch import Launcher
 from activities.models import (
     ContainerInstanceRef,
     DrainResult,
+    ExpectedGpus,
     GroupCapacity,
     GroupCapacityRequest,
     GroupConfigRequest,
@@ -135,6 +136,7 @@ class FleetActivities:
             self.quarantine_instance,
             self.instances_gone,
             self.subnet_zones,
+            self.expected_gpus,
         ]
 
     # --- activities ---------------------------------------------------------------------------------------
@@ -172,6 +174,15 @@ class FleetActivities:
             Filters=[{"Name": "subnet-id", "Values": request.subnet_ids}],
         )
         return SubnetZones(zones={s["SubnetId"]: s["AvailabilityZone"] for s in resp.get("Subnets", [])})
+
+    @activity.defn(name="expected_gpus")
+    async def expected_gpus(self, request: InstanceRef) -> ExpectedGpus:
+        """The GPUs the instance's type has: a host whose probe sees fewer is missing one."""
+        instance = await self._ec2.instance(request.instance_id)
+        instance_type = instance.get("InstanceType") if instance is not None else None
+        if instance_type is None:
+            return ExpectedGpus()
+        return ExpectedGpus(instance_type=instance_type, gpus=await self._ec2.gpus_of_type(instance_type))
 
     @activity.defn(name="describe_group_capacity")
     async def describe_group_capacity(self, request: GroupCapacityRequest) -> GroupCapacity:

@@ -226,6 +226,13 @@ class SubnetZones(BaseModel):
     zones: dict[str, str]  # subnet id -> its AZ; a subnet EC2 does not know is left out
 
 
+class ExpectedGpus(BaseModel):
+    """How many GPUs the instance's type has, as EC2 says (DescribeInstanceTypes' GpuInfo)."""
+
+    instance_type: str | None = None  # None: EC2 does not know the instance (any more)
+    gpus: int | None = None  # None: the type has no GPU information
+
+
 class LaunchResult(BaseModel):
     replacement_instance_id: str
     already_existed: bool = False

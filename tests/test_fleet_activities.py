@@ -171,6 +171,14 @@ async def test_set_draining_is_idempotent_and_reports_placement(fleet: Fleet) ->
     assert fleet.status(arn) == "DRAINING"
 
 
+async def test_expected_gpus_are_the_instance_types_and_unknown_is_none(fleet: Fleet) -> None:
+    [instance_id] = fleet.launch()
+    found = await run(fleet.acts.expected_gpus, InstanceRef(group=fleet.group.name, instance_id=instance_id))
+    assert (found.instance_type, found.gpus) == ("p4d.24xlarge", 8)
+    gone = await run(fleet.acts.expected_gpus, InstanceRef(group=fleet.group.name, instance_id="i-0000000000nothere"))
+    assert (gone.instance_type, gone.gpus) == (None, None)
+
+
 async def test_set_draining_of_unregistered_instance_is_permanent(fleet: Fleet) -> None:
     [instance_id] = fleet.launch()
     with pytest.raises(ApplicationError) as exc:

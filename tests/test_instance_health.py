@@ -535,3 +535,40 @@ def test_an_impaired_instance_not_being_repaired_says_why(
 def test_a_retired_instance_says_so(health: InstanceHealth) -> None:
     health.on_liveness(LivenessChange(instance_id=INSTANCE, lost=True, gone="terminated"))
     assert decision(health) == (RepairStance.RETIRED, "terminated")
+
+
+# --- a GPU missing from the host ----------------------------------------------------------------------------------
+
+
+def test_fewer_gpus_than_the_type_has_impairs_and_is_replaced(health: InstanceHealth) -> None:
+    signal(health, health.on_heartbeat, beat(gpu_count=7))
+    assert health.gpus_to_read and not health.is_impaired()
+    before = health.status_key()
+    health.expected_gpus_read("p5.48xlarge", 8)
+    health.publish_if_changed(before)
+    assert not health.gpus_to_read
+    reason = "GPU_COUNT_MISMATCH: 7 of the 8 GPUs of a p5.48xlarge visible"
+    assert status(health, CheckType.ACCELERATED_COMPUTE) == (HealthState.IMPAIRED, reason)
+    assert health.repair_due() and health.impairment() == (reason, None)  # no finding: the ladder replaces
+    assert events(health, EventType.HEALTH_CHANGED)[-1]["overall_status"] == "IMPAIRED"
+    assert (health.view().gpu_count, health.view().expected_gpus) == (7, 8)
+
+
+@pytest.mark.parametrize(
+    ("seen", "expected"),
+    [(8, 8), (None, 8), (7, None)],
+    ids=["all-there", "probe-cannot-count", "type-without-gpu-info"],
+)
+def test_not_knowing_is_never_a_missing_gpu(health: InstanceHealth, seen: int | None, expected: int | None) -> None:
+    signal(health, health.on_heartbeat, beat(gpu_count=seen))
+    health.expected_gpus_read("p5.48xlarge", expected)
+    assert not health.is_impaired()
+
+
+def test_a_heartbeat_that_cannot_count_keeps_the_last_count_and_a_later_loss_impairs(health: InstanceHealth) -> None:
+    signal(health, health.on_heartbeat, beat(gpu_count=8))
+    health.expected_gpus_read("p5.48xlarge", 8)
+    signal(health, health.on_heartbeat, beat(gpu_health="INSUFFICIENT_DATA", gpu_health_reason="nvml: hung"))
+    assert health.state.gpu_count == 8 and not health.is_impaired()
+    signal(health, health.on_heartbeat, beat(gpu_count=7))
+    assert status(health, CheckType.ACCELERATED_COMPUTE)[0] is HealthState.IMPAIRED

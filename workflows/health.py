@@ -27,7 +27,7 @@ from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 from temporalio import workflow
-from temporalio.common import RawValue
+from temporalio.common import RawValue, RetryPolicy
 from temporalio.exceptions import ActivityError
 
 from contract import names
@@ -50,14 +50,24 @@ from workflows.in_order import InOrder
 from workflows.instance_health import InstanceHealth
 from workflows.model_log import Log
 from workflows.models import HealthRun, InstanceHealthView, RepairProgress
+from workflows.options import CALL_TIMEOUT
 from workflows.signal_input import Rejected, decode
+
+with workflow.unsafe.imports_passed_through():
+    from activities.fleet import FleetActivities
+    from activities.models import InstanceRef
 
 # A run accepts at most 10,000 signals and that limit does not raise the continue-as-new suggestion.
 SIGNALS_PER_RUN = 2_000
 GAME_DAY_RETRY = timedelta(seconds=2)
+# A few tries: the count is worth a look, never a stuck loop.
+EXPECTED_GPUS_RETRY = RetryPolicy(initial_interval=timedelta(seconds=2), maximum_attempts=3)
 # A patch id: histories recorded before health changes went out beside the next step (the repair's start) instead of
 # in front of it, and before a repair's start read the group and told the breaker side by side.
 NEWS_BESIDE_STEPS = "news-beside-steps"
+# A patch id: histories recorded before the run loop read the instance type's GPU count (its first heartbeat that
+# counts them).
+EXPECTED_GPUS = "expected-gpus"
 
 Message = TypeVar("Message")
 
@@ -93,6 +103,8 @@ class InstanceHealthWorkflow:
         self._health = InstanceHealth(input.instance_id, input.group, input.carry, self._host)
         self._news = InOrder()
         self._news_beside_steps = False
+        # The instance type's GPUs are not read in this run: its history is from before, or EC2 did not answer.
+        self._skip_expected_gpus = False
 
     # --- the runbook ------------------------------------------------------------------------------------------
 
@@ -123,6 +135,7 @@ class InstanceHealthWorkflow:
                         or health.repair_due()
                         or health.retired
                         or aws_rules.due(state, workflow.now())
+                        or (health.gpus_to_read and not self._skip_expected_gpus)
                         or self._time_to_continue()
                     ),
                     timeout=self._next_wake(group, config_read_at),
@@ -135,6 +148,8 @@ class InstanceHealthWorkflow:
                 await repairs.count_failure(health, group)
             if aws_rules.due(state, workflow.now()):
                 await aws_checks.advance(health, group)
+            if health.gpus_to_read and not self._skip_expected_gpus:
+                await self._read_expected_gpus()
             while health.outbox:
                 event = health.outbox.pop(0)
                 if self._news_beside_steps:
@@ -160,6 +175,29 @@ class InstanceHealthWorkflow:
                 await self._news.flush()
                 await workflow.wait_condition(workflow.all_handlers_finished)
                 workflow.continue_as_new(HealthRun(instance_id=health.instance_id, group=health.group, carry=state))
+
+    async def _read_expected_gpus(self) -> None:
+        """How many GPUs the instance's type has, once: a host whose probe counts fewer is missing one."""
+        health = self._health
+        if not workflow.patched(EXPECTED_GPUS):
+            self._skip_expected_gpus = True
+            return
+        try:
+            found = await workflow.execute_activity_method(
+                FleetActivities.expected_gpus,
+                InstanceRef(group=health.group, instance_id=health.instance_id),
+                summary=f"how many GPUs has the instance type of {health.instance_id}?",
+                start_to_close_timeout=CALL_TIMEOUT,
+                retry_policy=EXPECTED_GPUS_RETRY,
+            )
+        except ActivityError as err:
+            # Not knowing is never a missing GPU: the next run asks again.
+            workflow.logger.warning("GPUs of %s's instance type not read: %s", health.instance_id, err.cause)
+            self._skip_expected_gpus = True
+            return
+        before = health.status_key()
+        health.expected_gpus_read(found.instance_type, found.gpus)
+        health.publish_if_changed(before)
 
     def _next_wake(self, group: CapacityGroup, config_read_at: datetime) -> timedelta | None:
         """A healthy instance sets no timer. One whose repair is withheld looks at its group once per threshold;

@@ -44,6 +44,8 @@ REMEMBERED_FINDING_IDS = 500
 MAX_WARNING_KINDS = 256
 # A patch id: histories recorded before failed repairs were counted and retried (workflows/health_repairs.py).
 REPAIR_RETRIES = "repair-retries"
+# ACCELERATED_COMPUTE's reason when the host shows fewer GPUs than its type has (EKS: NvidiaDeviceCountMismatch).
+GPU_COUNT_MISMATCH = "GPU_COUNT_MISMATCH"
 
 StatusKey = list[tuple[CheckType, HealthState, str | None]]
 
@@ -252,6 +254,8 @@ class InstanceHealth:
             return
         state.last_heartbeat = now
         state.probe_sources = beat.sources
+        if beat.gpu_count is not None:  # not known (NVML down) is never a missing GPU: the last count stands
+            state.gpu_count = beat.gpu_count
         ladder.heard(state, beat)
         if state.dormant:
             self._wake_if_dormant()
@@ -272,6 +276,33 @@ class InstanceHealth:
             )
         else:
             self.set_check(CheckType.ACCELERATED_COMPUTE, HealthState.OK, None, now)
+        self._check_gpu_count(now)
+
+    @property
+    def gpus_to_read(self) -> bool:
+        """The probe counts its GPUs and the instance type's count is not read yet: the run loop reads it."""
+        return self.state.gpu_count is not None and not self.state.expected_gpus_read
+
+    def expected_gpus_read(self, instance_type: str | None, gpus: int | None) -> None:
+        """What EC2 says the instance's type has (None: not known, never a missing GPU)."""
+        self.state.expected_gpus_read = True
+        self.state.instance_type, self.state.expected_gpus = instance_type, gpus
+        self._check_gpu_count(self._host.now())
+
+    def _check_gpu_count(self, now: datetime) -> None:
+        """Fewer GPUs than the type has impairs ACCELERATED_COMPUTE, and stays so until the instance is replaced (or
+        a fix in place brings them back), like a GPU fault."""
+        state = self.state
+        seen, expected = state.gpu_count, state.expected_gpus
+        if (
+            seen is None
+            or expected is None
+            or seen >= expected
+            or checks.impaired(state, CheckType.ACCELERATED_COMPUTE)
+        ):
+            return
+        reason = f"{GPU_COUNT_MISMATCH}: {seen} of the {expected} GPUs of a {state.instance_type} visible"
+        self.set_check(CheckType.ACCELERATED_COMPUTE, HealthState.IMPAIRED, reason, now)
 
     def on_liveness(self, change: LivenessChange) -> None:
         state = self.state
@@ -405,6 +436,8 @@ class InstanceHealth:
             repair_retry=state.repair_retry,
             last_in_place_fix=state.last_in_place_fix,
             in_place_fixes=state.in_place_fixes,
+            gpu_count=state.gpu_count,
+            expected_gpus=state.expected_gpus,
             repair_decision=self.repair_decision(),
         )
 

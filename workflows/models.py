@@ -167,6 +167,12 @@ class HealthCarry(BaseModel):
     last_in_place_fix: InPlaceFix | None = None
     # Every fix in place, newest last (at most MAX_FIXES_KEPT): the group's max_fixes_in_place rule counts them.
     in_place_fixes: list[InPlaceFix] = Field(default_factory=list)
+    # The GPUs the probe last said NVML enumerates, and how many the instance's type has (read once from EC2):
+    # fewer seen than the type has impairs ACCELERATED_COMPUTE.
+    gpu_count: int | None = None
+    instance_type: str | None = None
+    expected_gpus: int | None = None
+    expected_gpus_read: bool = False
     repair_retry: RepairRetry = Field(default_factory=RepairRetry)
     aws: AwsChecks = Field(default_factory=AwsChecks)
 
@@ -224,6 +230,8 @@ class InstanceHealthView(BaseModel):
     boot_id: str | None = None
     last_in_place_fix: InPlaceFix | None = None
     in_place_fixes: list[InPlaceFix] = Field(default_factory=list)
+    gpu_count: int | None = None
+    expected_gpus: int | None = None
     # Derived from the state above (InstanceHealth.repair_decision): why it is, or is not, being repaired.
     repair_decision: RepairDecision | None = None
 
