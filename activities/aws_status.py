@@ -20,7 +20,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.aws import AwsClients
-from activities.ec2 import chunks
+from activities.ec2 import Ec2, chunks
 from activities.models import AwsStatusRequest
 from contract.aws_status import (
     EC2_IMPAIRED,
@@ -53,6 +53,12 @@ class AwsStatusReads:
 
     def __init__(self, aws: AwsClients) -> None:
         self._aws = aws
+        self._ec2 = Ec2(aws)
+
+    async def members(self, group: CapacityGroup, instance_ids: Sequence[str]) -> set[str]:
+        """Which of these instances of the group's cluster are the group's (by tag or Auto Scaling membership): a
+        cluster may hold another group's."""
+        return await self._ec2.members(group, instance_ids)
 
     async def read(
         self, group: CapacityGroup, instance_id: str | None = None, now: datetime | None = None

@@ -33,6 +33,9 @@ class EventType(StrEnum):
     INSTANCE_RETIRED = "InstanceRetired"
     # A dormant instance (it left on purpose, stopped or in standby, say) was heard from again: watched as before.
     INSTANCE_RETURNED = "InstanceReturned"
+    # A container instance of the group whose probe has not reported within first_report_timeout of its health
+    # workflow's start (the AWS watch starts one for every member): INSUFFICIENT_DATA, watched by AWS alone.
+    INSTANCE_UNMONITORED = "InstanceUnmonitored"
     # Per-instance operator controls (contract/instances.py), from the instance's health workflow; each carries
     # `requested_by` and `reason`.
     INSTANCE_EXCLUDED = "InstanceExcluded"
@@ -101,6 +104,7 @@ class FleetEvent(BaseModel):
             EventType.HEALTH_CHANGED,
             EventType.INSTANCE_RETIRED,
             EventType.INSTANCE_RETURNED,
+            EventType.INSTANCE_UNMONITORED,
             EventType.SCHEDULED_EVENT_FOUND,
         )
         return HEALTH_DETAIL_TYPE if self.type in health else REPAIR_DETAIL_TYPE

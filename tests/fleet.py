@@ -22,6 +22,7 @@ from contract.groups import AutoRepair
 from contract.ids import semaphore_workflow_id
 from simulator.events import group_events, repaired_instances
 from simulator.fleet import SimTiming, SimulatedFleet
+from simulator.probes import ProbeRunner
 from tests.harness import eventually, make_settings, running_worker, unique
 from worker.settings import Settings
 from workflows.models import SemaphoreView
@@ -108,6 +109,7 @@ async def simulated_fleet(
     group: str | None = None,
     seed: int = 11,
     group_settings: dict[str, Any] | None = None,
+    probe_runner: ProbeRunner | None = None,
 ) -> AsyncIterator[Fleet]:
     """`instances` simulated instances in a new group, and the engine's settings for it.
 
@@ -141,6 +143,7 @@ async def simulated_fleet(
         client=client,
         task_queue=settings.temporal.task_queue,
         timing=TIMING,
+        probe_runner=probe_runner,
     )
     async with AsyncExitStack() as stack:
         if in_process_worker:

@@ -572,3 +572,29 @@ def test_a_heartbeat_that_cannot_count_keeps_the_last_count_and_a_later_loss_imp
     assert health.state.gpu_count == 8 and not health.is_impaired()
     signal(health, health.on_heartbeat, beat(gpu_count=7))
     assert status(health, CheckType.ACCELERATED_COMPUTE)[0] is HealthState.IMPAIRED
+
+
+# --- a member whose probe never reports -----------------------------------------------------------------------------
+
+
+def test_a_member_whose_probe_never_reports_is_unmonitored_until_its_first_heartbeat(
+    health: InstanceHealth, host: FakeHost
+) -> None:
+    timeout = timedelta(minutes=10)
+    assert health.first_report_due(timeout) == START + timeout
+    host.tick(600)
+    before = health.status_key()
+    health.mark_unmonitored(timeout)
+    health.publish_if_changed(before)
+    reason = "UNMONITORED: no report from its probe within first_report_timeout 600s"
+    assert status(health, CheckType.ACCELERATED_COMPUTE) == (HealthState.INSUFFICIENT_DATA, reason)
+    assert status(health, CheckType.AGENT_CONNECTIVITY) == (HealthState.INSUFFICIENT_DATA, reason)
+    assert events(health, EventType.INSTANCE_UNMONITORED) == [{"first_report_timeout": "600s"}]
+    assert health.first_report_due(timeout) is None and not health.repair_due()
+    signal(health, health.on_heartbeat, beat())
+    assert health.health_status().overallStatus is HealthState.OK and not health.state.unmonitored
+
+
+def test_a_probe_that_reported_first_is_never_unmonitored(health: InstanceHealth) -> None:
+    health.on_finding(finding(impairs=False))
+    assert health.first_report_due(timedelta(minutes=10)) is None

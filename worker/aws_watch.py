@@ -11,8 +11,11 @@ worker that restarts tells every instance that is not healthy once more, for the
 died between telling "impaired" and "ok" cannot leave a stale impairment behind: the health workflow reads AWS
 again before acting (workflows/health_aws_checks.py).
 
-An instance with no health workflow (its probe never reported) or a closed one (it was replaced) is not started a
-workflow for: it is asked again after a while, in case its probe starts.
+Every member of the group is watched from the moment ECS lists it (coverage from registration): an instance this
+watch has not seen yet gets a health workflow if it has none (then told what AWS says of it), so that an instance
+whose probe never started is INITIALIZING, then unmonitored (first_report_timeout), and EC2's checks reach it. A
+closed health workflow (its instance was replaced) is never started again. Only new instances cost a call: once
+started or found running, an instance is not asked about again while the watch sees it.
 """
 
 from __future__ import annotations
@@ -25,12 +28,15 @@ from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 
 from temporalio.client import Client
+from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
+from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.aws import AwsClients
 from activities.aws_status import AwsStatusReads
 from contract import names
 from contract.aws_status import AwsInstanceStatus
+from contract.health import HealthInput
 from contract.ids import health_workflow_id
 from worker.settings import Settings
 
@@ -38,6 +44,8 @@ log = logging.getLogger(__name__)
 
 # No health workflow to tell: asked again after this long (seconds), not every read.
 NO_WORKFLOW_RETRY = 600.0
+# Health workflows one round starts at once: a new group of thousands is covered in a burst the server takes.
+START_CONCURRENCY = 32
 
 
 class GroupWatch:
@@ -51,8 +59,11 @@ class GroupWatch:
         self._told: dict[str, AwsInstanceStatus] = {}
         self._down_since: dict[str, datetime] = {}
         self._no_workflow_until: dict[str, float] = {}
+        self._covered: set[str] = set()  # a health workflow is running or closed: not to be started
+        self._foreign: set[str] = set()  # in the cluster, not the group's
         self.rounds = 0
         self.signals = 0
+        self.started = 0
 
     async def run(self) -> None:
         while True:
@@ -78,6 +89,9 @@ class GroupWatch:
                 self._told.pop(gone, None)
                 self._down_since.pop(gone, None)
                 self._no_workflow_until.pop(gone, None)
+        self._covered &= set(seen)
+        self._foreign &= set(seen)
+        await self._cover(seen)
         told = 0
         for instance_id, status in sorted(seen.items()):
             last = self._told.get(instance_id)
@@ -86,6 +100,43 @@ class GroupWatch:
             told += await self._tell(instance_id, status)
         self.signals += told
         return told
+
+    async def _cover(self, seen: dict[str, AwsInstanceStatus]) -> None:
+        """A health workflow for every member not seen before."""
+        new = sorted(set(seen) - self._covered - self._foreign)
+        if not new:
+            return
+        members = await self._reads.members(self._settings.group(self.group), new)
+        self._foreign |= set(new) - members
+        ordered = sorted(members)
+        for start in range(0, len(ordered), START_CONCURRENCY):
+            batch = ordered[start : start + START_CONCURRENCY]
+            await asyncio.gather(*(self._start(instance_id) for instance_id in batch))
+
+    async def _start(self, instance_id: str) -> None:
+        try:
+            await self._client.start_workflow(
+                names.HEALTH_WORKFLOW,
+                HealthInput(instance_id=instance_id, group=self.group),
+                id=health_workflow_id(instance_id),
+                task_queue=self._settings.temporal.task_queue,
+                # A running one (its probe reported) needs nothing from us, and is not even woken (no start signal:
+                # Temporal's signal-with-start always signals a running one); a completed one means the instance
+                # was replaced: never started again. A failed or operator-terminated one may start again.
+                id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
+                id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE_FAILED_ONLY,
+                static_summary=f"health of {instance_id} in {self.group}",
+            )
+        except WorkflowAlreadyStartedError:
+            pass
+        except RPCError as err:
+            log.warning("no health workflow started for %s (the next read tries again): %s", instance_id, err)
+            return
+        else:
+            # What AWS says of it, if anything but healthy, is told right after, as to any instance.
+            self.started += 1
+            self._no_workflow_until.pop(instance_id, None)
+        self._covered.add(instance_id)
 
     def _waiting(self, instance_id: str) -> bool:
         until = self._no_workflow_until.get(instance_id)

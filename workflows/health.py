@@ -65,6 +65,9 @@ EXPECTED_GPUS_RETRY = RetryPolicy(initial_interval=timedelta(seconds=2), maximum
 # A patch id: histories recorded before health changes went out beside the next step (the repair's start) instead of
 # in front of it, and before a repair's start read the group and told the breaker side by side.
 NEWS_BESIDE_STEPS = "news-beside-steps"
+# A patch id: histories recorded before an instance whose probe never reported was marked unmonitored (only the AWS
+# watch starts such a workflow).
+FIRST_REPORT = "first-report-timeout"
 # A patch id: histories recorded before the run loop read the instance type's GPU count (its first heartbeat that
 # counts them).
 EXPECTED_GPUS = "expected-gpus"
@@ -150,6 +153,11 @@ class InstanceHealthWorkflow:
                 await aws_checks.advance(health, group)
             if health.gpus_to_read and not self._skip_expected_gpus:
                 await self._read_expected_gpus()
+            due = health.first_report_due(group.first_report_timeout)
+            if due is not None and workflow.now() >= due and workflow.patched(FIRST_REPORT):
+                before = health.status_key()
+                health.mark_unmonitored(group.first_report_timeout)
+                health.publish_if_changed(before)
             while health.outbox:
                 event = health.outbox.pop(0)
                 if self._news_beside_steps:
@@ -211,6 +219,9 @@ class InstanceHealthWorkflow:
             waits.append(retry_in)
         if (aws := aws_rules.wake(health.state, now)) is not None:
             waits.append(aws)
+        due = health.first_report_due(group.first_report_timeout)
+        if due is not None and workflow.patched(FIRST_REPORT):
+            waits.append(max(due - now, timedelta(0)))
         return min(waits, default=None)
 
     def _wake_summary(self) -> str:
@@ -223,6 +234,8 @@ class InstanceHealthWorkflow:
             return aws
         if state.game_day_to_tell is not None:
             return "game day: pass it to the liveness tracker again"
+        if state.last_heartbeat is None and not state.seen_finding_ids and not state.unmonitored:
+            return "no report from the probe yet: unmonitored at first_report_timeout"
         return "repair withheld: look at the group's configuration again"
 
     async def _tell_tracker(self, ignore: IgnoreHeartbeats) -> None:

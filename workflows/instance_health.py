@@ -12,6 +12,7 @@ from datetime import datetime, timedelta
 from typing import Any, Protocol
 
 from activities.models import EventType, FleetEvent
+from contract.config import format_seconds
 from contract.formats import iso
 from contract.health import CheckType, HealthState, HeartbeatLossInjection
 from contract.ids import health_workflow_id
@@ -44,6 +45,8 @@ REMEMBERED_FINDING_IDS = 500
 MAX_WARNING_KINDS = 256
 # A patch id: histories recorded before failed repairs were counted and retried (workflows/health_repairs.py).
 REPAIR_RETRIES = "repair-retries"
+# The reason of both first checks when the probe has not reported within first_report_timeout.
+UNMONITORED = "UNMONITORED"
 # ACCELERATED_COMPUTE's reason when the host shows fewer GPUs than its type has (EKS: NvidiaDeviceCountMismatch).
 GPU_COUNT_MISMATCH = "GPU_COUNT_MISMATCH"
 
@@ -260,8 +263,9 @@ class InstanceHealth:
         if state.dormant:
             self._wake_if_dormant()
             self.set_check(CheckType.AGENT_CONNECTIVITY, HealthState.OK, None, now)
-        if state.checks[CheckType.AGENT_CONNECTIVITY].status is HealthState.INITIALIZING:
+        if state.checks[CheckType.AGENT_CONNECTIVITY].status is HealthState.INITIALIZING or state.unmonitored:
             # The first heartbeat: connected. After that, connectivity is the liveness tracker's call.
+            state.unmonitored = False
             self.set_check(CheckType.AGENT_CONNECTIVITY, HealthState.OK, None, now)
         accelerated = state.checks[CheckType.ACCELERATED_COMPUTE]
         if accelerated.status is HealthState.IMPAIRED:
@@ -277,6 +281,26 @@ class InstanceHealth:
         else:
             self.set_check(CheckType.ACCELERATED_COMPUTE, HealthState.OK, None, now)
         self._check_gpu_count(now)
+
+    def first_report_due(self, timeout: timedelta) -> datetime | None:
+        """When the instance counts as unmonitored, if its probe has not reported by then; None: it has reported,
+        or is unmonitored already."""
+        state = self.state
+        if state.last_heartbeat is not None or state.seen_finding_ids or state.unmonitored or state.started_at is None:
+            return None
+        return state.started_at + timeout
+
+    def mark_unmonitored(self, timeout: timedelta) -> None:
+        """No report from its probe since it registered: INSUFFICIENT_DATA, never IMPAIRED; AWS's checks still apply.
+        Its first heartbeat makes it monitored again."""
+        state, now = self.state, self._host.now()
+        state.unmonitored = True
+        reason = f"{UNMONITORED}: no report from its probe within first_report_timeout {format_seconds(timeout)}"
+        for check in checks.FROM_START:
+            if state.checks[check].status is HealthState.INITIALIZING:
+                self.set_check(check, HealthState.INSUFFICIENT_DATA, reason, now)
+        self._host.log.warning("%s: %s", self.instance_id, reason)
+        self.instance_event(EventType.INSTANCE_UNMONITORED, first_report_timeout=format_seconds(timeout))
 
     @property
     def gpus_to_read(self) -> bool:

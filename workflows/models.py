@@ -169,6 +169,8 @@ class HealthCarry(BaseModel):
     in_place_fixes: list[InPlaceFix] = Field(default_factory=list)
     # The GPUs the probe last said NVML enumerates, and how many the instance's type has (read once from EC2):
     # fewer seen than the type has impairs ACCELERATED_COMPUTE.
+    # No report from its probe within first_report_timeout of the start (watched by AWS alone) until it reports.
+    unmonitored: bool = False
     gpu_count: int | None = None
     instance_type: str | None = None
     expected_gpus: int | None = None
