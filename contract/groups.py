@@ -139,7 +139,7 @@ class CapacityGroup(SettingsSection):
     escalation_window: timedelta = timedelta(hours=24)
     # A container instance whose probe has not reported this long after its health workflow started (at registration,
     # by the AWS watch) is unmonitored: INSUFFICIENT_DATA, and an InstanceUnmonitored event; never repaired for it.
-    first_report_timeout: timedelta = Field(default=timedelta(minutes=10), ge=timedelta(seconds=1))
+    first_report_timeout: timedelta = timedelta(minutes=10)
     # An instance fixed in place this many times within fix_window is replaced at its next fault, whichever GPU: a
     # host that keeps needing reboots is failing, however each single fault looks.
     max_fixes_in_place: int = Field(default=3, ge=1, le=100)
