@@ -11,6 +11,7 @@ import pytest
 from activities.models import GoneCause, GoneInstance
 from contract.groups import CapacityGroup
 from contract.liveness import MAX_INSTANCES_PER_SHARD, IgnoreHeartbeats, LivenessReport, RecheckLoss
+from tests.test_instance_health import FakeLog
 from workflows.liveness_book import FORGET_LOST_AFTER, LivenessBook
 from workflows.models import LivenessCarry
 
@@ -20,19 +21,8 @@ GRACE = timedelta(seconds=15)  # a quarter of the threshold, at most 15 s
 EVERY = timedelta(seconds=5)
 
 
-class Log:
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def info(self, msg: str, *args: object) -> None:
-        self.lines.append(msg % args)
-
-    def warning(self, msg: str, *args: object) -> None:
-        self.lines.append(msg % args)
-
-
 def book() -> LivenessBook:
-    made = LivenessBook("g", 0, 1, None, Log())
+    made = LivenessBook("g", 0, 1, None, FakeLog())
     made.state.group = CapacityGroup(name="g", cluster="c", heartbeat_loss_threshold=THRESHOLD)
     return made
 
@@ -167,6 +157,6 @@ def test_an_instance_lost_for_a_day_is_forgotten() -> None:
 
 @pytest.mark.parametrize("carry", [None, LivenessCarry(lost=["i-9"], heard={"i-9": 1})])
 def test_what_the_next_run_takes_over(carry: LivenessCarry | None) -> None:
-    tracker = LivenessBook("g", 0, 1, carry, Log())
+    tracker = LivenessBook("g", 0, 1, carry, FakeLog())
     tracker.lost.add("i-1")
     assert "i-1" in tracker.carried().lost
