@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 from enum import StrEnum
+from typing import Final
 
 from pydantic import BaseModel, Field
 
@@ -16,6 +17,12 @@ class HealthState(StrEnum):
     INSUFFICIENT_DATA = "INSUFFICIENT_DATA"
     INITIALIZING = "INITIALIZING"
 
+
+# The HealthStatus search attribute's value for an instance whose probe has not reported since it registered
+# (first_report_timeout): its overall status is INSUFFICIENT_DATA, but it is watched by AWS alone, and counted apart.
+UNMONITORED: Final = "UNMONITORED"
+# Every value the HealthStatus search attribute takes: the fleet's health is one count query per value.
+SEARCH_STATUSES: Final[tuple[str, ...]] = (*(s.value for s in HealthState), UNMONITORED)
 
 # Most severe first: the overall status is the most severe detail.
 SEVERITY = [HealthState.IMPAIRED, HealthState.INSUFFICIENT_DATA, HealthState.INITIALIZING, HealthState.OK]

@@ -4,6 +4,8 @@ from typing import Any
 
 from temporalio.common import SearchAttributeKey
 
+from contract import names
+
 REPAIR_PHASE = SearchAttributeKey.for_keyword("RepairPhase")
 INSTANCE_ID = SearchAttributeKey.for_keyword("InstanceId")
 CAPACITY_GROUP = SearchAttributeKey.for_keyword("CapacityGroup")
@@ -18,3 +20,11 @@ ALL: list[SearchAttributeKey[Any]] = [REPAIR_PHASE, INSTANCE_ID, CAPACITY_GROUP,
 def quoted(value: str) -> str:
     """A string literal for a visibility query."""
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def health_count_query(group: str, status: str) -> str:
+    """Running health workflows of `group` whose HealthStatus is `status` (contract.health.SEARCH_STATUSES)."""
+    return (
+        f"WorkflowType={quoted(names.HEALTH_WORKFLOW)} AND ExecutionStatus='Running'"
+        f" AND {CAPACITY_GROUP.name}={quoted(group)} AND {HEALTH_STATUS.name}={quoted(status)}"
+    )

@@ -18,6 +18,7 @@ from temporalio.exceptions import ApplicationError
 
 from activities.workflow_ops import live_group_config
 from contract import names
+from contract import search_attributes as sa
 from contract.groups import (
     AutoRepair,
     CapacityGroup,
@@ -26,6 +27,7 @@ from contract.groups import (
     GroupConfigUpdate,
     Remediation,
 )
+from contract.health import SEARCH_STATUSES
 from contract.ids import semaphore_workflow_id
 from contract.semaphore import SemaphoreInput
 from operator_cli.arguments import add_common_arguments, parse_duration, safe_name
@@ -95,6 +97,10 @@ async def group_describe(args: argparse.Namespace) -> int:
     view = (
         await handle.query(names.QUERY_STATE, result_type=SemaphoreView, rpc_timeout=QUERY_TIMEOUT) if running else None
     )
+    instances = {
+        status: (await client.count_workflows(sa.health_count_query(args.name, status))).count
+        for status in SEARCH_STATUSES
+    }
     local = _local_group(args.name)
     effective, source = (
         (state.effective, "drain semaphore (worker settings + live overrides)")
@@ -122,6 +128,8 @@ async def group_describe(args: argparse.Namespace) -> int:
             "waiting": [w.instance_id for w in view.waiters],
         },
         "breaker": None if view is None else view.breaker.model_dump(mode="json"),
+        # Running health workflows by HealthStatus; UNMONITORED: no report from its probe since it registered.
+        "instances": instances,
         "workflowUrl": workflow_url(temporal, semaphore_workflow_id(args.name), None) if state else None,
     }
     if args.json:
@@ -168,6 +176,8 @@ def _print_group(document: dict[str, Any]) -> None:
         console.print(
             f"revision {document['revision']}, changed {document['updatedAt']} by {document['updatedBy'] or '?'}"
         )
+    counted = ", ".join(f"{n} {status}" for status, n in document["instances"].items() if n)
+    console.print(f"instances: {counted or 'none'}")
     draining = document["draining"]
     if draining is not None:
         console.print(

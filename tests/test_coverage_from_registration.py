@@ -14,6 +14,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from temporalio.client import Client
+from temporalio.common import MetricMeter
 
 from activities.aws import AwsClients
 from contract.formats import iso
@@ -27,7 +28,9 @@ from tests.fleet import assert_start_before_stop, simulated_fleet
 from tests.harness import eventually
 from tests.test_aws_signals import aws_settings, check_of
 from tests.test_health_signals import health_of
+from tests.test_ops_cli import cli_json
 from worker.aws_watch import aws_watch
+from worker.health_gauges import HealthGauges
 
 FIRST_REPORT = timedelta(seconds=4)
 UNMONITORED = "UNMONITORED: no report from its probe within first_report_timeout 4s"
@@ -84,6 +87,12 @@ async def test_a_member_whose_probe_never_reports_is_unmonitored_never_repaired_
                 assert started.start_time is not None
                 assert datetime.fromisoformat(unmonitored["time"]) >= started.start_time + FIRST_REPORT
                 assert fleet.steps(silent) == ["InstanceUnmonitored"]  # not repaired for it
+                # Counted apart, in `group describe` and the instances gauge: watched by AWS alone.
+                gauges = HealthGauges(client, [fleet.group], MetricMeter.noop)
+                counts = await eventually(gauges.refresh, lambda c: c[fleet.group, "UNMONITORED"] == 1)
+                assert (counts[fleet.group, "OK"], counts[fleet.group, "INSUFFICIENT_DATA"]) == (2, 0)
+                described = await cli_json(fleet.settings, "group", "describe", "--name", fleet.group)
+                assert described["instances"]["UNMONITORED"] == 1 and described["instances"]["OK"] == 2
 
                 # EC2's status check is AWS's word, probe or not: impaired for the grace, replaced.
                 t0 = datetime.now(UTC).replace(microsecond=0)

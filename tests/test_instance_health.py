@@ -54,7 +54,7 @@ class FakeHost:
         self.clock = START
         self.ids = 0
         self.patches: list[str] = []
-        self.statuses: list[HealthState] = []
+        self.statuses: list[str] = []
         self.log = FakeLog()
 
     def now(self) -> datetime:
@@ -68,8 +68,8 @@ class FakeHost:
         self.patches.append(patch_id)
         return True
 
-    def status_changed(self, overall: HealthState) -> None:
-        self.statuses.append(overall)
+    def status_changed(self, status: str) -> None:
+        self.statuses.append(status)
 
     def tick(self, seconds: float) -> None:
         self.clock += timedelta(seconds=seconds)
@@ -591,8 +591,11 @@ def test_a_member_whose_probe_never_reports_is_unmonitored_until_its_first_heart
     assert status(health, CheckType.AGENT_CONNECTIVITY) == (HealthState.INSUFFICIENT_DATA, reason)
     assert events(health, EventType.INSTANCE_UNMONITORED) == [{"first_report_timeout": "600s"}]
     assert health.first_report_due(timeout) is None and not health.repair_due()
+    # Counted apart from other INSUFFICIENT_DATA: its HealthStatus search attribute says UNMONITORED.
+    assert host.statuses == ["UNMONITORED"] and "unmonitored-status" in host.patches
     signal(health, health.on_heartbeat, beat())
     assert health.health_status().overallStatus is HealthState.OK and not health.state.unmonitored
+    assert host.statuses == ["UNMONITORED", "OK"]
 
 
 def test_a_probe_that_reported_first_is_never_unmonitored(health: InstanceHealth) -> None:

@@ -140,7 +140,7 @@ async def test_instances_by_health_status_is_a_gauge_counted_from_visibility(
         await impaired.signal("gpu_finding", finding(impaired_id, group, "f-1"))
 
         async with health_gauges(client, [group], meter, interval=timedelta(milliseconds=200)):
-            expected = {"OK": 2, "IMPAIRED": 1, "INITIALIZING": 1, "INSUFFICIENT_DATA": 0}
+            expected = {"OK": 2, "IMPAIRED": 1, "INITIALIZING": 1, "INSUFFICIENT_DATA": 0, "UNMONITORED": 0}
             text = await eventually(
                 lambda: scrape(port),
                 lambda t: {s: total(parse(t), INSTANCES, group=group, health_status=s) for s in expected} == expected,
@@ -153,7 +153,7 @@ async def test_instances_by_health_status_is_a_gauge_counted_from_visibility(
                 update={"gpu_health": HealthState.INSUFFICIENT_DATA, "gpu_health_reason": "NVML: driver not loaded"}
             )
             await ok[0].signal("heartbeat", blind)
-            expected = {"OK": 1, "IMPAIRED": 1, "INITIALIZING": 1, "INSUFFICIENT_DATA": 1}
+            expected = {"OK": 1, "IMPAIRED": 1, "INITIALIZING": 1, "INSUFFICIENT_DATA": 1, "UNMONITORED": 0}
             await eventually(
                 lambda: scrape(port),
                 lambda t: {s: total(parse(t), INSTANCES, group=group, health_status=s) for s in expected} == expected,

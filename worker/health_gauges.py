@@ -5,6 +5,9 @@ group G are IMPAIRED" is a count query that any worker can answer, whichever wor
 groups counts only by ExecutionStatus, so it is one query per (group, status) per refresh; a refresh every 30 s for
 ten groups is 40 cheap queries.
 
+An instance whose probe has not reported since it registered counts as UNMONITORED, not INSUFFICIENT_DATA: the
+instances nobody's probe watches are one number to alert on.
+
 Every worker exports the same fleet-wide numbers: aggregate with `max by (group, health_status)`, never `sum`.
 """
 
@@ -19,20 +22,12 @@ from datetime import timedelta
 from temporalio.client import Client
 from temporalio.common import MetricMeter
 
-from contract import names
 from contract import search_attributes as sa
-from contract.health import HealthState
+from contract.health import SEARCH_STATUSES
 
 log = logging.getLogger(__name__)
 
 INSTANCES = "autorepair_instances"
-
-
-def count_query(group: str, status: HealthState) -> str:
-    return (
-        f"WorkflowType={sa.quoted(names.HEALTH_WORKFLOW)} AND ExecutionStatus='Running'"
-        f" AND {sa.CAPACITY_GROUP.name}={sa.quoted(group)} AND {sa.HEALTH_STATUS.name}={sa.quoted(status.value)}"
-    )
 
 
 class HealthGauges:
@@ -40,21 +35,23 @@ class HealthGauges:
         self._client = client
         self._groups = list(groups)
         self._gauge = meter.create_gauge(
-            INSTANCES, "Instances by overall health status (running health workflows), per group"
+            INSTANCES,
+            "Instances by overall health status (running health workflows), per group; UNMONITORED: no report from"
+            " its probe since it registered (its overall status is INSUFFICIENT_DATA)",
         )
 
-    async def refresh(self) -> dict[tuple[str, HealthState], int]:
+    async def refresh(self) -> dict[tuple[str, str], int]:
         """Counts every (group, status); one that cannot be read keeps its last value rather than reading 0."""
         counts = {}
         for group in self._groups:
-            for status in HealthState:
+            for status in SEARCH_STATUSES:
                 try:
-                    result = await self._client.count_workflows(count_query(group, status))
+                    result = await self._client.count_workflows(sa.health_count_query(group, status))
                 except Exception as exc:  # an unreachable server: stale for one refresh, not a dead worker
-                    log.warning("instances of %s that are %s not counted: %s", group, status.value, exc)
+                    log.warning("instances of %s that are %s not counted: %s", group, status, exc)
                     continue
                 counts[group, status] = result.count
-                self._gauge.set(result.count, {"group": group, "health_status": status.value})
+                self._gauge.set(result.count, {"group": group, "health_status": status})
         return counts
 
 

@@ -33,7 +33,7 @@ from temporalio.exceptions import ActivityError
 from contract import names
 from contract import search_attributes as sa
 from contract.groups import AutoRepair, CapacityGroup
-from contract.health import HealthState, HeartbeatLossInjection
+from contract.health import HeartbeatLossInjection
 from contract.ids import liveness_workflow_id
 from contract.instances import FindingsClear, InstanceControlResult, InstanceExclude, InstanceInclude, InstanceRepairNow
 from contract.liveness import IgnoreHeartbeats, LivenessChange, shard_of
@@ -91,10 +91,10 @@ class WorkflowHost:
     def patched(self, patch_id: str) -> bool:
         return workflow.patched(patch_id)
 
-    def status_changed(self, overall: HealthState) -> None:
-        """Only on a change of the overall status: an upsert is an event in the history."""
-        if workflow.info().typed_search_attributes.get(sa.HEALTH_STATUS) != overall.value:
-            workflow.upsert_search_attributes([sa.HEALTH_STATUS.value_set(overall.value)])
+    def status_changed(self, status: str) -> None:
+        """Only on a change of the status: an upsert is an event in the history."""
+        if workflow.info().typed_search_attributes.get(sa.HEALTH_STATUS) != status:
+            workflow.upsert_search_attributes([sa.HEALTH_STATUS.value_set(status)])
 
 
 @workflow.defn(name=names.HEALTH_WORKFLOW)
@@ -119,7 +119,7 @@ class InstanceHealthWorkflow:
                 [sa.INSTANCE_ID.value_set(health.instance_id), sa.CAPACITY_GROUP.value_set(health.group)]
             )
         self._news_beside_steps = workflow.patched(NEWS_BESIDE_STEPS)
-        self._host.status_changed(health.health_status().overallStatus)
+        self._host.status_changed(health.search_status())
         group = await retry.group_config(state, health.instance_id, health.group)
         health.tracker_id = liveness_workflow_id(
             health.group, shard_of(health.instance_id, group.liveness_shards), group.liveness_shards

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from activities.models import EventType, FleetEvent
 from contract.config import format_seconds
 from contract.formats import iso
-from contract.health import CheckType, HealthState, HeartbeatLossInjection
+from contract.health import UNMONITORED, CheckType, HealthState, HeartbeatLossInjection
 from contract.ids import health_workflow_id
 from contract.instances import Exclusion
 from contract.liveness import IgnoreHeartbeats, LivenessChange
@@ -45,8 +45,8 @@ REMEMBERED_FINDING_IDS = 500
 MAX_WARNING_KINDS = 256
 # A patch id: histories recorded before failed repairs were counted and retried (workflows/health_repairs.py).
 REPAIR_RETRIES = "repair-retries"
-# The reason of both first checks when the probe has not reported within first_report_timeout.
-UNMONITORED = "UNMONITORED"
+# A patch id: histories recorded before an unmonitored instance's HealthStatus search attribute said UNMONITORED.
+UNMONITORED_STATUS = "unmonitored-status"
 # ACCELERATED_COMPUTE's reason when the host shows fewer GPUs than its type has (EKS: NvidiaDeviceCountMismatch).
 GPU_COUNT_MISMATCH = "GPU_COUNT_MISMATCH"
 
@@ -65,8 +65,9 @@ class HealthHost(Protocol):
 
     def patched(self, patch_id: str) -> bool: ...
 
-    def status_changed(self, overall: HealthState) -> None:
-        """The overall status may have moved: the workflow's HealthStatus search attribute follows it."""
+    def status_changed(self, status: str) -> None:
+        """The overall status may have moved: the workflow's HealthStatus search attribute follows it (the overall
+        status, or UNMONITORED)."""
 
 
 def excluded_text(exclusion: Exclusion) -> str:
@@ -98,6 +99,12 @@ class InstanceHealth:
     def health_status(self) -> ContainerInstanceHealthStatus:
         return checks.health_status(self.state)
 
+    def search_status(self) -> str:
+        """What the HealthStatus search attribute says: the overall status, or UNMONITORED (counted apart)."""
+        if self.state.unmonitored and self._host.patched(UNMONITORED_STATUS):
+            return UNMONITORED
+        return self.health_status().overallStatus.value
+
     def is_impaired(self) -> bool:
         return self.health_status().overallStatus is HealthState.IMPAIRED
 
@@ -116,7 +123,7 @@ class InstanceHealth:
             return
         if not self.is_impaired():
             self.state.impairment_reported = False  # the next impairment is a new one for the breaker
-        self._host.status_changed(self.health_status().overallStatus)
+        self._host.status_changed(self.search_status())
         health = self.health_status()
         _, finding = self.impairment()
         self.instance_event(
