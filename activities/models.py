@@ -11,7 +11,7 @@ from pydantic import BaseModel, Field, field_validator
 from contract.formats import iso
 from contract.groups import GroupConfigOverrides, GroupConfigState
 from contract.probe import GpuFinding, ProbeSourceHealth
-from contract.repair import RepairInput
+from contract.repair import MAX_VERDICTS_KEPT, GpuVerdict, RepairInput
 
 
 class EventType(StrEnum):
@@ -399,12 +399,14 @@ class GpuResetStatus(BaseModel):
 
 class HealthViewExcerpt(BaseModel):
     """What the rung reads of the instance's health workflow's `health` query (workflows.models.InstanceHealthView,
-    which activities may not import): the probe's boot, its sources, and the recent findings."""
+    which activities may not import): the probe's boot, its sources, the recent findings and NVIDIA's verdicts."""
 
     boot_id: str | None = None
     last_heartbeat: datetime | None = None
     probe_sources: list[ProbeSourceHealth] = Field(default_factory=list)
     recent_findings: list[GpuFinding] = Field(default_factory=list)
+    # NVIDIA's standing verdicts it holds now: one stated after the repair began still counts before the GPU is touched.
+    nvidia_verdicts: list[GpuVerdict] = Field(default_factory=list, max_length=MAX_VERDICTS_KEPT)
 
 
 class RecoveryCheck(BaseModel):

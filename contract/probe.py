@@ -34,6 +34,31 @@ KIND_CONTAINER_RUNTIME_RECOVERED: Final = "container_runtime_recovered"
 STATE_TRANSITION_KINDS: Final = frozenset(
     {KIND_DAEMON, KIND_DAEMON_RECOVERED, KIND_CONTAINER_RUNTIME, KIND_CONTAINER_RUNTIME_RECOVERED}
 )
+# NVIDIA's actions a finding names (GpuFinding.immediate_action). The Xid catalog's resolution buckets come as they
+# are (RESET_GPU, RESTART_VM, RESTART_BM, CONTACT_SUPPORT, WORKFLOW_XID_48, ...); NVIDIA's standing verdicts on a GPU
+# (below) name one of these, which are the remedies the remediation ladder knows (docs/operations.md §13).
+ACTION_NONE: Final = "NONE"  # a verdict cleared: NVIDIA asks nothing of that GPU any more
+ACTION_RESET_GPU: Final = "RESET_GPU"
+ACTION_DRAIN_AND_RESET: Final = "DRAIN_AND_RESET"  # stop the GPU's work, then reset it
+ACTION_DRAIN_P2P: Final = "DRAIN_P2P"  # stop the peer-to-peer users of the GPU, then read the verdict again
+ACTION_RESTART_VM: Final = "RESTART_VM"
+ACTION_RESTART_BM: Final = "RESTART_BM"  # reboot the node
+ACTION_REPLACE: Final = "REPLACE"  # the GPU cannot be fixed in place: unrepairable memory, say
+# NVIDIA's standing verdicts on one GPU (GpuFinding.verdict). Each holds until a finding of the same verdict on the
+# same GPU says otherwise (ACTION_NONE when it cleared): the recovery action (NVML field 230, or Xid 154 in the kernel
+# log), and the R575+ drivers' flags (nvmlDeviceGetSramEccErrorStatus, nvmlDeviceGetUnrepairableMemoryFlag_v1,
+# nvmlDeviceGetRepairStatus), with a row-remapping failure.
+NvidiaVerdictName = Literal[
+    "recovery_action",
+    "sram_threshold_exceeded",
+    "unrepairable_memory",
+    "channel_repair_pending",
+    "tpc_repair_pending",
+    "row_remap_failure",
+]
+NVIDIA_VERDICTS: Final[tuple[str, ...]] = get_args(NvidiaVerdictName)
+# The verdict NVIDIA's catalog says overrides the Xids around it (Xid 154's).
+VERDICT_RECOVERY_ACTION: Final = "recovery_action"
 # Far above any instance type's GPUs (8 today): a count past it is no count.
 MAX_GPUS_PER_HOST: Final = 64
 # The most sources one finding names: kernel log, kmsg, journald, NVML, DCGM, with room to spare.
@@ -73,6 +98,9 @@ class GpuFinding(BaseModel):
     # NVIDIA's immediate action for it (the Xid catalog's resolution bucket: RESET_GPU, RESTART_BM, CONTACT_SUPPORT,
     # ...), which decides whether a reboot-first group reboots or replaces; "" when the catalog names none.
     immediate_action: Name = ""
+    # Which of NVIDIA's standing verdicts on the GPU this finding states (NVIDIA_VERDICTS), its action being
+    # `immediate_action`; "" for a fault. A reboot-first repair lets the GPU's verdicts choose its remedy.
+    verdict: Name = ""
     message: Text = ""
     raw: Text = ""
     # An impairing kernel-log fault's surrounding lines, its own among them: for the incident's evidence. Empty for

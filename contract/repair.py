@@ -42,11 +42,21 @@ ENDED_UNREPAIRED = frozenset({RepairPhase.FAILED, RepairPhase.CANCELLED, RepairP
 FINISHED = ENDED_UNREPAIRED | {RepairPhase.COMPLETED}
 
 
-# NVIDIA's immediate actions (the Xid catalog's resolution bucket, GpuFinding.immediate_action) that a GPU reset or
-# a reboot carries out; every other action (CONTACT_SUPPORT, WORKFLOW_XID_48, the NVLink workflows, none) goes
-# straight to a replacement.
-RESET_GPU = "RESET_GPU"
-IN_PLACE_ACTIONS = frozenset({RESET_GPU, "RESTART_VM", "RESTART_BM"})
+# NVIDIA's standing verdicts an instance's health workflow keeps (one per GPU and verdict, the newest): 8 GPUs with
+# every verdict set fit, and a probe naming garbage GPUs cannot grow it.
+MAX_VERDICTS_KEPT = 48
+
+
+class GpuVerdict(BaseModel):
+    """One of NVIDIA's standing verdicts on one GPU (contract.probe.NVIDIA_VERDICTS), as the instance's health
+    workflow last heard it: the finding that stated it, and the action it asks for."""
+
+    verdict: Name
+    action: Name
+    gpu: Name | None = None  # the GPU's PCI address; None: the finding did not say (the whole instance)
+    reason: Name = ""
+    finding_id: Id
+    observed_at: datetime
 
 
 class RepairAction(StrEnum):
@@ -97,3 +107,6 @@ class RepairInput(BaseModel):
     # The replacement an earlier attempt of this incident launched, when that attempt ended unrepaired (its
     # termination failed, say): adopted if it is still ACTIVE in ECS, so a retry never launches a second one.
     earlier_replacement: Id | None = None
+    # NVIDIA's standing verdicts on the instance's GPUs its health workflow held when it started the repair (none
+    # cleared): under reboot-first they choose the remedy (workflows/repair_ladder.py).
+    nvidia_verdicts: list[GpuVerdict] = Field(default_factory=list, max_length=MAX_VERDICTS_KEPT)

@@ -7,6 +7,10 @@
   the findings that fix dealt with are dropped (a new fault is told by its own finding, never by an old one with
   the same reason), and the next repair is told of the fix (RepairInput.last_in_place_fix), so that the same GPU
   faulting again within the group's escalation_window is replaced rather than rebooted again.
+- NVIDIA's standing verdicts on the GPUs (a finding with a `verdict`: the recovery action, unrepairable memory, ...)
+  are kept, the newest per GPU and verdict, and given to each repair (RepairInput.nvidia_verdicts), where they choose
+  the remedy. One whose action is NONE withdraws it; a fix in place withdraws those that asked for that fix (the probe
+  states again any that still holds).
 """
 
 from __future__ import annotations
@@ -14,8 +18,8 @@ from __future__ import annotations
 from datetime import datetime
 
 from contract.health import CheckType, HealthState
-from contract.probe import STATE_TRANSITION_KINDS, GpuFinding, Heartbeat
-from contract.repair import MAX_FIXES_KEPT
+from contract.probe import ACTION_NONE, ACTION_REPLACE, NVIDIA_VERDICTS, STATE_TRANSITION_KINDS, GpuFinding, Heartbeat
+from contract.repair import MAX_FIXES_KEPT, MAX_VERDICTS_KEPT, GpuVerdict
 from workflows.models import HealthCarry, HealthCheckResult, RepairProgress
 
 # Checks a fix in place clears: the GPU fault it dealt with, and the agent silence the reboot itself caused (the
@@ -42,6 +46,34 @@ def from_before_fix(state: HealthCarry, finding: GpuFinding) -> GpuFinding:
     return finding.model_copy(update={"impairs": False, "rule": BEFORE_FIX_RULE})
 
 
+def note_verdict(state: HealthCarry, finding: GpuFinding) -> bool:
+    """Keep the finding's verdict, if it states one, in place of an older one of the same GPU and verdict. False: it
+    states none, or an unknown one (a newer probe's), or is older than the one held (delivered late)."""
+    if finding.verdict not in NVIDIA_VERDICTS:
+        return False
+    gpu = finding.gpu.pci or finding.gpu.uuid
+    held = [v for v in state.nvidia_verdicts if (v.gpu, v.verdict) == (gpu, finding.verdict)]
+    if held and held[0].observed_at > finding.observed_at:
+        return False
+    kept = [v for v in state.nvidia_verdicts if (v.gpu, v.verdict) != (gpu, finding.verdict)]
+    if finding.immediate_action != ACTION_NONE:
+        kept.append(
+            GpuVerdict(
+                verdict=finding.verdict,
+                action=finding.immediate_action,
+                gpu=gpu,
+                reason=finding.reason,
+                finding_id=finding.finding_id,
+                observed_at=finding.observed_at,
+            )
+        )
+    if len(kept) > MAX_VERDICTS_KEPT:
+        state.dropped_entries += len(kept) - MAX_VERDICTS_KEPT
+        kept = kept[-MAX_VERDICTS_KEPT:]
+    state.nvidia_verdicts = kept
+    return True
+
+
 def heard(state: HealthCarry, beat: Heartbeat) -> None:
     if beat.boot_id:
         state.boot_id = beat.boot_id
@@ -62,6 +94,7 @@ def fixed_in_place(state: HealthCarry, progress: RepairProgress, now: datetime) 
                 type=check, status=HealthState.OK, lastUpdated=now, lastStatusChange=now
             )
     state.findings = [f for f in state.findings if not f.impairs or f.kind in STATE_TRANSITION_KINDS]
+    state.nvidia_verdicts = [v for v in state.nvidia_verdicts if v.action == ACTION_REPLACE]
     state.repair_requested = False
     state.repair_retry = state.repair_retry.afresh()
     return True

@@ -121,6 +121,7 @@ async def start(health: InstanceHealth, news_beside_steps: bool) -> None:
         attempt=attempt,
         last_in_place_fix=state.last_in_place_fix,  # the remediation ladder's (workflows/health_ladder.py)
         in_place_fixes=state.in_place_fixes,
+        nvidia_verdicts=state.nvidia_verdicts,
         earlier_replacement=previous.replacement_instance_id
         if previous is not None and previous.phase in ENDED_UNREPAIRED
         else None,

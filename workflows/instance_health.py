@@ -233,6 +233,7 @@ class InstanceHealth:
             return
         state.seen_finding_ids = [*state.seen_finding_ids, finding.finding_id][-REMEMBERED_FINDING_IDS:]
         finding = ladder.from_before_fix(state, finding)
+        ladder.note_verdict(state, finding)
         state.findings = _bounded_context([*state.findings, finding][-RECENT_FINDINGS:])
         now = self._host.now()
         # A critical daemon or container runtime down (or back) is ECS's DAEMON or CONTAINER_RUNTIME check.
@@ -467,6 +468,7 @@ class InstanceHealth:
             repair_retry=state.repair_retry,
             last_in_place_fix=state.last_in_place_fix,
             in_place_fixes=state.in_place_fixes,
+            nvidia_verdicts=state.nvidia_verdicts,
             gpu_count=state.gpu_count,
             expected_gpus=state.expected_gpus,
             repair_decision=self.repair_decision(),

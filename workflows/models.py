@@ -20,7 +20,7 @@ from contract.instances import ClearedFinding, Exclusion
 from contract.limits import Id, OptionalId, Text, Token
 from contract.liveness import IgnoreHeartbeats, LivenessInput
 from contract.probe import GpuFinding, ProbeSourceHealth
-from contract.repair import InPlaceFix, PhaseStep, RepairAction, RepairPhase
+from contract.repair import GpuVerdict, InPlaceFix, PhaseStep, RepairAction, RepairPhase
 from contract.semaphore import PermitRequest, SemaphoreInput
 from workflows.breaker import BreakerBook
 
@@ -167,6 +167,9 @@ class HealthCarry(BaseModel):
     last_in_place_fix: InPlaceFix | None = None
     # Every fix in place, newest last (at most MAX_FIXES_KEPT): the group's max_fixes_in_place rule counts them.
     in_place_fixes: list[InPlaceFix] = Field(default_factory=list)
+    # NVIDIA's standing verdicts on the GPUs (one per GPU and verdict, the newest; at most MAX_VERDICTS_KEPT): they
+    # choose a reboot-first repair's remedy (RepairInput.nvidia_verdicts).
+    nvidia_verdicts: list[GpuVerdict] = Field(default_factory=list)
     # The GPUs the probe last said NVML enumerates, and how many the instance's type has (read once from EC2):
     # fewer seen than the type has impairs ACCELERATED_COMPUTE.
     # No report from its probe within first_report_timeout of the start (watched by AWS alone) until it reports.
@@ -232,6 +235,7 @@ class InstanceHealthView(BaseModel):
     boot_id: str | None = None
     last_in_place_fix: InPlaceFix | None = None
     in_place_fixes: list[InPlaceFix] = Field(default_factory=list)
+    nvidia_verdicts: list[GpuVerdict] = Field(default_factory=list)
     gpu_count: int | None = None
     expected_gpus: int | None = None
     # Derived from the state above (InstanceHealth.repair_decision): why it is, or is not, being repaired.

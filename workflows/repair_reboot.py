@@ -66,6 +66,11 @@ async def fix_in_place(repair: RepairContext, group: CapacityGroup) -> bool:
     # What the host knows of its fault goes before a reset or a reboot clears it.
     await evidence.keep_evidence(repair, group)
     before = await _look(repair, "look at the instance before touching it")
+    change = ladder.reconsider(record.input.finding, before.probe.nvidia_verdicts if before.probe else [], group)
+    if change is not None:
+        await _escalate(repair, *change)
+        if ladder.action is RepairAction.REPLACE:
+            return False
     known = {f.finding_id for f in before.probe.recent_findings} if before.probe is not None else set()
     old_boot = before.probe.boot_id if before.probe is not None else None
     started = workflow.now()

@@ -121,7 +121,8 @@ def _header_lines(ladder: Ladder) -> list[str]:
     """Which rung was taken and why, for a reboot-first group's repairs; nothing for a `replace` group's."""
     if ladder.remediation is not Remediation.REBOOT_FIRST:
         return []
-    nvidia = f" (NVIDIA: {ladder.nvidia_action})" if ladder.nvidia_action else ""
+    why = f", {ladder.nvidia_why}" if ladder.nvidia_why else ""
+    nvidia = f" (NVIDIA: {ladder.nvidia_action}{why})" if ladder.nvidia_action else ""
     first = "replaced at once" if ladder.first is RepairAction.REPLACE else f"first {ladder.first.value}"
     lines = [f"Remediation **reboot-first**: {first}{nvidia}"]
     lines += [f"- escalated {a.value} → **{b.value}**: {why}" for a, b, why in ladder.escalations]
