@@ -44,6 +44,7 @@ class EventType(StrEnum):
     FINDING_CLEARED = "FindingCleared"
     # The breaker (group-level, or fleet-wide with group "*"): repairs held, and an operator's resume.
     REPAIRS_HELD = "RepairsHeld"
+    REPLACEMENT_FAULTED_EARLY = "ReplacementFaultedEarly"
     REPAIRS_RESUMED = "RepairsResumed"
     # A held repair let go by `--resume --discard-held`: its instance was never touched.
     REPAIR_DISCARDED = "RepairDiscarded"
@@ -98,7 +99,7 @@ class FleetEvent(BaseModel):
             return GROUP_DETAIL_TYPE
         if self.type in CONTROL_EVENTS:
             return CONTROL_DETAIL_TYPE
-        if self.type in (EventType.REPAIRS_HELD, EventType.REPAIRS_RESUMED):
+        if self.type in (EventType.REPAIRS_HELD, EventType.REPAIRS_RESUMED, EventType.REPLACEMENT_FAULTED_EARLY):
             return BREAKER_DETAIL_TYPE
         health = (
             EventType.HEALTH_CHANGED,

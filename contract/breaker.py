@@ -36,6 +36,9 @@ class HoldCause(StrEnum):
     MONITORING_OUTAGE = "monitoring_outage"  # heartbeat losses that began together: one outage, not N faults
     REPAIR_BUDGET = "repair_budget"  # max_repairs_per_day reached
     FLEET = "fleet"  # the fleet-wide breaker holds every group
+    # replacement_faults_to_hold replacements faulted within replacement_fault_window of taking over: a bad capacity
+    # pool (a bad batch of hosts, a broken AMI) that replacing only feeds
+    EARLY_REPLACEMENT_FAULTS = "early_replacement_faults"
 
 
 class Weekday(StrEnum):
@@ -99,6 +102,10 @@ class BreakerRule(BaseModel):
     max_impaired_percent: ImpairedPercent = 30
     min_impaired: MinImpaired = 3
     impaired_window: timedelta = timedelta(minutes=30)
+    # A group's replacements (the fleet breaker launches none): this many that fault within the window of taking over
+    # hold the group's repairs.
+    replacement_fault_window: timedelta = timedelta(days=1)
+    replacement_faults_to_hold: int = Field(default=3, ge=1)
 
     def threshold(self, size: int) -> float:
         """Trip when strictly more than this many became IMPAIRED within the window."""
@@ -160,6 +167,8 @@ class BreakerView(BaseModel):
     counted_since: datetime | None = None
     repairs_today: int = 0
     max_repairs_per_day: int | None = None
+    # Replacements that faulted within replacement_fault_window of taking over, counted since the last resume.
+    replacements_faulted_early: int = 0
     in_maintenance_window: bool = True
     next_maintenance_window: datetime | None = None
     last_resume: ResumeRecord | None = None
@@ -202,6 +211,12 @@ def hold_message(cause: HoldCause, scope: str, count: int, threshold: float, win
         )
     if cause is HoldCause.REPAIR_BUDGET:
         return f"repairs of {scope} held: the budget of {int(threshold)} repairs a day is spent"
+    if cause is HoldCause.EARLY_REPLACEMENT_FAULTS:
+        return (
+            f"repairs of {scope} held: {count} replacements faulted within {minutes / 60:g} h of taking over "
+            f"(replacement_faults_to_hold {int(threshold)}): the capacity they come from may be bad, and replacing "
+            "from it again would make things worse"
+        )
     return (
         f"repairs of {scope} held: {count} instances became IMPAIRED within {minutes:g} min, more than "
         f"{threshold:g} (the breaker's threshold)"

@@ -122,6 +122,10 @@ class CapacityGroup(SettingsSection):
     max_impaired_percent: ImpairedPercent = 30
     min_impaired: MinImpaired = 3
     impaired_window: timedelta = timedelta(minutes=30)
+    # Replacements that fault this soon after taking over are counted (ReplacementFaultedEarly); this many within the
+    # window hold the group's repairs like the breaker: replacing from a bad capacity pool makes things worse.
+    replacement_fault_window: timedelta = timedelta(days=1)
+    replacement_faults_to_hold: int = Field(default=3, ge=1, le=1000)
     # Optional: at most this many repairs granted in 24 hours, then repairs are held like the breaker holds them.
     max_repairs_per_day: int | None = Field(default=None, ge=1, le=MAX_REPAIRS_PER_DAY)
     # Optional: outside every window (UTC) only critical repairs run; none means any time.
@@ -184,6 +188,8 @@ class CapacityGroup(SettingsSection):
             max_impaired_percent=self.max_impaired_percent,
             min_impaired=self.min_impaired,
             impaired_window=self.impaired_window,
+            replacement_fault_window=self.replacement_fault_window,
+            replacement_faults_to_hold=self.replacement_faults_to_hold,
         )
 
     def settings_problems(self) -> list[tuple[str | None, str]]:

@@ -122,6 +122,48 @@ def test_the_repair_budget_holds_once_spent() -> None:
     assert aged.trip_if_over(RULE, 100, NOW + timedelta(days=1, seconds=1), "g", budget=4) is None
 
 
+def test_replacements_faulting_soon_after_taking_over_are_counted_once_and_hold_at_the_rule() -> None:
+    book, day = BreakerBook(), RULE.replacement_fault_window
+    for k in range(4):
+        book.took_over(f"r-{k}", NOW, day)
+    # An instance that is no replacement, or one that faulted after the window, is no early fault.
+    assert book.faulted_early(report("i-other", NOW + timedelta(hours=1)), day) is None
+    assert book.faulted_early(report("r-3", NOW + day + timedelta(seconds=1)), day) is None
+    first = book.faulted_early(report("r-0", NOW + timedelta(hours=2)), day)
+    assert first is not None and (first.instance_id, first.took_over_at) == ("r-0", NOW)
+    assert book.faulted_early(report("r-0", NOW + timedelta(hours=3)), day) is None  # counted once
+    assert book.faulted_early(report("r-1", NOW + timedelta(hours=4)), day) is not None
+    assert book.trip_if_over(RULE, 100, NOW + timedelta(hours=4), "g") is None  # 2 of 3
+    assert book.faulted_early(report("r-2", NOW + timedelta(hours=5)), day) is not None
+    hold = book.trip_if_over(RULE, 100, NOW + timedelta(hours=5), "group g")
+    assert hold is not None and hold.cause is HoldCause.EARLY_REPLACEMENT_FAULTS
+    assert (hold.count, hold.threshold, hold.window, hold.instances) == (3, 3.0, day, ["r-0", "r-1", "r-2"])
+    assert hold.message.startswith("repairs of group g held: 3 replacements faulted within 24 h of taking over")
+
+
+def test_early_faults_age_out_and_a_resume_counts_afresh() -> None:
+    book, day = BreakerBook(), RULE.replacement_fault_window
+    for k in range(3):
+        book.took_over(f"r-{k}", NOW + timedelta(hours=k), day)
+        assert book.faulted_early(report(f"r-{k}", NOW + timedelta(hours=k, minutes=5)), day) is not None
+    # A day after the first fault, two remain within the window: no hold.
+    assert book.trip_if_over(RULE, 100, NOW + day + timedelta(minutes=6), "g") is None
+    assert book.trip_if_over(RULE, 100, NOW + timedelta(hours=3), "g") is not None
+    book.resume(NOW + timedelta(hours=3), "ops", False)
+    assert book.faulted_early_within(NOW + timedelta(hours=3), day) == []
+    assert book.trip_if_over(RULE, 100, NOW + timedelta(hours=3), "g") is None
+    # A fault from before the resume, delivered after it, is not counted again.
+    book.took_over("r-9", NOW, day)
+    assert book.faulted_early(report("r-9", NOW + timedelta(hours=2)), day) is None
+
+
+def test_a_replacement_is_remembered_only_for_the_window() -> None:
+    book, day = BreakerBook(), RULE.replacement_fault_window
+    book.took_over("r-old", NOW, day)
+    book.took_over("r-new", NOW + day + timedelta(seconds=1), day)
+    assert set(book.replacements) == {"r-new"}
+
+
 def test_the_fleet_rule_trips_only_across_groups() -> None:
     rule = BreakerRule(min_impaired=5)
     one_group = book_with(7)

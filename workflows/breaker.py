@@ -29,12 +29,23 @@ from contract.breaker import (
 # An impairment is remembered for the window only; this bounds the book even under a flood of reports.
 MAX_IMPAIRMENTS = 20_000
 MAX_GRANTS_REMEMBERED = 10_000
+# Far above any replacement_faults_to_hold: the rest would only weigh on the semaphore's carried state.
+MAX_EARLY_FAULTS = 1_000
 
 
 class Impairment(BaseModel):
     at: datetime
     group: str = ""
     silent_since: datetime | None = None
+
+
+class EarlyFault(BaseModel):
+    """A replacement that became IMPAIRED within replacement_fault_window of taking over from a repaired instance."""
+
+    instance_id: str
+    took_over_at: datetime
+    faulted_at: datetime
+    reason: str = ""
 
 
 class BreakerBook(BaseModel):
@@ -45,6 +56,37 @@ class BreakerBook(BaseModel):
     held: BreakerHold | None = None
     grants: list[datetime] = Field(default_factory=list)  # permits granted within the budget period
     last_resume: ResumeRecord | None = None
+    # A group's replacements, by when each took over (its repair completed), within replacement_fault_window; and those
+    # of them that faulted within it, since the last resume.
+    replacements: dict[str, datetime] = Field(default_factory=dict)
+    early_faults: list[EarlyFault] = Field(default_factory=list)
+
+    def took_over(self, instance_id: str, at: datetime, window: timedelta) -> None:
+        self.replacements[instance_id] = at
+        self.replacements = {i: t for i, t in self.replacements.items() if t > at - window}
+        if len(self.replacements) > MAX_IMPAIRMENTS:
+            newest = sorted(self.replacements, key=lambda i: self.replacements[i])[-MAX_IMPAIRMENTS * 9 // 10 :]
+            self.replacements = {i: self.replacements[i] for i in newest}
+
+    def faulted_early(self, report: ImpairmentReport, window: timedelta) -> EarlyFault | None:
+        """The report's instance is a replacement that faulted within `window` of taking over: counted once (None:
+        it is not, or was counted already, or before the last resume)."""
+        took_over = self.replacements.get(report.instance_id)
+        if took_over is None or not took_over <= report.at <= took_over + window:
+            return None
+        if self.counted_since is not None and report.at < self.counted_since:
+            return None
+        if any(f.instance_id == report.instance_id for f in self.early_faults):
+            return None
+        fault = EarlyFault(
+            instance_id=report.instance_id, took_over_at=took_over, faulted_at=report.at, reason=report.reason
+        )
+        recent = [f for f in self.early_faults if f.faulted_at > report.at - window]
+        self.early_faults = [*recent, fault][-MAX_EARLY_FAULTS:]
+        return fault
+
+    def faulted_early_within(self, now: datetime, window: timedelta) -> list[EarlyFault]:
+        return [f for f in self.early_faults if f.faulted_at > now - window]
 
     def record(self, report: ImpairmentReport, now: datetime, window: timedelta) -> bool:
         """Count an impairment; False when it is outside what counts (before the last resume, or older than the
@@ -88,6 +130,7 @@ class BreakerBook(BaseModel):
             return None
         self.forget_old(now, rule.impaired_window)
         count, threshold = len(self.impaired), rule.threshold(size)
+        early = self.faulted_early_within(now, rule.replacement_fault_window)
         across = len({seen.group for seen in self.impaired.values()}) >= groups_at_least
         cause: HoldCause | None = None
         if across and count > threshold:
@@ -96,16 +139,24 @@ class BreakerBook(BaseModel):
             cause, count, threshold = HoldCause.MONITORING_OUTAGE, len(together), float(rule.min_impaired)
         elif budget is not None and len(self.grants) >= budget:
             cause, count, threshold = HoldCause.REPAIR_BUDGET, len(self.grants), float(budget)
+        elif len(early) >= rule.replacement_faults_to_hold:
+            cause, count, threshold = (
+                HoldCause.EARLY_REPLACEMENT_FAULTS,
+                len(early),
+                float(rule.replacement_faults_to_hold),
+            )
         if cause is None:
             return None
+        early_hold = cause is HoldCause.EARLY_REPLACEMENT_FAULTS
+        window = rule.replacement_fault_window if early_hold else rule.impaired_window
         self.held = BreakerHold(
             cause=cause,
-            message=hold_message(cause, scope, count, threshold, rule.impaired_window),
+            message=hold_message(cause, scope, count, threshold, window),
             tripped_at=now,
             count=count,
             threshold=threshold,
-            window=rule.impaired_window,
-            instances=named(list(self.impaired)),
+            window=window,
+            instances=named([f.instance_id for f in early] if early_hold else list(self.impaired)),
         )
         return self.held
 
@@ -134,5 +185,6 @@ class BreakerBook(BaseModel):
         self.counted_since = now
         self.impaired = {}
         self.grants = []
+        self.early_faults = []
         self.last_resume = record
         return record

@@ -307,6 +307,8 @@ class DrainSemaphoreWorkflow:
             self._forged_signal(f"release for {release.holder_workflow_id} without its token")
             return
         self._state.remove(release.holder_workflow_id)
+        if release.replacement_instance_id:
+            self._state.took_over(release.replacement_instance_id, workflow.now())
 
     def _on_launch_outcome(self, outcome: LaunchOutcome) -> None:
         forged = self._state.launch_outcome(outcome, workflow.now())

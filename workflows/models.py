@@ -248,6 +248,9 @@ class InstanceHealthView(BaseModel):
 class PermitRelease(BaseModel):
     holder_workflow_id: Id
     token: Token = ""  # the token of the holder's request: only the holder can give its permit back
+    # The instance that took over from the repaired one, when the repair completed with a replacement: the semaphore
+    # counts its fault within replacement_fault_window as early (ReplacementFaultedEarly).
+    replacement_instance_id: OptionalId | None = None
 
 
 class PermitGrant(BaseModel):

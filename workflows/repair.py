@@ -223,7 +223,13 @@ class InstanceRepairWorkflow:
             return
         handle = workflow.get_external_workflow_handle(semaphore_workflow_id(self._record.input.group))
         try:
-            release = PermitRelease(holder_workflow_id=workflow.info().workflow_id, token=self._record.permit_token)
+            record = self._record
+            took_over = record.replacement if record.phase is RepairPhase.COMPLETED else None
+            release = PermitRelease(
+                holder_workflow_id=workflow.info().workflow_id,
+                token=record.permit_token,
+                replacement_instance_id=took_over,
+            )
             await handle.signal(names.SIGNAL_RELEASE, release)
         except FailureError as err:
             # The semaphore is gone (reset by an operator): it holds no permit of ours to release.

@@ -13,9 +13,11 @@ from temporalio.exceptions import FailureError
 
 from contract import names
 from contract.breaker import BreakerView, HoldNotice, ImpairmentReport, in_maintenance, next_maintenance
+from contract.config import format_seconds
 from contract.groups import CapacityGroup
 from contract.ids import semaphore_workflow_id
 from contract.semaphore import PermitDenial, PermitRequest
+from workflows.breaker import EarlyFault
 from workflows.group_events import publish_group_event
 from workflows.holder_watch import next_look
 from workflows.options import CALL_RETRY, CALL_TIMEOUT
@@ -72,6 +74,10 @@ class SemaphoreBreaker:
         if not state.group_size:
             await self.measure()
         counted = [r for r in reports if state.breaker.record(r, workflow.now(), group.impaired_window)]
+        for report in reports:
+            early = state.breaker.faulted_early(report, group.replacement_fault_window)
+            if early is not None:
+                await self._faulted_early(early, group)
         await self.trip_if_over(group)
         if self.fleet_reports_beside:
             # Awaiting them would prove only that they arrived, not what the fleet breaker made of them (its hold comes
@@ -85,6 +91,30 @@ class SemaphoreBreaker:
             for report in counted:
                 await self._report_to_fleet(report)
         state.changed = True
+
+    async def _faulted_early(self, early: EarlyFault, group: CapacityGroup) -> None:
+        state = self.state
+        counted = len(state.breaker.faulted_early_within(workflow.now(), group.replacement_fault_window))
+        workflow.logger.warning(
+            "drain semaphore %s: replacement %s faulted %s after taking over",
+            state.group,
+            early.instance_id,
+            early.faulted_at - early.took_over_at,
+        )
+        await publish_group_event(
+            state.group,
+            semaphore_workflow_id(state.group),
+            EventType.REPLACEMENT_FAULTED_EARLY,
+            {
+                "replacement_instance_id": early.instance_id,
+                "took_over_at": early.took_over_at.isoformat(),
+                "faulted_at": early.faulted_at.isoformat(),
+                "reason": early.reason,
+                "faulted_early": counted,
+                "replacement_faults_to_hold": group.replacement_faults_to_hold,
+                "replacement_fault_window": format_seconds(group.replacement_fault_window),
+            },
+        )
 
     async def _report_to_fleet(self, report: ImpairmentReport) -> None:
         await workflow.execute_activity_method(
@@ -201,4 +231,7 @@ class SemaphoreBreaker:
             in_maintenance_window=in_maintenance(windows, now),
             next_maintenance_window=None if in_maintenance(windows, now) else next_maintenance(windows, now),
             last_resume=state.breaker.last_resume,
+            replacements_faulted_early=len(state.breaker.faulted_early_within(now, rule.replacement_fault_window))
+            if rule
+            else 0,
         )

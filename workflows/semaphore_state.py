@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from contract.breaker import BreakerHold, ImpairmentReport
+from contract.breaker import BreakerHold, BreakerRule, ImpairmentReport
 from contract.groups import GroupConfigState
 from contract.semaphore import LaunchOutcome, PermitRequest
 from workflows.breaker import BreakerBook
@@ -95,6 +95,12 @@ class SemaphoreState:
         first = [w for w in ready if w.instance_id in self.unheld_draining]
         others = [w for w in ready if w.instance_id not in self.unheld_draining]
         return first + others[: max(0, self.room())]
+
+    def took_over(self, replacement_instance_id: str, now: datetime) -> None:
+        """A completed repair's replacement took over now: its fault within replacement_fault_window is early."""
+        group = self.config.effective
+        window = group.replacement_fault_window if group is not None else BreakerRule().replacement_fault_window
+        self.breaker.took_over(replacement_instance_id, now, window)
 
     def holding(self) -> bool:
         return self.breaker.held is not None or self.fleet_hold is not None
