@@ -45,6 +45,7 @@ class EventType(StrEnum):
     # The breaker (group-level, or fleet-wide with group "*"): repairs held, and an operator's resume.
     REPAIRS_HELD = "RepairsHeld"
     REPLACEMENT_FAULTED_EARLY = "ReplacementFaultedEarly"
+    FIX_VERIFIED = "FixVerified"
     REPAIRS_RESUMED = "RepairsResumed"
     # A held repair let go by `--resume --discard-held`: its instance was never touched.
     REPAIR_DISCARDED = "RepairDiscarded"
@@ -408,6 +409,9 @@ class HealthViewExcerpt(BaseModel):
     recent_findings: list[GpuFinding] = Field(default_factory=list)
     # NVIDIA's standing verdicts it holds now: one stated after the repair began still counts before the GPU is touched.
     nvidia_verdicts: list[GpuVerdict] = Field(default_factory=list, max_length=MAX_VERDICTS_KEPT)
+    # The GPUs the probe last saw, and how many the instance's type has (None: not known): the fix's gate compares them.
+    gpu_count: int | None = None
+    expected_gpus: int | None = None
 
 
 class RecoveryCheck(BaseModel):

@@ -22,6 +22,7 @@ from contract.probe import (
     NVIDIA_VERDICTS,
     GpuFinding,
     GpuRef,
+    Heartbeat,
 )
 from contract.repair import MAX_VERDICTS_KEPT, GpuVerdict, InPlaceFix, RepairAction, RepairInput
 from workflows import health_ladder
@@ -279,3 +280,14 @@ def test_a_reset_asked_of_a_group_that_resets_nothing_is_the_reboot_it_already_t
     assert ladder.reconsider(found, [verdict("recovery_action", ACTION_DRAIN_AND_RESET)], config) is None
     # A repair without a finding (a heartbeat loss) replaces at once: nothing to reconsider.
     assert ladder.reconsider(None, [verdict("unrepairable_memory", ACTION_REPLACE)], config) is None
+
+
+def test_a_new_boot_withdraws_every_verdict_for_the_probe_to_state_again() -> None:
+    state = HealthCarry(boot_id="boot-1")
+    health_ladder.note_verdict(state, stated("recovery_action", ACTION_RESTART_BM))
+    health_ladder.note_verdict(state, stated("unrepairable_memory", ACTION_REPLACE))
+    beat = Heartbeat(instance_id="i-1", group="g", sent_at=NOW, boot_id="boot-1")
+    health_ladder.heard(state, beat)
+    assert len(state.nvidia_verdicts) == 2  # the same boot: nothing changed
+    health_ladder.heard(state, beat.model_copy(update={"boot_id": "boot-2"}))
+    assert state.nvidia_verdicts == [] and state.boot_id == "boot-2"

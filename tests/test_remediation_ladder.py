@@ -42,6 +42,7 @@ REBOOTED_IN_PLACE = [
     "TasksStopped",
     "RebootStarted",
     "RebootCompleted",
+    "FixVerified",
     "RepairCompleted",
     "DrainPermitReleased",
 ]

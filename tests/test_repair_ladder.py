@@ -355,7 +355,7 @@ def test_a_reset_that_escalated_to_a_reboot_then_a_replacement_shows_every_rung_
         "3. [done] Let tasks stop within their stop timeouts",
         f"4. [done] Reset GPU {GPU} (nvidia-smi -r through SSM)",
         "5. [done] Reboot the instance (EC2 RebootInstances)",
-        "6. [done] Wait for it to come back: GPUs OK, ECS agent connected",
+        "6. [done] Wait for it to come back: GPUs OK, ECS agent connected; then the fix's gate",
         "7. [**now**] Launch a replacement in the same AZ",
         "8. [next] Wait for the replacement to be ACTIVE",
         "9. [next] Stop what is left of the tasks",

@@ -9,8 +9,8 @@
   faulting again within the group's escalation_window is replaced rather than rebooted again.
 - NVIDIA's standing verdicts on the GPUs (a finding with a `verdict`: the recovery action, unrepairable memory, ...)
   are kept, the newest per GPU and verdict, and given to each repair (RepairInput.nvidia_verdicts), where they choose
-  the remedy. One whose action is NONE withdraws it; a fix in place withdraws those that asked for that fix (the probe
-  states again any that still holds).
+  the remedy. One whose action is NONE withdraws it; a fix in place withdraws those that asked for that fix, and a
+  new boot all of them (the probe states again any that still holds).
 """
 
 from __future__ import annotations
@@ -76,6 +76,10 @@ def note_verdict(state: HealthCarry, finding: GpuFinding) -> bool:
 
 def heard(state: HealthCarry, beat: Heartbeat) -> None:
     if beat.boot_id:
+        if state.boot_id is not None and beat.boot_id != state.boot_id:
+            # A new boot resets every GPU: what NVIDIA asked of the old boot's is answered, and the probe states
+            # again, from its first poll, any verdict that still holds (its findings' ids are new with the boot).
+            state.nvidia_verdicts = []
         state.boot_id = beat.boot_id
 
 

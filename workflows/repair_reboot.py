@@ -8,7 +8,9 @@ RESTART_VM or RESTART_BM (GpuFinding.immediate_action) is first handled in place
      Command. A reset the driver refuses (processes hold the GPU; NVSwitch systems reset their GPUs only together)
      reboots instead. Otherwise: EC2 RebootInstances.
   5. Wait, polling on a named timer, until the probe heartbeats from a new boot (after a reset: from the same boot,
-     a heartbeat's time later) with every GPU source OK, no new GPU fault, and ECS says the agent is connected.
+     a heartbeat's time later) with every GPU source OK, no new GPU fault, and ECS says the agent is connected. Then
+     the fix's gate (workflows/fix_gate.py): every GPU of the type visible, no standing NVIDIA verdict, no memory
+     remap pending, no fault since the fix began; a failure escalates to a replacement (FixVerified says which).
   6. Set the container instance ACTIVE; the repair completes without a replacement and its permit goes back.
 Escalation (an `Escalated` event saying why) to the replacement steps of repair.py, start-before-stop:
   - at the start, when the finding's action is anything else (CONTACT_SUPPORT, WORKFLOW_XID_48, the NVLink
@@ -32,6 +34,7 @@ from contract.groups import CapacityGroup, Remediation
 from contract.repair import InPlaceFix, RepairAction, RepairPhase
 from workflows import repair_evidence as evidence
 from workflows.activity_errors import describe_error, permanent_error
+from workflows.fix_gate import GATE_CHECKS, GateCheck, failures, run_gate
 from workflows.options import CALL_RETRY, CALL_TIMEOUT
 from workflows.repair_context import RepairContext
 from workflows.repair_ladder import missing, new_fault
@@ -49,6 +52,9 @@ with workflow.unsafe.imports_passed_through():
     from activities.remediation import RemediationActivities
 
 MIN_POLL = timedelta(seconds=1)
+# A patch id: histories recorded before a fix in place had to pass the gate before work returned.
+VERIFY_FIX = "verify-fix"
+GATE_SUMMARY = ", ".join(row.what for row in GATE_CHECKS)
 
 
 async def fix_in_place(repair: RepairContext, group: CapacityGroup) -> bool:
@@ -90,6 +96,11 @@ async def fix_in_place(repair: RepairContext, group: CapacityGroup) -> bool:
         return False
     done = EventType.GPU_RESET_COMPLETED if ladder.action is RepairAction.GPU_RESET else EventType.REBOOT_COMPLETED
     await repair.event(done, **record.about(), took_seconds=int((workflow.now() - started).total_seconds()))
+    if workflow.patched(VERIFY_FIX):
+        why = await _verify(repair, started)
+        if why is not None:
+            await _escalate(repair, ladder.action, RepairAction.REPLACE, why)
+            return False
 
     await repair.enter(RepairPhase.REACTIVATING)
     await workflow.execute_activity_method(
@@ -109,6 +120,28 @@ async def fix_in_place(repair: RepairContext, group: CapacityGroup) -> bool:
         started_at=started,
     )
     return True
+
+
+async def _verify(repair: RepairContext, since: datetime) -> str | None:
+    """The fix's gate (workflows/fix_gate.py) on one look at the instance; None: passed, else why it failed."""
+    record = repair.record
+    look = await _look(repair, f"verify the fix of {record.instance_id} before work returns: {GATE_SUMMARY}")
+    if look.probe is None:
+        checks = [
+            GateCheck(name="health", passed=False, detail=look.probe_error or "its health workflow did not answer")
+        ]
+    else:
+        checks = run_gate(look.probe, since)
+    failed = failures(checks)
+    note = record.notes.get(RepairPhase.AWAITING_RECOVERY, "")
+    record.notes[RepairPhase.AWAITING_RECOVERY] = f"{note}; gate {'passed' if failed is None else 'FAILED: ' + failed}"
+    await repair.event(
+        EventType.FIX_VERIFIED,
+        **record.about(),
+        passed=failed is None,
+        checks=[c.model_dump(mode="json") for c in checks],
+    )
+    return None if failed is None else f"the fix did not pass the gate: {failed}"
 
 
 async def _reset_gpu(repair: RepairContext, group: CapacityGroup) -> str | None:

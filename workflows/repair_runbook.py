@@ -100,7 +100,9 @@ def _ladder_lines(record: RepairRecord) -> list[str] | None:
         steps.append((RepairPhase.RESETTING_GPU, f"Reset GPU {pci} (nvidia-smi -r through SSM)"))
     if ladder.first is RepairAction.REBOOT or any(to is RepairAction.REBOOT for _, to, _ in ladder.escalations):
         steps.append((RepairPhase.REBOOTING, "Reboot the instance (EC2 RebootInstances)"))
-    steps.append((RepairPhase.AWAITING_RECOVERY, "Wait for it to come back: GPUs OK, ECS agent connected"))
+    steps.append(
+        (RepairPhase.AWAITING_RECOVERY, "Wait for it to come back: GPUs OK, ECS agent connected; then the fix's gate")
+    )
     if ladder.action is RepairAction.REPLACE:
         steps += [
             (p, "Stop what is left of the tasks" if p is RepairPhase.STOPPING_TASKS else t)
