@@ -96,6 +96,10 @@ class CapacityGroup(SettingsSection):
     heartbeat_interval: timedelta = DEFAULT_HEARTBEAT_INTERVAL
     # How long a replacement may take from launch to ACTIVE in ECS; then it is terminated and another is launched.
     replacement_ready_timeout: timedelta = timedelta(minutes=20)
+    # A replacement ACTIVE in ECS must also have its probe report, and pass the gate a fix must pass (every GPU of its
+    # type, no NVIDIA verdict, no memory pending, no fault), within replacement_ready_timeout of its launch, before
+    # the impaired instance is terminated; one that fails is abandoned and another launched.
+    verify_replacement: bool = True
     # Replacements one repair may launch that never become ACTIVE; then the repair fails, its instance left DRAINING.
     max_replacement_attempts: int = Field(default=3, ge=1, le=MAX_REPLACEMENT_ATTEMPTS)
     # A failed repair is tried again by the instance's health workflow after this, doubling after each failure, up

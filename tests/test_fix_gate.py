@@ -135,3 +135,33 @@ async def test_a_reboot_that_leaves_a_gpu_missing_fails_the_gate_and_the_instanc
 
 async def _events(fleet: Fleet, type: str, instance_id: str) -> list[dict[str, Any]]:
     return fleet.events(type, instance_id)
+
+
+async def test_a_replacement_that_fails_the_gate_is_abandoned_and_another_launched(
+    client: Client, aws_env: str, tmp_path: Path
+) -> None:
+    async with simulated_fleet(client, aws_env, tmp_path, instances=3) as fleet:
+        await fleet.all_healthy(3)
+        faulty = fleet.sim.live_instances()[0]
+        fleet.sim.inject_fault(faulty, xid=79)
+        [launched] = await eventually(lambda: _events(fleet, "ReplacementLaunched", faulty), bool)
+        bad = launched["replacement_instance_id"]
+        # The new host faults as it comes up: ACTIVE in ECS, but not fit to take the work.
+        await eventually(lambda: _has_node(fleet, bad), bool)
+        fleet.sim.inject_fault(bad, xid=79)
+
+        result = await closed(fleet, repair_workflow_id(faulty, 1))
+
+        [abandoned] = fleet.events("ReplacementAbandoned", faulty)
+        assert abandoned["replacement_instance_id"] == bad and abandoned["attempt"] == 1
+        assert abandoned["why"].startswith("failed the gate: faults: faulted since the fix: XID_79 on ")
+        ready = fleet.events("ReplacementReady", faulty)
+        assert [r["attempt"] for r in ready] == [2]
+        assert all(c["passed"] for c in ready[0]["checks"]) and len(ready[0]["checks"]) == len(GATE_CHECKS)
+        assert result.replacement_instance_id == ready[0]["replacement_instance_id"] != bad
+        assert fleet.ec2_state(bad) == "terminated" and fleet.ec2_state(faulty) == "terminated"
+        assert fleet.ec2_state(ready[0]["replacement_instance_id"]) == "running"
+
+
+async def _has_node(fleet: Fleet, instance_id: str) -> bool:
+    return instance_id in fleet.sim.live_instances()

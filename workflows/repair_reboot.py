@@ -24,7 +24,7 @@ Which rung, and whether the instance is back, are decided in workflows/repair_la
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from datetime import datetime
 
 from temporalio import workflow
 from temporalio.exceptions import ActivityError
@@ -34,11 +34,11 @@ from contract.groups import CapacityGroup, Remediation
 from contract.repair import InPlaceFix, RepairAction, RepairPhase
 from workflows import repair_evidence as evidence
 from workflows.activity_errors import describe_error, permanent_error
-from workflows.fix_gate import GATE_CHECKS, GateCheck, failures, run_gate
 from workflows.options import CALL_RETRY, CALL_TIMEOUT
 from workflows.repair_context import RepairContext
 from workflows.repair_ladder import missing, new_fault
 from workflows.repair_tasks import let_tasks_stop
+from workflows.repair_verify import look_at, poll_interval, verify_fix
 
 with workflow.unsafe.imports_passed_through():
     from activities.models import (
@@ -46,15 +46,11 @@ with workflow.unsafe.imports_passed_through():
         GpuResetCheck,
         GpuResetRequest,
         RebootRequest,
-        RecoveryCheck,
-        RecoveryStatus,
     )
     from activities.remediation import RemediationActivities
 
-MIN_POLL = timedelta(seconds=1)
 # A patch id: histories recorded before a fix in place had to pass the gate before work returned.
 VERIFY_FIX = "verify-fix"
-GATE_SUMMARY = ", ".join(row.what for row in GATE_CHECKS)
 
 
 async def fix_in_place(repair: RepairContext, group: CapacityGroup) -> bool:
@@ -71,7 +67,7 @@ async def fix_in_place(repair: RepairContext, group: CapacityGroup) -> bool:
 
     # What the host knows of its fault goes before a reset or a reboot clears it.
     await evidence.keep_evidence(repair, group)
-    before = await _look(repair, "look at the instance before touching it")
+    before = await look_at(repair, repair.record.instance_id, "look at the instance before touching it")
     change = ladder.reconsider(record.input.finding, before.probe.nvidia_verdicts if before.probe else [], group)
     if change is not None:
         await _escalate(repair, *change)
@@ -97,7 +93,7 @@ async def fix_in_place(repair: RepairContext, group: CapacityGroup) -> bool:
     done = EventType.GPU_RESET_COMPLETED if ladder.action is RepairAction.GPU_RESET else EventType.REBOOT_COMPLETED
     await repair.event(done, **record.about(), took_seconds=int((workflow.now() - started).total_seconds()))
     if workflow.patched(VERIFY_FIX):
-        why = await _verify(repair, started)
+        why = await verify_fix(repair, started)
         if why is not None:
             await _escalate(repair, ladder.action, RepairAction.REPLACE, why)
             return False
@@ -120,28 +116,6 @@ async def fix_in_place(repair: RepairContext, group: CapacityGroup) -> bool:
         started_at=started,
     )
     return True
-
-
-async def _verify(repair: RepairContext, since: datetime) -> str | None:
-    """The fix's gate (workflows/fix_gate.py) on one look at the instance; None: passed, else why it failed."""
-    record = repair.record
-    look = await _look(repair, f"verify the fix of {record.instance_id} before work returns: {GATE_SUMMARY}")
-    if look.probe is None:
-        checks = [
-            GateCheck(name="health", passed=False, detail=look.probe_error or "its health workflow did not answer")
-        ]
-    else:
-        checks = run_gate(look.probe, since)
-    failed = failures(checks)
-    note = record.notes.get(RepairPhase.AWAITING_RECOVERY, "")
-    record.notes[RepairPhase.AWAITING_RECOVERY] = f"{note}; gate {'passed' if failed is None else 'FAILED: ' + failed}"
-    await repair.event(
-        EventType.FIX_VERIFIED,
-        **record.about(),
-        passed=failed is None,
-        checks=[c.model_dump(mode="json") for c in checks],
-    )
-    return None if failed is None else f"the fix did not pass the gate: {failed}"
 
 
 async def _reset_gpu(repair: RepairContext, group: CapacityGroup) -> str | None:
@@ -184,7 +158,7 @@ async def _reset_gpu(repair: RepairContext, group: CapacityGroup) -> str | None:
             return f"reset of GPU {gpu} refused ({status.status}{code}): {status.why}"
         if workflow.now() >= deadline:
             return f"reset of GPU {gpu} still {status.status} after {format_seconds(group.reboot_timeout)}"
-        await workflow.sleep(_poll(group), summary=f"GPU {gpu} reset {status.status or 'pending'}")
+        await workflow.sleep(poll_interval(group), summary=f"GPU {gpu} reset {status.status or 'pending'}")
 
 
 async def _reboot(repair: RepairContext, old_boot: str | None) -> None:
@@ -217,7 +191,9 @@ async def _await_recovery(
     deadline = started + group.reboot_timeout
     rebooted = record.ladder.action is RepairAction.REBOOT
     while True:
-        look = await _look(repair, f"is {record.instance_id} back: new boot, GPUs OK, ECS agent connected?")
+        look = await look_at(
+            repair, repair.record.instance_id, f"is {record.instance_id} back: new boot, GPUs OK, ECS agent connected?"
+        )
         fault = new_fault(look.probe, known, started)
         if fault is not None:
             return f"faulted again after the {record.ladder.action.value}: {fault}"
@@ -232,24 +208,9 @@ async def _await_recovery(
         if workflow.now() >= deadline:
             return f"not back within reboot_timeout {format_seconds(group.reboot_timeout)}: still waiting for {lacking}"
         repair.show()
-        await workflow.sleep(_poll(group), summary=f"waiting for {record.instance_id}: {lacking}")
-
-
-async def _look(repair: RepairContext, summary: str) -> RecoveryStatus:
-    return await workflow.execute_activity_method(
-        RemediationActivities.recovery_status,
-        RecoveryCheck(group=repair.record.group, instance_id=repair.record.instance_id),
-        summary=summary,
-        start_to_close_timeout=CALL_TIMEOUT,
-        retry_policy=CALL_RETRY,
-    )
+        await workflow.sleep(poll_interval(group), summary=f"waiting for {record.instance_id}: {lacking}")
 
 
 async def _escalate(repair: RepairContext, frm: RepairAction, to: RepairAction, why: str) -> None:
     repair.record.ladder.escalate(frm, to, why)
     await repair.event(EventType.ESCALATED, **repair.record.about(), from_action=frm.value, to_action=to.value, why=why)
-
-
-def _poll(group: CapacityGroup) -> timedelta:
-    # The probe says something new at most once a heartbeat: looking more often only costs history.
-    return max(group.heartbeat_interval, MIN_POLL)

@@ -9,12 +9,18 @@ terminates an instance without a ready replacement.
 A launch call that fails (no capacity) is not an attempt: each attempt retries its launch with backoff for as long as
 it takes, as before. Attempts count replacements that launched and never became ready.
 
+With the group's `verify_replacement` (on by default) ACTIVE is not enough: the replacement's probe must report with
+its GPU sources OK and the replacement pass the gate a fix must pass (workflows/fix_gate.py) within the same
+`replacement_ready_timeout`; ReplacementReady carries the gate's checks, and a failure abandons it like a replacement
+that never became ACTIVE.
+
 Each step takes the repair's RepairContext (workflows/repair_context.py): its record, its events, its phases.
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
@@ -28,6 +34,7 @@ from workflows import repair_zones
 from workflows.activity_errors import capacity_error, describe_error, permanent_error
 from workflows.options import CALL_RETRY, CALL_TIMEOUT
 from workflows.repair_context import RepairContext
+from workflows.repair_verify import verify_replacement
 
 with workflow.unsafe.imports_passed_through():
     from activities.fleet import FleetActivities
@@ -48,6 +55,8 @@ READY_RETRY = RetryPolicy(initial_interval=timedelta(seconds=2), maximum_interva
 CLIENT_TOKEN_MAX = 64  # RunInstances' limit
 # A patch id: histories recorded before a repair told its semaphore how its launches went.
 LAUNCH_OUTCOMES = "launch-outcomes"
+# A patch id: histories recorded before a replacement had to pass the gate before the impaired instance went.
+VERIFY_REPLACEMENT = "verify-replacement"
 
 
 class ReplacementsExhausted(Exception):
@@ -75,6 +84,7 @@ async def replace(repair: RepairContext, group: CapacityGroup, drained: DrainRes
     for attempt in range(1, limit + 1):
         await repair.enter(RepairPhase.LAUNCHING_REPLACEMENT)
         replacement = await _launch(repair, group, drained, attempt, limit)
+        launched_at = workflow.now()
         record.replacement = replacement
         record.notes[RepairPhase.LAUNCHING_REPLACEMENT] = replacement + _of(attempt, limit)
         await repair.event(EventType.REPLACEMENT_LAUNCHED, replacement_instance_id=replacement, attempt=attempt)
@@ -83,8 +93,15 @@ async def replace(repair: RepairContext, group: CapacityGroup, drained: DrainRes
         record.notes[RepairPhase.WAITING_FOR_REPLACEMENT] = "; ".join([replacement + _of(attempt, limit), *given_up])
         await repair.enter(RepairPhase.WAITING_FOR_REPLACEMENT)
         failure = await _wait_until_active(repair, group, replacement, attempt, limit)
+        gate: dict[str, Any] = {}
+        if failure is None and group.verify_replacement and workflow.patched(VERIFY_REPLACEMENT):
+            checks, failed = await verify_replacement(repair, group, replacement, launched_at)
+            gate = {"checks": [c.model_dump(mode="json") for c in checks]}
+            failure = None if failed is None else (failed, failed)
         if failure is None:
-            await repair.event(EventType.REPLACEMENT_READY, replacement_instance_id=replacement, attempt=attempt)
+            await repair.event(
+                EventType.REPLACEMENT_READY, replacement_instance_id=replacement, attempt=attempt, **gate
+            )
             return replacement
         why, error = failure
         await _abandon(repair, replacement, attempt, limit, why, error)

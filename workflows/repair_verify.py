@@ -1,0 +1,86 @@
+"""A repair's looks at an instance through its health workflow, and the gate (workflows/fix_gate.py) each fix must
+pass before work returns: a reset or reboot before the instance goes back to ACTIVE (workflows/repair_reboot.py), a
+replacement before the impaired instance is terminated (workflows/repair_replacement.py, `verify_replacement`)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from temporalio import workflow
+
+from contract.config import format_seconds
+from contract.groups import CapacityGroup
+from contract.repair import RepairPhase
+from workflows.fix_gate import GATE_CHECKS, GateCheck, failures, run_gate
+from workflows.options import CALL_RETRY, CALL_TIMEOUT
+from workflows.repair_context import RepairContext
+from workflows.repair_ladder import missing
+
+with workflow.unsafe.imports_passed_through():
+    from activities.models import EventType, RecoveryCheck, RecoveryStatus
+    from activities.remediation import RemediationActivities
+
+MIN_POLL = timedelta(seconds=1)
+GATE_SUMMARY = ", ".join(row.what for row in GATE_CHECKS)
+
+
+def poll_interval(group: CapacityGroup) -> timedelta:
+    # The probe says something new at most once a heartbeat: looking more often only costs history.
+    return max(group.heartbeat_interval, MIN_POLL)
+
+
+async def look_at(repair: RepairContext, instance_id: str, summary: str) -> RecoveryStatus:
+    return await workflow.execute_activity_method(
+        RemediationActivities.recovery_status,
+        RecoveryCheck(group=repair.record.group, instance_id=instance_id),
+        summary=summary,
+        start_to_close_timeout=CALL_TIMEOUT,
+        retry_policy=CALL_RETRY,
+    )
+
+
+def _gate(look: RecoveryStatus, since: datetime) -> list[GateCheck]:
+    if look.probe is None:
+        return [GateCheck(name="health", passed=False, detail=look.probe_error or "its health workflow did not answer")]
+    return run_gate(look.probe, since)
+
+
+async def verify_fix(repair: RepairContext, since: datetime) -> str | None:
+    """The fix in place's gate on one look at the instance; None: passed, else why it failed."""
+    record = repair.record
+    look = await look_at(
+        repair, record.instance_id, f"verify the fix of {record.instance_id} before work returns: {GATE_SUMMARY}"
+    )
+    checks = _gate(look, since)
+    failed = failures(checks)
+    note = record.notes.get(RepairPhase.AWAITING_RECOVERY, "")
+    record.notes[RepairPhase.AWAITING_RECOVERY] = f"{note}; gate {'passed' if failed is None else 'FAILED: ' + failed}"
+    await repair.event(
+        EventType.FIX_VERIFIED,
+        **record.about(),
+        passed=failed is None,
+        checks=[c.model_dump(mode="json") for c in checks],
+    )
+    return None if failed is None else f"the fix did not pass the gate: {failed}"
+
+
+async def verify_replacement(
+    repair: RepairContext, group: CapacityGroup, replacement: str, since: datetime
+) -> tuple[list[GateCheck], str | None]:
+    """Wait, within replacement_ready_timeout of its launch, for the replacement's probe to report with every GPU
+    source OK, then run the gate on it: its checks, and None when it passed, else why it did not (the caller
+    abandons it and launches another)."""
+    deadline = since + group.replacement_ready_timeout
+    while True:
+        look = await look_at(
+            repair, replacement, f"verify replacement {replacement} before work moves to it: {GATE_SUMMARY}"
+        )
+        lacking = missing(look, None, rebooted=False)
+        if lacking is None:
+            checks = _gate(look, since)
+            failed = failures(checks)
+            return checks, None if failed is None else f"failed the gate: {failed}"
+        if workflow.now() >= deadline:
+            why = f"not verified within replacement_ready_timeout {format_seconds(group.replacement_ready_timeout)}"
+            return [], f"{why}: still waiting for {lacking}"
+        await workflow.sleep(poll_interval(group), summary=f"replacement {replacement}: waiting for {lacking}")
