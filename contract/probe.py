@@ -57,8 +57,13 @@ NvidiaVerdictName = Literal[
     "row_remap_failure",
 ]
 NVIDIA_VERDICTS: Final[tuple[str, ...]] = get_args(NvidiaVerdictName)
-# The verdict NVIDIA's catalog says overrides the Xids around it (Xid 154's).
+# The verdict NVIDIA's catalog says overrides the Xids around it (Xid 154's), and the others by name.
 VERDICT_RECOVERY_ACTION: Final = "recovery_action"
+VERDICT_SRAM_THRESHOLD_EXCEEDED: Final = "sram_threshold_exceeded"
+VERDICT_UNREPAIRABLE_MEMORY: Final = "unrepairable_memory"
+VERDICT_CHANNEL_REPAIR_PENDING: Final = "channel_repair_pending"
+VERDICT_TPC_REPAIR_PENDING: Final = "tpc_repair_pending"
+VERDICT_ROW_REMAP_FAILURE: Final = "row_remap_failure"
 # Far above any instance type's GPUs (8 today): a count past it is no count.
 MAX_GPUS_PER_HOST: Final = 64
 # The most sources one finding names: kernel log, kmsg, journald, NVML, DCGM, with room to spare.

@@ -158,6 +158,9 @@ def sent_row(sent: SentFinding) -> dict[str, Any]:
     }
     if sent.first_line is not None:
         row["first_line"] = sent.first_line
+    if finding.verdict:
+        row["verdict"] = finding.verdict
+        row["immediate_action"] = finding.immediate_action
     gpu = finding.gpu.model_dump(exclude={"pci"}, exclude_none=True)
     row.update(gpu)
     row["raw"] = finding.raw

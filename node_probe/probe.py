@@ -26,8 +26,9 @@ from node_probe import host
 from node_probe.classify.context import RecentLines
 from node_probe.classify.correlate import Correlator, FaultKey, Release, fault_key
 from node_probe.classify.dedupe import Burst, BurstCollapser
-from node_probe.classify.findings import DedupeKey, burst_rollup, dedupe_key, make_finding
+from node_probe.classify.findings import DedupeKey, burst_rollup, dedupe_key, make_finding, stating
 from node_probe.classify.policy import POLICY_NAMES, Policy, PolicyConfig, RepeatMemory, Verdict
+from node_probe.classify.verdicts import statement
 from node_probe.delivery.cursor import CursorStore, FileCursor, KmsgCursor, cursor_path, open_cursor
 from node_probe.delivery.spool import DEFAULT_MAX_BYTES, open_spool
 from node_probe.sources.base import Observation, RecordSource
@@ -385,7 +386,8 @@ class Probe:
     def _is_copy(self, key: FaultKey, seen: _Seen) -> bool:
         assert self._correlator is not None
         source, verdict = seen.observation.source, seen.verdict
-        if not self._correlator.copy_of(key, seen, source, verdict.reason, verdict.impairs, seen.at):
+        states = statement(seen.observation.record)
+        if not self._correlator.copy_of(key, seen, source, verdict.reason, verdict.impairs, seen.at, states):
             return False
         self.stats.copies += 1
         log.debug("%s from %s is a copy of a fault seen already on GPU %s", verdict.reason, source, key.gpu)
@@ -394,13 +396,17 @@ class Probe:
     def _hold(self, key: FaultKey, seen: _Seen) -> None:
         assert self._correlator is not None
         source, verdict = seen.observation.source, seen.verdict
-        self._release(self._correlator.hold(key, seen, source, verdict.reason, verdict.impairs, seen.at))
+        states = statement(seen.observation.record)
+        self._release(self._correlator.hold(key, seen, source, verdict.reason, verdict.impairs, seen.at, states))
 
     def _release(self, faults: Sequence[Release[_Seen]]) -> None:
-        """One finding per fault: its chosen copy's, naming every source that saw it, observed when the first did."""
+        """One finding per fault: its chosen copy's, naming every source that saw it, observed when the first did,
+        stating NVIDIA's verdict if a copy stated one."""
         for fault in faults:
             primary = fault.primary
             finding = self._finding(_Seen(primary.observation, primary.verdict, fault.first_at))
+            if fault.stating is not None:
+                finding = stating(finding, fault.stating.observation.record)
             self._enqueue(finding.model_copy(update={"sources": list(fault.sources[:MAX_FINDING_SOURCES])}))
 
     def _finding(self, seen: _Seen) -> GpuFinding:

@@ -575,14 +575,18 @@ class SimulatedFleet:
         """Booted, not terminated: the instances a fault can be injected into."""
         return [n.instance_id for n in self.nodes.values() if n.booted and not n.terminated]
 
-    def inject_fault(self, instance_id: str, xid: int | None = None, pci: str | None = None) -> str:
+    def inject_fault(
+        self, instance_id: str, xid: int | None = None, pci: str | None = None, recovery_action: int | None = None
+    ) -> str:
         """A critical GPU fault (one of ECS's 18 Xids), on `pci` or a GPU drawn at random: the instance must become
-        IMPAIRED and be repaired."""
+        IMPAIRED and be repaired. With `recovery_action` (NVML's code), the driver's Xid 154 follows it."""
         node = self.node(instance_id)
         xid = self.rng.choice(COMMON_CRITICAL_XIDS) if xid is None else xid
         if xid not in CRITICAL_XIDS:
             raise ValueError(f"Xid {xid} is not one of ECS's critical Xids {CRITICAL_XIDS}")
         pci, lines = kernel_lines.fault_lines(node, self.rng, xid, pci)
+        if recovery_action is not None:
+            lines.append(kernel_lines.recovery_action_line(node, pci, recovery_action))
         node.last_fault = (xid, pci)
         kernel_lines.append(node, lines)
         log.info("fleet-sim: injected Xid %d on %s (%s)", xid, instance_id, pci)

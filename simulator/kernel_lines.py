@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 
 from node_probe.classify.catalog import default_catalog
+from node_probe.classify.verdicts import RECOVERY_ACTIONS
 from simulator.nodes import SimNode
 
 # PCI bus addresses of the 8 H100s in a p5.48xlarge.
@@ -103,6 +104,14 @@ def fault_lines(node: SimNode, rng: random.Random, xid: int, pci: str | None = N
         # twice.
         lines.append(f"{stamp(node)} NVRM: GPU {pci}.0: GPU has fallen off the bus.")
     return pci, lines
+
+
+def recovery_action_line(node: SimNode, pci: str, to: int, frm: int = 0) -> str:
+    """Xid 154 as the driver writes it after the Xid whose recovery it names: NVIDIA's verdict on the GPU."""
+    return (
+        f"{stamp(node)} NVRM: Xid (PCI:{pci}): 154, GPU recovery action changed from "
+        f"{frm:#x} ({RECOVERY_ACTIONS[frm].name}) to {to:#x} ({RECOVERY_ACTIONS[to].name})"
+    )
 
 
 def boot_lines(gpu_uuids: dict[str, str]) -> list[str]:

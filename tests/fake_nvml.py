@@ -5,6 +5,12 @@ the way pynvml raises them, `NVMLError(code)`, which picks the `NVMLError_*` sub
 (`c_nvmlEventData_t`, `nvmlPciInfo_t`, `c_nvmlFieldValue_t` arrays, `c_nvmlDevice_t` pointers). A test checks
 that every faked function exists in pynvml with the same parameters (tests/test_nvml_source_lifecycle.py), so the real
 module drops in unchanged.
+
+The R575+ verdict calls answer as pynvml 13.x does on a real H200 (tests/gpu/recorded/h200-2026-12-04-check.json):
+`nvmlDeviceGetSramEccErrorStatus` returns NVML_SUCCESS and fills the versioned struct it is given a pointer to,
+`nvmlDeviceGetRepairStatus` returns `[bChannelRepairPending, bTpcRepairPending]`, and
+`nvmlDeviceGetUnrepairableMemoryFlag_v1` an int. An older GPU or driver answers NOT_SUPPORTED or FUNCTION_NOT_FOUND
+(`FakeGpu.errors`); an older pynvml lacks the function or struct altogether (`older_pynvml`).
 """
 
 from __future__ import annotations
@@ -49,6 +55,9 @@ class FakeGpu:
     retired_pending: int = 0
     remapped_rows: tuple[int, int, int, int] = (0, 0, 0, 0)
     recovery_action: int = 0
+    sram_threshold_exceeded: int = 0  # c_nvmlEccSramErrorStatus_v1_t.bThresholdExceeded
+    unrepairable_memory: int = 0
+    repair_status: tuple[int, int] = (0, 0)  # (bChannelRepairPending, bTpcRepairPending)
     lost: bool = False
     # function name -> NVML error code it returns (NOT_SUPPORTED, FUNCTION_NOT_FOUND, ...)
     errors: dict[str, int] = field(default_factory=dict)
@@ -81,6 +90,9 @@ class FakeNvml(types.SimpleNamespace):
         "nvmlDeviceGetRetiredPagesPendingStatus",
         "nvmlDeviceGetRemappedRows",
         "nvmlDeviceGetFieldValues",
+        "nvmlDeviceGetSramEccErrorStatus",
+        "nvmlDeviceGetUnrepairableMemoryFlag_v1",
+        "nvmlDeviceGetRepairStatus",
     )
 
     def __init__(self, gpus: list[FakeGpu]) -> None:
@@ -100,6 +112,12 @@ class FakeNvml(types.SimpleNamespace):
         self.events: list[Any] = []
         self.waits = 0
         self.calls: list[str] = []
+        self.absent: set[str] = set()  # names this pynvml lacks (older_pynvml)
+
+    def __getattribute__(self, name: str) -> Any:
+        if not name.startswith("_") and name in object.__getattribute__(self, "__dict__").get("absent", ()):
+            raise AttributeError(f"module 'pynvml' has no attribute {name!r}")
+        return super().__getattribute__(name)
 
     # --- init ---
     def nvmlInit(self) -> None:
@@ -221,6 +239,34 @@ class FakeNvml(types.SimpleNamespace):
             values[i].valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
             values[i].value.uiVal = gpu.recovery_action
         return values
+
+    def nvmlDeviceGetSramEccErrorStatus(self, device: Any, status: Any) -> int:
+        gpu = self._gpu(device)
+        self._check(gpu, "nvmlDeviceGetSramEccErrorStatus")
+        # pynvml hands `status` to the C function as it is: NVML writes through a pointer to a versioned struct. A
+        # struct passed as it is would go by value and NVML would write elsewhere (byref works too with the real
+        # library; the stand-in reads through `.contents`, so it takes a pointer).
+        assert isinstance(status, ctypes.POINTER(pynvml.c_nvmlEccSramErrorStatus_v1_t)), type(status)
+        if status.contents.version != pynvml.nvmlEccSramErrorStatus_v1:
+            raise nvml_error(pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+        status.contents.bThresholdExceeded = gpu.sram_threshold_exceeded
+        return pynvml.NVML_SUCCESS
+
+    def nvmlDeviceGetUnrepairableMemoryFlag_v1(self, device: Any) -> int:
+        gpu = self._gpu(device)
+        self._check(gpu, "nvmlDeviceGetUnrepairableMemoryFlag_v1")
+        return gpu.unrepairable_memory
+
+    def nvmlDeviceGetRepairStatus(self, device: Any) -> list[int]:
+        gpu = self._gpu(device)
+        self._check(gpu, "nvmlDeviceGetRepairStatus")
+        channel, tpc = gpu.repair_status
+        return [channel, tpc]
+
+
+def older_pynvml(fake: FakeNvml, *names: str) -> None:
+    """A pynvml from before these functions or structs (before 12.575): the module has no such attribute."""
+    fake.absent.update(names)
 
 
 def two_gpus() -> list[FakeGpu]:

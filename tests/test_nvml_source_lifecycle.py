@@ -158,6 +158,8 @@ async def test_an_unexpected_exception_in_the_loop_does_not_kill_the_source() ->
 
 async def test_a_hung_call_is_insufficient_data_and_recovers_when_it_returns() -> None:
     fake = FakeNvml(two_gpus())
+    # Other tests' sources leave their idle NVML threads behind in this process: count this source's only.
+    threads = threading.active_count()
     source = make_source(fake, call_timeout=0.2)
     release = threading.Event()
 
@@ -172,7 +174,7 @@ async def test_a_hung_call_is_insufficient_data_and_recovers_when_it_returns() -
         assert "did not return" in (source.status.reason or "")
         await asyncio.sleep(0.3)
         # Nothing else was started behind the hung call (a hung driver must not pile up threads).
-        assert fake.inits == 1 and threading.active_count() < 50
+        assert fake.inits == 1 and threading.active_count() - threads < 10
         assert "has not returned" in (source.status.reason or "")
         release.set()
         fake.events.append((0, XID, 79, NO_INSTANCE, NO_INSTANCE))

@@ -158,7 +158,14 @@ def test_xid_154_follows_the_announced_action(action: str, impairs: bool) -> Non
     line = f"NVRM: Xid (PCI:0018:01:00): 154, GPU recovery action changed from 0x0 (None) to {action}"
     verdict = Policy("nvidia-catalog").classify(record(line), NOW)
     assert verdict.impairs is impairs
-    assert verdict.reason == "XID_154" and verdict.rule.startswith("nvidia-catalog:xid154")
+    # Back to None withdraws NVIDIA's verdict, which never impairs (the rule says so for every verdict).
+    withdrawn = action == "0x0 (None)"
+    assert verdict.reason == "XID_154"
+    assert (
+        verdict.rule == "nvidia-catalog:verdict-withdrawn"
+        if withdrawn
+        else verdict.rule.startswith("nvidia-catalog:xid154")
+    )
     assert not Policy("ecs").classify(record(line), NOW).impairs
 
 

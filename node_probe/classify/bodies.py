@@ -10,7 +10,9 @@ from __future__ import annotations
 import re
 from typing import Any, Final
 
+from contract.probe import VERDICT_RECOVERY_ACTION
 from node_probe.classify.record import FaultRecord
+from node_probe.classify.verdicts import recovery_action
 
 PCI = r"[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}"
 FUNC = r"(?:\.[0-9a-fA-F])?"
@@ -95,11 +97,14 @@ def _parse_xid(body: str) -> FaultRecord | None:
     elif code == 154:
         recovery = _RECOVERY.search(message)
         if recovery is not None:
+            to_code = int(recovery.group("to_code"), 16)
             extras.update(
                 recovery_action_from=recovery.group("from"),
                 recovery_action_to=recovery.group("to"),
                 recovery_action_from_code=int(recovery.group("from_code"), 16),
-                recovery_action_to_code=int(recovery.group("to_code"), 16),
+                recovery_action_to_code=to_code,
+                nvidia_verdict=VERDICT_RECOVERY_ACTION,
+                nvidia_action=recovery_action(to_code, recovery.group("to")),
             )
     elif code in (94, 95):
         rst = _RST.search(message)

@@ -14,6 +14,12 @@ naming every source, impairing if any copy impairs, observed when the first copy
 window but within the memory (the probe's dedupe window: polled sources answer a minute later) is the same fault
 told already and is only counted, unless it impairs where what went out did not: then it goes out on its own.
 A repeat of a view already seen (the same source and reason) is not a copy: burst collapse counts it as before.
+
+A copy may state one of NVIDIA's standing verdicts on the GPU (NVML's row-remapping failure, Xid 154's recovery
+action; classify/verdicts.py), which the health workflow keeps apart from any count. What a held copy states goes out
+with the fault, in its finding, whichever copy that finding is made of (`Release.stating`). A copy stating what the
+fault's copies have not stated (a verdict, or another action) is never folded into it: it goes out on its own, as an
+impairing one does.
 """
 
 from __future__ import annotations
@@ -77,32 +83,42 @@ class Copies(Generic[T]):
     views: set[tuple[str, str]] = field(default_factory=set)  # (source, reason) of every copy seen
     sources: list[str] = field(default_factory=list)  # every source, in the order first seen
     impairs: bool = False  # whether any copy impairs (of what went out, once released)
+    statement: str = ""  # what a copy stated of NVIDIA's verdicts (of what went out, once released)
+    stating: T | None = None  # the held copy that stated it
 
-    def add(self, item: T, source: str, reason: str, impairs: bool) -> None:
+    def add(self, item: T, source: str, reason: str, impairs: bool, states: str = "") -> None:
         if self.held_until is not None:
             self.items.append(item)
             self.impairing.append(impairs)
+            if states and not self.statement:
+                self.stating = item
+        if states:
+            self.statement = states
         self.views.add((source, reason))
         if source not in self.sources:
             self.sources.append(source)
         self.impairs = self.impairs or impairs
 
     def release(self) -> Release[T]:
-        """What goes out: the first copy that impairs, else the first, naming every source. The copies are let go
-        of; the views are kept, to know later copies for what they are."""
+        """What goes out: the first copy that impairs, else the first, naming every source, and stating what a copy
+        stated. The copies are let go of; the views and the statement are kept, to know later copies for what they
+        are."""
         primary = next((item for item, bad in zip(self.items, self.impairing, strict=True) if bad), self.items[0])
+        stating = self.stating if self.stating is not primary else None
         self.held_until = None
-        self.items, self.impairing = [], []
-        return Release(primary, tuple(self.sources), self.first_at, self.impairs)
+        self.items, self.impairing, self.stating = [], [], None
+        return Release(primary, tuple(self.sources), self.first_at, self.impairs, stating)
 
 
 class Release(NamedTuple, Generic[T]):
-    """One fault to send: the copy to make the finding of, every source that saw it, when the first did."""
+    """One fault to send: the copy to make the finding of, every source that saw it, when the first did, and the
+    copy whose statement of NVIDIA's verdict the finding must carry (None: the primary's own, if any)."""
 
     primary: T
     sources: tuple[str, ...]
     first_at: datetime
     impairs: bool
+    stating: T | None = None
 
 
 class Correlator(Generic[T]):
@@ -126,20 +142,27 @@ class Correlator(Generic[T]):
     def __len__(self) -> int:
         return len(self._faults)
 
-    def copy_of(self, key: FaultKey, item: T, source: str, reason: str, impairs: bool, now: datetime) -> bool:
+    def copy_of(
+        self, key: FaultKey, item: T, source: str, reason: str, impairs: bool, now: datetime, states: str = ""
+    ) -> bool:
         """True when `item` is another view of a fault seen within the memory: held with it, or folded into what
-        went out. False for a new fault, a repeat of a view seen already, and a copy that impairs where what went
-        out did not: those go on to burst collapse and `hold`."""
+        went out. False for a new fault, a repeat of a view seen already, a copy that impairs where what went out did
+        not, and one that states (`states`, classify/verdicts.statement) what the fault's copies have not: those go
+        on to burst collapse and `hold`. A held fault whose copies stated nothing takes a statement with it."""
         copies = self._live(key, now)
         if copies is None or (source, reason) in copies.views:
             return False
         if copies.held_until is None and impairs and not copies.impairs:
             return False
-        copies.add(item, source, reason, impairs)
+        if states and states != copies.statement and (copies.held_until is None or copies.statement):
+            return False
+        copies.add(item, source, reason, impairs, states)
         self.copies += 1
         return True
 
-    def hold(self, key: FaultKey, item: T, source: str, reason: str, impairs: bool, now: datetime) -> list[Release[T]]:
+    def hold(
+        self, key: FaultKey, item: T, source: str, reason: str, impairs: bool, now: datetime, states: str = ""
+    ) -> list[Release[T]]:
         """Hold the first copy of a fault; the faults to send now (an earlier one under the key still held, the
         oldest held one when there is no room for another key)."""
         release: list[Release[T]] = []
@@ -148,10 +171,12 @@ class Correlator(Generic[T]):
             release.append(self._release(before))
         copies: Copies[T] = Copies(first_at=now, held_until=now + self._hold)
         if before is not None:
-            # What was told of the fault before stays told: its sources are named again, its views are not copies.
+            # What was told of the fault before stays told: its sources are named again, its views are not copies,
+            # and a copy stating again what it stated is folded.
             copies.views |= before.views
             copies.sources = list(before.sources)
-        copies.add(item, source, reason, impairs)
+            copies.statement = before.statement
+        copies.add(item, source, reason, impairs, states)
         if source in copies.sources:  # the copy that goes out names its own source first
             copies.sources.remove(source)
             copies.sources.insert(0, source)

@@ -21,8 +21,10 @@ MAX_MESSAGE_CHARS = 1024
 
 # "GPU has fallen off the bus" is what Xid 79 reports: the same condition, and the same action.
 FALLEN_OFF_THE_BUS_XID = 79
+# Its catalog bucket (XID_154) names the Xid, not an action: the action is the one its line announces.
+RECOVERY_ACTION_XID = 154
 
-DedupeKey = tuple[str, str | None, int | None, int | None, bool]
+DedupeKey = tuple[str, str | None, int | None, int | None, bool, str | None]
 
 
 def record_position(record: FaultRecord) -> str:
@@ -62,6 +64,7 @@ def make_finding(
         rule=verdict.rule,
         source=source,
         immediate_action=immediate_action(record),
+        verdict=record.nvidia_verdict or "",
         gpu=GpuRef(
             pci=record.pci,
             uuid=record.uuid,
@@ -76,11 +79,15 @@ def make_finding(
 
 
 def immediate_action(record: FaultRecord) -> str:
-    """NVIDIA's immediate action for the record: its Xid's resolution bucket in the catalog; a GPU fallen off the bus
-    without an Xid line is Xid 79's (RESTART_BM). Anything else names none: no reboot is known to clear it."""
+    """NVIDIA's immediate action for the record: the action of the verdict it states (Xid 154's recovery action,
+    NVML's; see classify/verdicts.py), else its Xid's resolution bucket in the catalog; a GPU fallen off the bus
+    without an Xid line is Xid 79's (RESTART_BM). Anything else names none: no reboot is known to clear it, and
+    neither does an Xid 154 whose action is not known (NVML's Xid event carries the code alone)."""
+    if record.nvidia_verdict is not None:
+        return record.nvidia_action or ""
     if record.kind == "gpu_fallen_off_bus":
         code: int | None = FALLEN_OFF_THE_BUS_XID
-    elif record.kind == "xid":
+    elif record.kind == "xid" and record.code != RECOVERY_ACTION_XID:
         code = record.code
     else:
         return ""
@@ -88,12 +95,29 @@ def immediate_action(record: FaultRecord) -> str:
     return info.immediate_bucket if info is not None else ""
 
 
+def stating(finding: GpuFinding, record: FaultRecord) -> GpuFinding:
+    """`finding`, stating the verdict `record` states: one fault's finding that another copy of it stated NVIDIA's
+    verdict on (classify/correlate.py), so that what the copy said reaches the health workflow."""
+    return finding.model_copy(
+        update={"verdict": record.nvidia_verdict or "", "immediate_action": immediate_action(record)}
+    )
+
+
 def dedupe_key(record: FaultRecord, verdict: Verdict) -> DedupeKey:
     """Same reason on the same GPU is one burst. `impairs` is part of the key so that a repeat rule firing on
-    the third Xid 13 is not swallowed by the burst the first two (warnings) opened. The GPU is its PCI address
-    when known (so NVML and kernel-log records of one fault collapse together), else its UUID."""
+    the third Xid 13 is not swallowed by the burst the first two (warnings) opened, and the action NVIDIA's verdict
+    asks for so that an Xid 154 back to None (ACTION_NONE) is not swallowed by the one that set the action, which
+    the health workflow would then hold on to. The GPU is its PCI address when known (so NVML and kernel-log
+    records of one fault collapse together), else its UUID."""
     gpu = record.pci or record.uuid
-    return (verdict.reason, gpu, record.mig_gpu_instance, record.mig_compute_instance, verdict.impairs)
+    return (
+        verdict.reason,
+        gpu,
+        record.mig_gpu_instance,
+        record.mig_compute_instance,
+        verdict.impairs,
+        record.nvidia_action,
+    )
 
 
 def burst_rollup(first: GpuFinding, last: GpuFinding, suppressed: int, observed_at: datetime) -> GpuFinding:

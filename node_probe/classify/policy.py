@@ -18,6 +18,14 @@ so the rules above apply unchanged. NVML's polled state (`nvml`), DCGM health (`
 their own reason; DCGM "fail", a critical daemon and a critical container runtime (`container_runtime`) impair under
 both policies (ECS's DCGM, DAEMON and CONTAINER_RUNTIME checks), the NVML conditions only under `nvidia-catalog`
 (ECS does not act on them).
+
+NVIDIA's standing verdicts on a GPU (classify/verdicts.py: the recovery action, from NVML or Xid 154; the R575+
+flags; a row-remapping failure) never impair under `ecs`: they only choose the remedy once something else impaired
+the instance. Under `nvidia-catalog` what NVIDIA sends to the hardware side impairs: a row-remapping failure, the
+SRAM error threshold exceeded, unrepairable memory, and a recovery action that asks for a reset, a reboot or a drain.
+A channel or TPC repair pending is a warning there, as a row remapping pending is: the GPU reset that applies it is
+what its verdict asks for, not a sign that the GPU is failing. A verdict withdrawn (its action NONE: the flag cleared,
+the recovery action back to None) never impairs under either policy, whatever the overrides say.
 """
 
 from __future__ import annotations
@@ -28,7 +36,12 @@ from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, Field
 
-from contract.probe import KIND_CONTAINER_RUNTIME, KIND_CONTAINER_RUNTIME_RECOVERED, STATE_TRANSITION_KINDS
+from contract.probe import (
+    ACTION_NONE,
+    KIND_CONTAINER_RUNTIME,
+    KIND_CONTAINER_RUNTIME_RECOVERED,
+    STATE_TRANSITION_KINDS,
+)
 from node_probe.classify.catalog import XidCatalog, default_catalog
 from node_probe.classify.record import FaultRecord
 
@@ -57,6 +70,20 @@ _NODE_ACTION_WORDS = ("reset", "reboot", "drain", "flr")
 NVML_REMAP_FAILURE = "NVML_REMAP_FAILURE"  # like Xid 64, bucket RESET_GPU
 NVML_GPU_UNAVAILABLE = "NVML_GPU_UNAVAILABLE"
 NVML_RECOVERY_ACTION_PREFIX = "NVML_RECOVERY_ACTION_"
+# The R575+ drivers' flags. The SRAM threshold and unrepairable memory say the GPU itself must go; a repair pending
+# is applied by the GPU reset its verdict asks for.
+NVML_SRAM_THRESHOLD_EXCEEDED = "NVML_SRAM_THRESHOLD_EXCEEDED"
+NVML_UNREPAIRABLE_MEMORY = "NVML_UNREPAIRABLE_MEMORY"
+NVML_CHANNEL_REPAIR_PENDING = "NVML_CHANNEL_REPAIR_PENDING"
+NVML_TPC_REPAIR_PENDING = "NVML_TPC_REPAIR_PENDING"
+# A flag's reason with this after it: the flag cleared (its verdict withdrawn), a finding of its own.
+CLEARED_SUFFIX = "_CLEARED"
+_NVML_HARDWARE_REASONS = {
+    NVML_REMAP_FAILURE: "row-remap-failure",
+    NVML_GPU_UNAVAILABLE: "gpu-unavailable",
+    NVML_SRAM_THRESHOLD_EXCEEDED: "sram-threshold-exceeded",
+    NVML_UNREPAIRABLE_MEMORY: "unrepairable-memory",
+}
 _NVLINK5_XIDS = range(144, 151)
 _SOURCE_KINDS = frozenset({"nvml", "dcgm"}) | STATE_TRANSITION_KINDS
 # Bounds the repeat-rule memory when a log names many GPUs (or garbage addresses).
@@ -167,10 +194,9 @@ def _source_record(policy: str, record: FaultRecord) -> tuple[bool, str]:
     if policy == POLICY_ECS:
         return False, "ecs:nvml-not-an-ecs-check"
     reason = record.reason or ""
-    if reason == NVML_REMAP_FAILURE:
-        return True, "nvidia-catalog:row-remap-failure"
-    if reason == NVML_GPU_UNAVAILABLE:
-        return True, "nvidia-catalog:gpu-unavailable"
+    hardware = _NVML_HARDWARE_REASONS.get(reason)
+    if hardware is not None:
+        return True, f"nvidia-catalog:{hardware}"
     if reason.startswith(NVML_RECOVERY_ACTION_PREFIX):
         # The same actions Xid 154 announces, so the same decision.
         impairs, rule = _recovery_action_impairs(record.recovery_action_to)
@@ -293,6 +319,7 @@ class Policy:
             record.critical,
             record.caused_by_xid,
             record.recovery_action_to,
+            record.nvidia_action,
             record.nvlink_fatal,
         )
         verdict = self._verdicts.get(key)
@@ -332,6 +359,9 @@ class Policy:
     def _decide(self, record: FaultRecord, now: datetime, source: str, position: str | None) -> tuple[bool, str]:
         if self._before_boot(record):
             return False, "history:previous-boot"
+        if record.nvidia_action == ACTION_NONE:
+            # NVIDIA withdrew its verdict: the GPU is well by its own account, which no override makes a fault.
+            return False, f"{self.name}:verdict-withdrawn"
         if record.kind == "gpu_fallen_off_bus":
             return True, f"{self.name}:gpu-fallen-off-bus"
         if record.kind == "gpu_init_failed":

@@ -40,6 +40,11 @@ class FaultRecord(NamedTuple):
     recovery_action_to: str | None = None
     recovery_action_from_code: int | None = None
     recovery_action_to_code: int | None = None
+    # Which of NVIDIA's standing verdicts on the GPU the record states (contract.probe.NVIDIA_VERDICTS), and the action
+    # it asks for (ACTION_NONE: withdrawn; "": none we take): Xid 154 and NVML's recovery action and flags
+    # (classify/verdicts.py). Named apart from the policy's Verdict, which says whether a record impairs.
+    nvidia_verdict: str | None = None
+    nvidia_action: str | None = None
     rst: bool | None = None
     d_rst: bool | None = None
     nvlink_unit: str | None = None

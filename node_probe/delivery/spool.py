@@ -10,7 +10,8 @@ file holds only undelivered entries), so a crash between the rename and the new 
 nothing twice.
 
 A disk error never escapes (the probe, heartbeats included, must outlive a full or read-only disk): a finding that
-cannot be written waits in memory (bounded like MemorySpool: warnings give way, impairing findings never do) behind
+cannot be written waits in memory (bounded like MemorySpool: warnings give way, impairing findings never do, nor do
+those stating NVIDIA's verdicts) behind
 the file's undelivered entries, and later ones queue behind it there, so the order holds. Once the memory queue has
 been delivered, the next finding tries the file again. Delivery progress that cannot be recorded is kept in memory
 (nothing is sent twice by this process; after a restart some may be, and the health workflow drops a finding whose
@@ -48,9 +49,18 @@ _FAULTS = {
 }
 
 
+def gives_way(finding: GpuFinding) -> bool:
+    """Whether a full spool drops the finding. A warning does: losing one costs a count. An impairing finding does
+    not (losing it costs a repair), nor one stating NVIDIA's verdict on a GPU: the health workflow holds a verdict
+    until it hears otherwise, so losing one leaves it choosing a remedy NVIDIA withdrew, or missing one it asked for.
+    Those come one per change of the verdict, not in floods."""
+    return not finding.impairs and not finding.verdict
+
+
 class Spool(Protocol):
     def append(self, finding: GpuFinding) -> bool:
-        """False when the finding was dropped because the spool is full (never for impairing findings)."""
+        """False when the finding was dropped because the spool is full (never for impairing findings, nor those
+        stating a verdict)."""
         ...
 
     def peek(self) -> GpuFinding | None: ...
@@ -86,8 +96,7 @@ class MemorySpool:
         return not self._items
 
     def append(self, finding: GpuFinding) -> bool:
-        # When full, warnings give way: losing one costs a count, losing an impairing finding costs a repair.
-        if len(self._items) >= self._max_items and not finding.impairs:
+        if len(self._items) >= self._max_items and gives_way(finding):
             log.warning("spool full: dropped warning finding %s", finding.reason)
             return False
         self._items.append(finding)
@@ -202,7 +211,7 @@ class FileSpool:
     def append(self, finding: GpuFinding) -> bool:
         line = finding.model_dump_json().encode() + b"\n"
         backlog = self._size - self._offset + self._overflow_bytes
-        if not finding.impairs and (backlog + len(line) > self._max_bytes or len(self._overflow) >= self._max_items):
+        if gives_way(finding) and (backlog + len(line) > self._max_bytes or len(self._overflow) >= self._max_items):
             log.warning("spool %s full: dropped warning finding %s", self.path, finding.reason)
             return False
         # Behind findings already waiting in memory, a finding must wait there too, or it would overtake them.

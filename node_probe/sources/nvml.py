@@ -1,6 +1,6 @@
 """NVML as a fault source: Xid / ECC / GPU-unavailable / recovery-action events, and a slower poll of state that
-events do not carry (uncorrectable ECC counts, pending retired pages, row remapping, the recovery action field,
-"GPU is lost").
+events do not carry (uncorrectable ECC counts, pending retired pages, row remapping, the R575+ drivers' flags, the
+recovery action field, "GPU is lost"), NVIDIA's standing verdicts among them (classify/verdicts.py).
 
 The pynvml module is a constructor argument, so tests pass a stand-in with pynvml's own function names, return
 types and exception classes, and the real module drops in unchanged.

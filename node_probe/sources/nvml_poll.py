@@ -1,18 +1,42 @@
 """Polling the NVML source's GPUs for state that events do not carry: uncorrectable ECC counts, pending retired
-pages, row remapping, the recovery action field, "GPU is lost".
+pages, row remapping, the R575+ drivers' flags (SRAM error threshold, unrepairable memory, channel and TPC repair
+pending), the recovery action field, "GPU is lost".
 
 A finding goes out when a condition appears, not on every poll, and its id names the condition and how often it
-cleared before, so a probe restart within a boot re-sends the same id. Every method here runs on the NVML thread.
+cleared before, so a probe restart within a boot re-sends the same id. NVIDIA's standing verdicts (the recovery
+action, the flags, a row-remapping failure) also send a finding when they clear, its action ACTION_NONE, so that the
+health workflow lets go of the verdict. Every method here runs on the NVML thread.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
-from node_probe.classify.policy import NVML_RECOVERY_ACTION_PREFIX, NVML_REMAP_FAILURE
+from contract.probe import (
+    ACTION_NONE,
+    ACTION_REPLACE,
+    ACTION_RESET_GPU,
+    VERDICT_CHANNEL_REPAIR_PENDING,
+    VERDICT_RECOVERY_ACTION,
+    VERDICT_ROW_REMAP_FAILURE,
+    VERDICT_SRAM_THRESHOLD_EXCEEDED,
+    VERDICT_TPC_REPAIR_PENDING,
+    VERDICT_UNREPAIRABLE_MEMORY,
+)
+from node_probe.classify.policy import (
+    CLEARED_SUFFIX,
+    NVML_CHANNEL_REPAIR_PENDING,
+    NVML_RECOVERY_ACTION_PREFIX,
+    NVML_REMAP_FAILURE,
+    NVML_SRAM_THRESHOLD_EXCEEDED,
+    NVML_TPC_REPAIR_PENDING,
+    NVML_UNREPAIRABLE_MEMORY,
+)
 from node_probe.classify.record import FaultRecord
+from node_probe.classify.verdicts import RECOVERY_ACTIONS, UNKNOWN_ACTION_NAME, RecoveryAction, recovery_action
 from node_probe.host import boot_id
 from node_probe.sources.nvml_session import NvmlGpu, NvmlSession, NvmlSessionCalls
 
@@ -27,19 +51,62 @@ NVML_RETIRED_PAGES_PENDING = "NVML_RETIRED_PAGES_PENDING"
 
 # Documented value, used where an older pynvml lacks the constant.
 _FI_GPU_RECOVERY_ACTION = 230
-# Code -> (reason suffix, the name the driver prints in Xid 154, which the nvidia-catalog policy reads).
-_RECOVERY_ACTIONS: dict[int, tuple[str, str]] = {
-    0: ("NONE", "None"),
-    1: ("GPU_RESET", "GPU Reset Required"),
-    2: ("NODE_REBOOT", "Node Reboot Required"),
-    3: ("DRAIN_P2P", "Drain P2P"),
-    4: ("DRAIN_AND_RESET", "Drain and Reset"),
-    5: ("RECOVER_IMEX_DOMAIN", "Recover IMEX Domain"),
-    6: ("BUS_RESET", "Bus Reset Required"),
-    7: ("SYSTEM_REBOOT", "System Reboot Required"),
-}
 # nvmlValueType_t -> the c_nvmlValue_t union member holding it.
 _VALUE_MEMBERS = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
+
+
+class StandingVerdict(NamedTuple):
+    """One of NVIDIA's verdicts that a polled flag states: what its findings say when it appears and when it clears."""
+
+    condition: str  # in the finding ids and NvmlGpu.verdicts
+    reason: str
+    verdict: str
+    action: str
+    appeared: str
+    cleared: str
+
+
+_REMAP_FAILURE = StandingVerdict(
+    "remap-failure",
+    NVML_REMAP_FAILURE,
+    VERDICT_ROW_REMAP_FAILURE,
+    ACTION_REPLACE,
+    "row remapping failure",
+    "row remapping failure cleared",
+)
+_SRAM_THRESHOLD = StandingVerdict(
+    "sram-threshold-exceeded",
+    NVML_SRAM_THRESHOLD_EXCEEDED,
+    VERDICT_SRAM_THRESHOLD_EXCEEDED,
+    ACTION_REPLACE,
+    "SRAM uncorrectable ECC errors over NVIDIA's threshold: the GPU is to be replaced",
+    "SRAM ECC error threshold no longer exceeded",
+)
+_UNREPAIRABLE = StandingVerdict(
+    "unrepairable-memory",
+    NVML_UNREPAIRABLE_MEMORY,
+    VERDICT_UNREPAIRABLE_MEMORY,
+    ACTION_REPLACE,
+    "memory NVIDIA cannot repair: the GPU is to be replaced",
+    "unrepairable memory flag cleared",
+)
+# NVIDIA: a GPU reset applies a pending repair.
+_CHANNEL_REPAIR = StandingVerdict(
+    "channel-repair-pending",
+    NVML_CHANNEL_REPAIR_PENDING,
+    VERDICT_CHANNEL_REPAIR_PENDING,
+    ACTION_RESET_GPU,
+    "channel repair pending: a GPU reset applies it",
+    "channel repair no longer pending",
+)
+_TPC_REPAIR = StandingVerdict(
+    "tpc-repair-pending",
+    NVML_TPC_REPAIR_PENDING,
+    VERDICT_TPC_REPAIR_PENDING,
+    ACTION_RESET_GPU,
+    "TPC repair pending: a GPU reset applies it",
+    "TPC repair no longer pending",
+)
 
 Found = tuple[FaultRecord, str]  # a record and its position (for the finding id)
 
@@ -49,14 +116,15 @@ class NvmlPolling(NvmlSessionCalls):
 
     def __init__(self, nvml: Any) -> None:
         super().__init__(nvml)
-        self._recovery_actions = dict(_RECOVERY_ACTIONS)
+        self._recovery_actions = dict(RECOVERY_ACTIONS)
         for attr in dir(nvml):
             # Newer drivers' actions come with newer pynvml constants: name them from there.
             if attr.startswith("NVML_GPU_RECOVERY_ACTION_"):
                 code = getattr(nvml, attr)
                 if isinstance(code, int) and code not in self._recovery_actions:
                     suffix = attr.removeprefix("NVML_GPU_RECOVERY_ACTION_")
-                    self._recovery_actions[code] = (suffix, suffix.replace("_", " ").title())
+                    name = suffix.replace("_", " ").title()
+                    self._recovery_actions[code] = RecoveryAction(suffix, name, recovery_action(code, name))
 
     def _poll(self, session: NvmlSession) -> list[Found]:
         found: list[Found] = []
@@ -72,6 +140,9 @@ class NvmlPolling(NvmlSessionCalls):
             self._poll_ecc(gpu, found)
             self._poll_retired_pages(gpu, found)
             self._poll_remapped_rows(gpu, found)
+            self._poll_sram_threshold(gpu, found)
+            self._poll_unrepairable_memory(gpu, found)
+            self._poll_repair_status(gpu, found)
             self._poll_recovery_action(gpu, found)
         except self._errors.gpu_lost:
             found.extend(self._lost(gpu))
@@ -119,6 +190,19 @@ class NvmlPolling(NvmlSessionCalls):
                 log.warning("nvml: GPU %s: %s failed: %s", gpu.label, check, exc)
             return None
 
+    def _bindings(self, gpu: NvmlGpu, check: str, *names: str) -> list[Any] | None:
+        """pynvml's functions and structs `names`, or None where this pynvml is older than them: the check is not
+        supported on this GPU then, as where the driver lacks it, and said once."""
+        if check in gpu.unsupported:
+            return None
+        bound = [getattr(self.nvml, name, None) for name in names]
+        missing = [name for name, value in zip(names, bound, strict=True) if value is None]
+        if missing:
+            log.info("nvml: GPU %s: %s not supported (pynvml lacks %s)", gpu.label, check, ", ".join(missing))
+            gpu.unsupported.add(check)
+            return None
+        return bound
+
     def _poll_ecc(self, gpu: NvmlGpu, found: list[Found]) -> None:
         nvml = self.nvml
         count = self._query(
@@ -157,18 +241,84 @@ class NvmlPolling(NvmlSessionCalls):
             return
         corrected, uncorrected, is_pending, failure = (int(value) for value in rows)
         counts = f"(rows remapped: {corrected} correctable, {uncorrected} uncorrectable)"
-        if failure and not gpu.remap_failure:
-            message = f"row remapping failure {counts}"
-            found.append(self._state_record(gpu, NVML_REMAP_FAILURE, "remap-failure", message))
-        elif gpu.remap_failure and not failure:
-            self._cleared(gpu, "remap-failure")
+        self._standing(gpu, _REMAP_FAILURE, bool(failure), found, f" {counts}")
         if is_pending and not gpu.remap_pending:
             message = f"row remapping pending: a GPU reset is needed to apply it {counts}"
             found.append(self._state_record(gpu, NVML_REMAP_PENDING, "remap-pending", message))
         elif gpu.remap_pending and not is_pending:
             self._cleared(gpu, "remap-pending")
-        gpu.remap_failure = bool(failure)
         gpu.remap_pending = bool(is_pending)
+
+    def _poll_sram_threshold(self, gpu: NvmlGpu, found: list[Found]) -> None:
+        bound = self._bindings(gpu, "sram_ecc", "nvmlDeviceGetSramEccErrorStatus", "c_nvmlEccSramErrorStatus_v1_t")
+        if bound is None:
+            return
+        get_status, status_type = bound
+
+        def exceeded() -> bool:
+            status = status_type()  # its constructor sets the version NVML checks
+            # A pointer, not the struct: pynvml hands this argument to the C function as it is, and a ctypes
+            # structure alone would be passed by value where NVML writes through a pointer.
+            get_status(gpu.handle, ctypes.pointer(status))
+            return bool(int(status.bThresholdExceeded))
+
+        holds = self._query(gpu, "sram_ecc", exceeded)
+        if holds is not None:
+            self._standing(gpu, _SRAM_THRESHOLD, holds, found)
+
+    def _poll_unrepairable_memory(self, gpu: NvmlGpu, found: list[Found]) -> None:
+        bound = self._bindings(gpu, "unrepairable_memory", "nvmlDeviceGetUnrepairableMemoryFlag_v1")
+        if bound is None:
+            return
+        flag = self._query(gpu, "unrepairable_memory", bound[0], gpu.handle)
+        if flag is not None:
+            self._standing(gpu, _UNREPAIRABLE, bool(int(flag)), found)
+
+    def _poll_repair_status(self, gpu: NvmlGpu, found: list[Found]) -> None:
+        bound = self._bindings(gpu, "repair_status", "nvmlDeviceGetRepairStatus")
+        if bound is None:
+            return
+        status = self._query(gpu, "repair_status", bound[0], gpu.handle)
+        if status is None:
+            return
+        channel, tpc = (bool(int(value)) for value in status)
+        self._standing(gpu, _CHANNEL_REPAIR, channel, found)
+        self._standing(gpu, _TPC_REPAIR, tpc, found)
+
+    def _standing(
+        self, gpu: NvmlGpu, verdict: StandingVerdict, holds: bool, found: list[Found], detail: str = ""
+    ) -> None:
+        """A finding when the verdict appears, and one withdrawing it (ACTION_NONE, its own reason) when it clears."""
+        held = verdict.condition in gpu.verdicts
+        if holds == held:
+            return
+        if holds:
+            gpu.verdicts.add(verdict.condition)
+            record = self._state_record(
+                gpu,
+                verdict.reason,
+                verdict.condition,
+                verdict.appeared + detail,
+                nvidia_verdict=verdict.verdict,
+                nvidia_action=verdict.action,
+            )
+            found.append(record)
+            return
+        gpu.verdicts.discard(verdict.condition)
+        # Its own condition, counted in step with the verdict's: episode n of the one withdraws episode n of the other.
+        withdrawn = f"{verdict.condition}-cleared"
+        found.append(
+            self._state_record(
+                gpu,
+                verdict.reason + CLEARED_SUFFIX,
+                withdrawn,
+                verdict.cleared + detail,
+                nvidia_verdict=verdict.verdict,
+                nvidia_action=ACTION_NONE,
+            )
+        )
+        self._cleared(gpu, verdict.condition)
+        self._cleared(gpu, withdrawn)
 
     def _poll_recovery_action(self, gpu: NvmlGpu, found: list[Found]) -> None:
         nvml = self.nvml
@@ -194,29 +344,33 @@ class NvmlPolling(NvmlSessionCalls):
         self._recovery_transition(gpu, int(getattr(value.value, member)), found)
 
     def _recovery_transition(self, gpu: NvmlGpu, action: int, found: list[Found]) -> None:
+        """A finding for each change of the recovery action, back to None (0) included: that one withdraws the
+        verdict. Each value counts its own episodes, so 0 -> 1 -> 0 -> 1 is recovery-1:0, recovery-0:1, recovery-1:1."""
         previous = gpu.recovery_action
         if action == previous:
             return
         gpu.recovery_action = action
-        if previous != 0:
-            self._cleared(gpu, f"recovery-{previous}")
+        self._cleared(gpu, f"recovery-{previous}")
+        now, before = self._recovery_named(action), self._recovery_named(previous)
         if action == 0:
-            log.info("nvml: GPU %s: recovery action cleared", gpu.label)
-            return
-        suffix, name = self._recovery_actions.get(action, (str(action), "Unknown"))
-        previous_name = self._recovery_actions.get(previous, (str(previous), "Unknown"))[1]
+            log.info("nvml: GPU %s: recovery action cleared (was %s)", gpu.label, before.name)
         found.append(
             self._state_record(
                 gpu,
-                f"{NVML_RECOVERY_ACTION_PREFIX}{suffix}",
+                f"{NVML_RECOVERY_ACTION_PREFIX}{now.suffix}",
                 f"recovery-{action}",
-                f"GPU recovery action: {name} ({action})",
-                recovery_action_from=previous_name,
-                recovery_action_to=name,
+                f"GPU recovery action: {now.name} ({action}), was {before.name} ({previous})",
+                recovery_action_from=before.name,
+                recovery_action_to=now.name,
                 recovery_action_from_code=previous,
                 recovery_action_to_code=action,
+                nvidia_verdict=VERDICT_RECOVERY_ACTION,
+                nvidia_action=recovery_action(action, now.name),
             )
         )
+
+    def _recovery_named(self, code: int) -> RecoveryAction:
+        return self._recovery_actions.get(code) or RecoveryAction(str(code), UNKNOWN_ACTION_NAME, "")
 
     def _state_record(self, gpu: NvmlGpu, reason: str, condition: str, message: str, **extra: Any) -> Found:
         record = FaultRecord(

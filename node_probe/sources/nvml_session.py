@@ -123,8 +123,9 @@ class NvmlGpu:
     ecc_uncorrected: int | None = None
     retired_pending: bool = False
     remap_pending: bool = False
-    remap_failure: bool = False
     recovery_action: int = 0
+    # NVIDIA's verdicts on this GPU that hold now (a row-remapping failure, the R575+ flags), by condition name.
+    verdicts: set[str] = field(default_factory=set)
     lost: bool = False
     unsupported: set[str] = field(default_factory=set)  # checks this GPU/driver answered "not supported"
     episodes: dict[str, int] = field(default_factory=dict)  # how often each condition cleared, for finding ids
