@@ -15,7 +15,8 @@ Every member of the group is watched from the moment ECS lists it (coverage from
 watch has not seen yet gets a health workflow if it has none (then told what AWS says of it), so that an instance
 whose probe never started is INITIALIZING, then unmonitored (first_report_timeout), and EC2's checks reach it. A
 closed health workflow (its instance was replaced) is never started again. Only new instances cost a call: once
-started or found running, an instance is not asked about again while the watch sees it.
+started or found running, an instance is not asked about again while the watch sees it; one of another group (a
+shared cluster) is asked about again every FOREIGN_RECHECK, so a tag added later is noticed.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 
@@ -44,6 +45,9 @@ log = logging.getLogger(__name__)
 
 # No health workflow to tell: asked again after this long (seconds), not every read.
 NO_WORKFLOW_RETRY = 600.0
+# An instance of the cluster that is not the group's (another group's, in a shared cluster): asked again after this
+# long (seconds), so that one tagged into the group later is covered without a worker restart.
+FOREIGN_RECHECK = 600.0
 # Health workflows one round starts at once: a new group of thousands is covered in a burst the server takes.
 START_CONCURRENCY = 32
 
@@ -51,7 +55,14 @@ START_CONCURRENCY = 32
 class GroupWatch:
     """One group's reader. `round()` reads AWS once and tells what changed; `run()` does so every interval."""
 
-    def __init__(self, client: Client, settings: Settings, group: str, reads: AwsStatusReads) -> None:
+    def __init__(
+        self,
+        client: Client,
+        settings: Settings,
+        group: str,
+        reads: AwsStatusReads,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._client = client
         self._settings = settings  # read each round: the group's settings as they are now
         self.group = group
@@ -60,7 +71,8 @@ class GroupWatch:
         self._down_since: dict[str, datetime] = {}
         self._no_workflow_until: dict[str, float] = {}
         self._covered: set[str] = set()  # a health workflow is running or closed: not to be started
-        self._foreign: set[str] = set()  # in the cluster, not the group's
+        self._foreign: dict[str, float] = {}  # in the cluster, not the group's: when to ask again (clock)
+        self._clock = clock
         self.rounds = 0
         self.signals = 0
         self.started = 0
@@ -90,7 +102,7 @@ class GroupWatch:
                 self._down_since.pop(gone, None)
                 self._no_workflow_until.pop(gone, None)
         self._covered &= set(seen)
-        self._foreign &= set(seen)
+        self._foreign = {i: until for i, until in self._foreign.items() if i in seen and until > self._clock()}
         await self._cover(seen)
         told = 0
         for instance_id, status in sorted(seen.items()):
@@ -103,11 +115,12 @@ class GroupWatch:
 
     async def _cover(self, seen: dict[str, AwsInstanceStatus]) -> None:
         """A health workflow for every member not seen before."""
-        new = sorted(set(seen) - self._covered - self._foreign)
+        new = sorted(set(seen) - self._covered - set(self._foreign))
         if not new:
             return
         members = await self._reads.members(self._settings.group(self.group), new)
-        self._foreign |= set(new) - members
+        recheck = self._clock() + FOREIGN_RECHECK
+        self._foreign.update({i: recheck for i in set(new) - members})
         ordered = sorted(members)
         for start in range(0, len(ordered), START_CONCURRENCY):
             batch = ordered[start : start + START_CONCURRENCY]
@@ -140,7 +153,7 @@ class GroupWatch:
 
     def _waiting(self, instance_id: str) -> bool:
         until = self._no_workflow_until.get(instance_id)
-        return until is not None and time.monotonic() < until
+        return until is not None and self._clock() < until
 
     async def _tell(self, instance_id: str, status: AwsInstanceStatus) -> int:
         try:
@@ -150,7 +163,7 @@ class GroupWatch:
         except RPCError as err:
             if err.status == RPCStatusCode.NOT_FOUND:
                 log.info("%s has no running health workflow: AWS's word on it not told", instance_id)
-                self._no_workflow_until[instance_id] = time.monotonic() + NO_WORKFLOW_RETRY
+                self._no_workflow_until[instance_id] = self._clock() + NO_WORKFLOW_RETRY
             else:
                 log.warning("AWS status of %s not told (next read tries again): %s", instance_id, err)
             return 0
