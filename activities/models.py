@@ -377,7 +377,7 @@ class GpuResetRequest(BaseModel):
     token: str = Field(min_length=1, max_length=64)  # in the command's comment: a retry finds the command it sent
 
 
-class GpuResetCommand(BaseModel):
+class HostCommand(BaseModel):
     command_id: str
 
 
@@ -470,6 +470,17 @@ class EvidenceStored(BaseModel):
 
 class EvidenceCommandCheck(BaseModel):
     group: str
+    instance_id: str
+    command_id: str
+
+
+class GateCommandRequest(BaseModel):
+    group: str
+    instance_id: str
+    token: str = Field(min_length=1, max_length=64)  # in the command's comment: a retry finds the command it sent
+
+
+class HostCommandCheck(BaseModel):
     instance_id: str
     command_id: str
 

@@ -29,11 +29,14 @@ from activities.ec2 import GONE_EC2_STATES, Ec2, tags_of
 from activities.ecs import Ecs, resolve_group
 from activities.models import (
     ActivateResult,
+    CommandStatus,
+    GateCommandRequest,
     GpuResetCheck,
-    GpuResetCommand,
     GpuResetRequest,
     GpuResetStatus,
     HealthViewExcerpt,
+    HostCommand,
+    HostCommandCheck,
     InstanceRef,
     RebootRequest,
     RebootResult,
@@ -60,6 +63,21 @@ def reset_command(gpu: str) -> str:
     return f"nvidia-smi -r -i {gpu if '.' in gpu else gpu + '.0'}"
 
 
+def gate_script(group: CapacityGroup) -> list[str]:
+    """The fix's gate on the host: DCGM's diagnostic where DCGM is installed, then the operator's own command; exit 0
+    passes. None of it when the group asks for neither."""
+    lines = ["set -e"]
+    if group.gate_diag_level:
+        level = int(group.gate_diag_level)  # an int by the settings' type: nothing else reaches the shell
+        lines.append(
+            f"if command -v dcgmi >/dev/null 2>&1; then dcgmi diag -r {level}; "
+            "else echo 'dcgmi not installed: no DCGM diagnostic'; fi"
+        )
+    if group.gate_command:
+        lines.append(group.gate_command)  # the operator's, from the worker's settings: trusted as the worker is
+    return lines if len(lines) > 1 else []
+
+
 class RemediationActivities:
     def __init__(self, aws: AwsClients, groups: Callable[[str], CapacityGroup], client: Client) -> None:
         self._aws = aws
@@ -70,7 +88,15 @@ class RemediationActivities:
 
     def activities(self) -> list[Callable[..., Any]]:
         """The bound activity methods, for `Worker(activities=...)`."""
-        return [self.reboot_instance, self.send_gpu_reset, self.gpu_reset_status, self.recovery_status, self.set_active]
+        return [
+            self.reboot_instance,
+            self.send_gpu_reset,
+            self.gpu_reset_status,
+            self.send_gate_command,
+            self.host_command_status,
+            self.recovery_status,
+            self.set_active,
+        ]
 
     @activity.defn(name="reboot_instance")
     async def reboot_instance(self, request: RebootRequest) -> RebootResult:
@@ -98,13 +124,13 @@ class RemediationActivities:
         return RebootResult()
 
     @activity.defn(name="send_gpu_reset")
-    async def send_gpu_reset(self, request: GpuResetRequest) -> GpuResetCommand:
+    async def send_gpu_reset(self, request: GpuResetRequest) -> HostCommand:
         """Send `nvidia-smi -r -i <pci>` through Run Command, once per token."""
         self._group(request.group)
         comment = f"{names.GPU_RESET_COMMENT} {request.instance_id} {request.token}"
         command = reset_command(request.gpu)
         command_id = await send_once(self._aws, request.instance_id, comment, [command], RESET_COMMAND_TIMEOUT_S)
-        return GpuResetCommand(command_id=command_id)
+        return HostCommand(command_id=command_id)
 
     @activity.defn(name="gpu_reset_status")
     async def gpu_reset_status(self, check: GpuResetCheck) -> GpuResetStatus:
@@ -113,6 +139,20 @@ class RemediationActivities:
         if not look.done or look.succeeded:
             return GpuResetStatus(done=look.done, reset=look.succeeded, status=look.status, exit_code=look.exit_code)
         return GpuResetStatus(done=True, status=look.status, exit_code=look.exit_code, why=look.output[:WHY_MAX])
+
+    @activity.defn(name="send_gate_command")
+    async def send_gate_command(self, request: GateCommandRequest) -> HostCommand:
+        """Send the fix's gate script (gate_script) through Run Command, once per token."""
+        group = self._group(request.group)
+        comment = f"{names.GATE_COMMENT} {request.instance_id} {request.token}"
+        timeout_s = int(group.gate_timeout.total_seconds())
+        command_id = await send_once(self._aws, request.instance_id, comment, gate_script(group), timeout_s)
+        return HostCommand(command_id=command_id)
+
+    @activity.defn(name="host_command_status")
+    async def host_command_status(self, check: HostCommandCheck) -> CommandStatus:
+        """One look at a command on the instance."""
+        return await command_status(self._aws, check.instance_id, check.command_id)
 
     @activity.defn(name="recovery_status")
     async def recovery_status(self, check: RecoveryCheck) -> RecoveryStatus:

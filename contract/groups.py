@@ -142,6 +142,12 @@ class CapacityGroup(SettingsSection):
     # From the reboot (or reset) until the probe reports the new boot with every GPU source OK and the ECS agent is
     # connected; not back by then: the repair goes on to a replacement.
     reboot_timeout: timedelta = timedelta(minutes=20)
+    # The fix's gate on the host itself (docs/operations.md §13), after a reset or reboot, through SSM Run Command:
+    # `dcgmi diag -r <gate_diag_level>` where DCGM is installed (0: none), then gate_command if set (an NCCL test,
+    # say; run as root, exit 0 passes). A host that has not answered within gate_timeout fails the gate.
+    gate_diag_level: int = Field(default=1, ge=0, le=4)
+    gate_command: str | None = Field(default=None, min_length=1, max_length=4096)
+    gate_timeout: timedelta = timedelta(minutes=10)
     # The same GPU (the same instance, when the GPU cannot be told) faulting again this soon after a fix in place:
     # replaced, not rebooted again.
     escalation_window: timedelta = timedelta(hours=24)
@@ -186,6 +192,11 @@ class CapacityGroup(SettingsSection):
             return timedelta(0)
         doublings = min(failed - 1, MAX_REPAIR_ATTEMPTS)
         return min(self.repair_retry_delay * 2**doublings, MAX_REPAIR_RETRY_DELAY)
+
+    @property
+    def gates_on_host(self) -> bool:
+        """Whether the fix's gate also runs on the host (DCGM's diagnostic, the operator's command)."""
+        return bool(self.gate_diag_level or self.gate_command)
 
     def breaker_rule(self) -> BreakerRule:
         return BreakerRule(

@@ -78,3 +78,4 @@ GROUP_TAG: Final = "gpu-autorepair:group"
 REBOOT_TAG: Final = "gpu-autorepair:reboot"
 # The comment of the SSM Run Command a repair resets a GPU with: this, the instance id, the reset's token.
 GPU_RESET_COMMENT: Final = "gpu-autorepair reset"
+GATE_COMMENT: Final = "gpu-autorepair gate"

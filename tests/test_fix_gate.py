@@ -11,14 +11,19 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import boto3
 import pytest
+from pydantic import ValidationError
 from temporalio.client import Client
 
 from activities.models import HealthViewExcerpt
+from activities.remediation import gate_script
 from contract import names
+from contract.groups import CapacityGroup
 from contract.ids import health_workflow_id, repair_workflow_id
 from contract.probe import GpuFinding, GpuRef, Heartbeat
 from contract.repair import GpuVerdict, RepairAction
+from simulator.aws_proxy import FlakyAws
 from tests.fleet import Fleet, simulated_fleet
 from tests.harness import eventually
 from tests.test_remediation_ladder import closed, container_status, reboot_first, steps_of
@@ -165,3 +170,58 @@ async def test_a_replacement_that_fails_the_gate_is_abandoned_and_another_launch
 
 async def _has_node(fleet: Fleet, instance_id: str) -> bool:
     return instance_id in fleet.sim.live_instances()
+
+
+NCCL_SAYS = "all_reduce_perf: busbw 12.3 GB/s, below the 300 GB/s floor"
+
+
+async def test_a_reboot_whose_host_fails_the_operator_s_gate_command_is_replaced(
+    client: Client, aws_env: str, tmp_path: Path
+) -> None:
+    with FlakyAws(aws_env) as proxy:
+        async with simulated_fleet(client, aws_env, tmp_path, instances=3, engine_endpoint=proxy.url) as fleet:
+            reboot_first(fleet, gate_command="/opt/nccl-tests/check.sh")
+            await fleet.all_healthy(3)
+            faulty = fleet.sim.live_instances()[0]
+            # moto runs no command: the proxy answers the gate's one look as the host would have.
+            failed = {"Status": "Failed", "StatusDetails": "Failed", "ResponseCode": 1}
+            proxy.answer(
+                "GetCommandInvocation",
+                {**failed, "InstanceId": faulty, "StandardOutputContent": NCCL_SAYS, "StandardErrorContent": ""},
+                times=1,
+                service="ssm",
+            )
+            fleet.sim.inject_fault(faulty, xid=79)  # NVIDIA: RESTART_BM
+
+            result = await closed(fleet, repair_workflow_id(faulty, 1))
+
+            [verified] = fleet.events("FixVerified", faulty)
+            assert verified["passed"] is False
+            [host] = [c for c in verified["checks"] if c["name"] == "host"]
+            assert host["passed"] is False and host["detail"].endswith(f"Failed, exit status 1: {NCCL_SAYS}")
+            [escalated] = fleet.events("Escalated", faulty)
+            assert escalated["why"].startswith("the fix did not pass the gate: host: SSM command ")
+            assert result.action is RepairAction.REPLACE and fleet.ec2_state(faulty) == "terminated"
+            # What was sent: DCGM's diagnostic where installed, then the operator's command, as root through SSM.
+            ssm = boto3.client("ssm", endpoint_url=aws_env, region_name="us-east-1")
+            [command] = ssm.list_commands(InstanceId=faulty)["Commands"]
+            assert command["Comment"].startswith(names.GATE_COMMENT)
+            assert command["Parameters"]["commands"] == [
+                "set -e",
+                "if command -v dcgmi >/dev/null 2>&1; then dcgmi diag -r 1; "
+                "else echo 'dcgmi not installed: no DCGM diagnostic'; fi",
+                "/opt/nccl-tests/check.sh",
+            ]
+
+
+def test_the_host_s_part_of_the_gate_runs_only_what_the_group_asks() -> None:
+    def group(**fields: object) -> CapacityGroup:
+        return CapacityGroup.model_validate({"name": "g", "cluster": "c", **fields})
+
+    assert not group(gate_diag_level=0).gates_on_host and gate_script(group(gate_diag_level=0)) == []
+    assert gate_script(group(gate_diag_level=3))[1].startswith(
+        "if command -v dcgmi >/dev/null 2>&1; then dcgmi diag -r 3;"
+    )
+    assert gate_script(group(gate_diag_level=0, gate_command="nccl-check")) == ["set -e", "nccl-check"]
+    with pytest.raises(ValidationError):
+        group(gate_diag_level=5)  # DCGM's levels are 1 to 4

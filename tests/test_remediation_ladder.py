@@ -293,12 +293,18 @@ async def test_a_gpu_reset_and_a_refused_one_that_falls_back_to_a_reboot(
             assert (escalated["from_action"], escalated["to_action"]) == ("gpu-reset", "reboot")
             assert escalated["why"].startswith(f"reset of GPU {pci} refused (Failed, exit status 255): GPU 00000000")
             assert "currently in use by another process" in escalated["why"]
-            # The reset was sent for the finding's GPU, through SSM; then the reboot; nothing launched or killed.
-            assert proxy.calls("SendCommand") == 1 and proxy.canned_served("GetCommandInvocation") >= 1
+            # The reset was sent for the finding's GPU, through SSM; then the reboot, then the fix's gate on the host
+            # (DCGM's diagnostic where installed, through SSM too); nothing launched or killed.
+            assert proxy.calls("SendCommand") == 2 and proxy.canned_served("GetCommandInvocation") >= 1
             assert proxy.calls("RebootInstances") == 1
             assert proxy.calls("RunInstances") == 0 and proxy.calls("TerminateInstances") == 0
             ssm = boto3.client("ssm", endpoint_url=aws_env, region_name="us-east-1")
-            [command] = ssm.list_commands(InstanceId=faulty)["Commands"]
+            reset, gate = sorted(ssm.list_commands(InstanceId=faulty)["Commands"], key=lambda c: c["RequestedDateTime"])
+            assert (
+                gate["Comment"].startswith(names.GATE_COMMENT)
+                and "dcgmi diag -r 1" in gate["Parameters"]["commands"][1]
+            )
+            command = reset
             assert command["Parameters"]["commands"] == [f"nvidia-smi -r -i {pci}.0"]
             assert node.resets == 0 and node.reboots == 1
             assert (result.action, result.replacement_instance_id) == (RepairAction.REBOOT, None)
@@ -320,7 +326,7 @@ async def test_a_gpu_reset_and_a_refused_one_that_falls_back_to_a_reboot(
             assert (result.action, result.replacement_instance_id) == (RepairAction.GPU_RESET, None)
             assert fleet.sim.node(resettable).resets == 1 and fleet.sim.node(resettable).reboots == 0
             assert fleet.sim.node(resettable).boot_id == boot
-            assert proxy.calls("SendCommand") == 2 and proxy.calls("RebootInstances") == 1
+            assert proxy.calls("SendCommand") == 4 and proxy.calls("RebootInstances") == 1  # a reset and a gate each
             assert container_status(fleet, resettable) == "ACTIVE"
             view = await fleet.sim.health(resettable)
             assert view is not None and not view.retired and view.last_in_place_fix is not None

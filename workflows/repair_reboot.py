@@ -93,7 +93,7 @@ async def fix_in_place(repair: RepairContext, group: CapacityGroup) -> bool:
     done = EventType.GPU_RESET_COMPLETED if ladder.action is RepairAction.GPU_RESET else EventType.REBOOT_COMPLETED
     await repair.event(done, **record.about(), took_seconds=int((workflow.now() - started).total_seconds()))
     if workflow.patched(VERIFY_FIX):
-        why = await verify_fix(repair, started)
+        why = await verify_fix(repair, group, started)
         if why is not None:
             await _escalate(repair, ladder.action, RepairAction.REPLACE, why)
             return False

@@ -7,17 +7,19 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 
 from temporalio import workflow
+from temporalio.exceptions import ActivityError
 
 from contract.config import format_seconds
 from contract.groups import CapacityGroup
 from contract.repair import RepairPhase
+from workflows.activity_errors import describe_error, permanent_error
 from workflows.fix_gate import GATE_CHECKS, GateCheck, failures, run_gate
 from workflows.options import CALL_RETRY, CALL_TIMEOUT
 from workflows.repair_context import RepairContext
 from workflows.repair_ladder import missing
 
 with workflow.unsafe.imports_passed_through():
-    from activities.models import EventType, RecoveryCheck, RecoveryStatus
+    from activities.models import EventType, GateCommandRequest, HostCommandCheck, RecoveryCheck, RecoveryStatus
     from activities.remediation import RemediationActivities
 
 MIN_POLL = timedelta(seconds=1)
@@ -45,13 +47,16 @@ def _gate(look: RecoveryStatus, since: datetime) -> list[GateCheck]:
     return run_gate(look.probe, since)
 
 
-async def verify_fix(repair: RepairContext, since: datetime) -> str | None:
-    """The fix in place's gate on one look at the instance; None: passed, else why it failed."""
+async def verify_fix(repair: RepairContext, group: CapacityGroup, since: datetime) -> str | None:
+    """The fix in place's gate on one look at the instance, then on the host itself where the group asks for it;
+    None: passed, else why it failed."""
     record = repair.record
     look = await look_at(
         repair, record.instance_id, f"verify the fix of {record.instance_id} before work returns: {GATE_SUMMARY}"
     )
     checks = _gate(look, since)
+    if failures(checks) is None and group.gates_on_host:
+        checks.append(await _on_host(repair, group))
     failed = failures(checks)
     note = record.notes.get(RepairPhase.AWAITING_RECOVERY, "")
     record.notes[RepairPhase.AWAITING_RECOVERY] = f"{note}; gate {'passed' if failed is None else 'FAILED: ' + failed}"
@@ -62,6 +67,48 @@ async def verify_fix(repair: RepairContext, since: datetime) -> str | None:
         checks=[c.model_dump(mode="json") for c in checks],
     )
     return None if failed is None else f"the fix did not pass the gate: {failed}"
+
+
+async def _on_host(repair: RepairContext, group: CapacityGroup) -> GateCheck:
+    """DCGM's diagnostic and the operator's command on the host, through SSM Run Command: passed on exit 0; a command
+    that cannot be sent, fails, or is not done within gate_timeout fails the gate."""
+    record = repair.record
+    asks = [f"dcgmi diag -r {group.gate_diag_level}"] if group.gate_diag_level else []
+    asks += ["the group's gate_command"] if group.gate_command else []
+    try:
+        sent = await workflow.execute_activity_method(
+            RemediationActivities.send_gate_command,
+            GateCommandRequest(group=record.group, instance_id=record.instance_id, token=str(workflow.uuid4())),
+            summary=f"run the gate on {record.instance_id}: {' and '.join(asks)} through SSM Run Command",
+            start_to_close_timeout=CALL_TIMEOUT,
+            retry_policy=CALL_RETRY,
+        )
+    except ActivityError as err:
+        if not permanent_error(err):
+            raise
+        return GateCheck(name="host", passed=False, detail=f"could not be sent: {describe_error(err)}")
+    deadline = workflow.now() + group.gate_timeout
+    check = HostCommandCheck(instance_id=record.instance_id, command_id=sent.command_id)
+    while True:
+        status = await workflow.execute_activity_method(
+            RemediationActivities.host_command_status,
+            check,
+            summary=f"has the gate on {record.instance_id} finished?",
+            start_to_close_timeout=CALL_TIMEOUT,
+            retry_policy=CALL_RETRY,
+        )
+        if status.done:
+            code = f", exit status {status.exit_code}" if status.exit_code is not None else ""
+            said = f": {status.output}" if status.output else ""
+            detail = f"SSM command {sent.command_id} {status.status}{code}{said}"
+            return GateCheck(name="host", passed=status.succeeded, detail=detail)
+        if workflow.now() >= deadline:
+            return GateCheck(
+                name="host",
+                passed=False,
+                detail=f"no answer within gate_timeout {format_seconds(group.gate_timeout)} ({status.status})",
+            )
+        await workflow.sleep(poll_interval(group), summary=f"the gate on {record.instance_id}: {status.status}")
 
 
 async def verify_replacement(
