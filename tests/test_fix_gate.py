@@ -24,7 +24,7 @@ from contract.ids import health_workflow_id, repair_workflow_id
 from contract.probe import GpuFinding, GpuRef, Heartbeat
 from contract.repair import GpuVerdict, RepairAction
 from simulator.aws_proxy import FlakyAws
-from tests.fleet import Fleet, simulated_fleet
+from tests.fleet import START_BEFORE_STOP, Fleet, simulated_fleet
 from tests.harness import eventually
 from tests.test_remediation_ladder import closed, container_status, reboot_first, steps_of
 from workflows.fix_gate import GATE_CHECKS, failures, run_gate
@@ -111,17 +111,14 @@ async def test_a_reboot_that_leaves_a_gpu_missing_fails_the_gate_and_the_instanc
         result = await closed(fleet, repair_workflow_id(faulty, 1))
 
         steps = steps_of(fleet, repair_workflow_id(faulty, 1))
-        assert steps[steps.index("RebootCompleted") :] == [
+        # Gated, then on to the replacement steps, start-before-stop, in the same workflow.
+        after = [
             "RebootCompleted",
             "FixVerified",
             "Escalated",
-            "ReplacementLaunched",
-            "ReplacementReady",
-            "TasksStopped",
-            "Terminated",
-            "RepairCompleted",
-            "DrainPermitReleased",
+            *START_BEFORE_STOP[START_BEFORE_STOP.index("Draining") + 1 :],
         ]
+        assert steps[steps.index("RebootCompleted") :] == after
         [verified] = fleet.events("FixVerified", faulty)
         assert verified["passed"] is False
         assert {c["name"]: c["passed"] for c in verified["checks"]} == {
