@@ -2,8 +2,10 @@
 
 200 while the probe's loop runs, it delivered a heartbeat within STALE_HEARTBEATS heartbeat intervals (or started
 less than that ago), no finding has been failing to go out for that long, and at least one of its sources reads;
-503 with the reason otherwise. Answered from what the probe keeps anyway (Probe.delivery, its sources' health): no
-timer, no polling, nothing at idle. The probe runs with host networking on GPU hosts, hence loopback by default.
+503 with the reason otherwise. With NVML, `checks.gpus` adds each GPU's clock event reasons, PCIe link and the
+warnings that hold, as the last poll read them. Answered from what the probe keeps anyway (Probe.delivery, its
+sources' health, NVML's last poll): no timer, no polling, nothing at idle. The probe runs with host networking on GPU
+hosts, hence loopback by default.
 
 Delivery failing is usually the ingest's or Temporal's trouble rather than the probe's, and a restart does not
 mend it: with a spool dir nothing is lost by one, but a liveness probe on it should be patient (docs/operations.md).
@@ -75,6 +77,10 @@ class ProbeHealth:
             else f"delivered {now - delivery.heartbeat_at:.0f}s ago",
             "pending_findings": probe.pending,
         }
+        gpus = probe.gpu_readings()
+        if gpus:
+            # Clocks slowed or a link below its maximum, live: the findings say when they began, this says if they last.
+            checks["gpus"] = gpus
         problems: list[str] = []
         if not sources:
             problems.append("no source is configured")

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field, field_validator
 
@@ -273,6 +273,11 @@ class Probe:
             if getattr(source, "configured", True)
             for reason in (self._down_reason(source),)
         ]
+
+    def gpu_readings(self) -> dict[str, Any] | None:
+        """What NVML's last poll read of each GPU that is worth a look but never a repair (clock event reasons, the
+        PCIe link, the warnings that hold); None without NVML."""
+        return self._nvml.gpu_readings() if self._nvml is not None else None
 
     def gpu_health(self) -> tuple[HealthState, str | None]:
         """OK while every GPU source works; INSUFFICIENT_DATA (never IMPAIRED) while any is down, the reason naming

@@ -11,6 +11,10 @@ The R575+ verdict calls answer as pynvml 13.x does on a real H200 (tests/gpu/rec
 `nvmlDeviceGetRepairStatus` returns `[bChannelRepairPending, bTpcRepairPending]`, and
 `nvmlDeviceGetUnrepairableMemoryFlag_v1` an int. An older GPU or driver answers NOT_SUPPORTED or FUNCTION_NOT_FOUND
 (`FakeGpu.errors`); an older pynvml lacks the function or struct altogether (`older_pynvml`).
+
+The clock event reasons are a bitmask of pynvml's `nvmlClocksEventReason*` values (the older name,
+`nvmlDeviceGetCurrentClocksThrottleReasons`, answers the same), and the PCIe link is four ints, as pynvml 13.x
+returns them; the recorded H200 answers GpuIdle (0x1) and x16 of x16, gen 5 of 5 at idle.
 """
 
 from __future__ import annotations
@@ -58,6 +62,8 @@ class FakeGpu:
     sram_threshold_exceeded: int = 0  # c_nvmlEccSramErrorStatus_v1_t.bThresholdExceeded
     unrepairable_memory: int = 0
     repair_status: tuple[int, int] = (0, 0)  # (bChannelRepairPending, bTpcRepairPending)
+    clock_reasons: int = pynvml.nvmlClocksEventReasonGpuIdle
+    pcie_link: tuple[int, int, int, int] = (16, 16, 5, 5)  # (width, max width, generation, max generation)
     lost: bool = False
     # function name -> NVML error code it returns (NOT_SUPPORTED, FUNCTION_NOT_FOUND, ...)
     errors: dict[str, int] = field(default_factory=dict)
@@ -93,13 +99,30 @@ class FakeNvml(types.SimpleNamespace):
         "nvmlDeviceGetSramEccErrorStatus",
         "nvmlDeviceGetUnrepairableMemoryFlag_v1",
         "nvmlDeviceGetRepairStatus",
+        "nvmlDeviceGetCurrentClocksEventReasons",
+        "nvmlDeviceGetCurrentClocksThrottleReasons",
+        "nvmlDeviceGetCurrPcieLinkWidth",
+        "nvmlDeviceGetMaxPcieLinkWidth",
+        "nvmlDeviceGetCurrPcieLinkGeneration",
+        "nvmlDeviceGetMaxPcieLinkGeneration",
     )
 
     def __init__(self, gpus: list[FakeGpu]) -> None:
         real = {
             name: getattr(pynvml, name)
             for name in dir(pynvml)
-            if name.startswith(("NVML_", "NVMLError", "nvmlEventType", "c_nvml", "nvmlPciInfo", "struct_c_nvml"))
+            if name.startswith(
+                (
+                    "NVML_",
+                    "NVMLError",
+                    "nvmlEventType",
+                    "c_nvml",
+                    "nvmlPciInfo",
+                    "struct_c_nvml",
+                    "nvmlClocksEventReason",
+                    "nvmlClocksThrottleReason",
+                )
+            )
         }
         super().__init__(**real)
         self.gpus = gpus
@@ -262,6 +285,36 @@ class FakeNvml(types.SimpleNamespace):
         self._check(gpu, "nvmlDeviceGetRepairStatus")
         channel, tpc = gpu.repair_status
         return [channel, tpc]
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: Any) -> int:
+        gpu = self._gpu(handle)
+        self._check(gpu, "nvmlDeviceGetCurrentClocksEventReasons")
+        return gpu.clock_reasons
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle: Any) -> int:
+        gpu = self._gpu(handle)
+        self._check(gpu, "nvmlDeviceGetCurrentClocksThrottleReasons")
+        return gpu.clock_reasons
+
+    def nvmlDeviceGetCurrPcieLinkWidth(self, handle: Any) -> int:
+        gpu = self._gpu(handle)
+        self._check(gpu, "nvmlDeviceGetCurrPcieLinkWidth")
+        return gpu.pcie_link[0]
+
+    def nvmlDeviceGetMaxPcieLinkWidth(self, handle: Any) -> int:
+        gpu = self._gpu(handle)
+        self._check(gpu, "nvmlDeviceGetMaxPcieLinkWidth")
+        return gpu.pcie_link[1]
+
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, handle: Any) -> int:
+        gpu = self._gpu(handle)
+        self._check(gpu, "nvmlDeviceGetCurrPcieLinkGeneration")
+        return gpu.pcie_link[2]
+
+    def nvmlDeviceGetMaxPcieLinkGeneration(self, handle: Any) -> int:
+        gpu = self._gpu(handle)
+        self._check(gpu, "nvmlDeviceGetMaxPcieLinkGeneration")
+        return gpu.pcie_link[3]
 
 
 def older_pynvml(fake: FakeNvml, *names: str) -> None:

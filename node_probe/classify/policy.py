@@ -26,6 +26,9 @@ SRAM error threshold exceeded, unrepairable memory, and a recovery action that a
 A channel or TPC repair pending is a warning there, as a row remapping pending is: the GPU reset that applies it is
 what its verdict asks for, not a sign that the GPU is failing. A verdict withdrawn (its action NONE: the flag cleared,
 the recovery action back to None) never impairs under either policy, whatever the overrides say.
+
+NVML's warnings (clocks slowed by hardware or heat, a PCIe link below its maximum) never impair under either policy:
+they are counted in the instance's health details for an operator to look at.
 """
 
 from __future__ import annotations
@@ -78,6 +81,13 @@ NVML_CHANNEL_REPAIR_PENDING = "NVML_CHANNEL_REPAIR_PENDING"
 NVML_TPC_REPAIR_PENDING = "NVML_TPC_REPAIR_PENDING"
 # A flag's reason with this after it: the flag cleared (its verdict withdrawn), a finding of its own.
 CLEARED_SUFFIX = "_CLEARED"
+# Warnings worth seeing, never repairs (sources/nvml_warnings.py): clocks slowed by hardware or heat, a PCIe link
+# below its maximum. A hot rack, a chassis power brake or a riser seated badly shows them on a GPU that is not
+# failing, and no NVIDIA verdict asks for a remedy for them, so no policy replaces an instance on one.
+NVML_CLOCKS_HW_SLOWDOWN = "NVML_CLOCKS_HW_SLOWDOWN"
+NVML_CLOCKS_SW_THERMAL_SLOWDOWN = "NVML_CLOCKS_SW_THERMAL_SLOWDOWN"
+NVML_PCIE_LINK_DEGRADED = "NVML_PCIE_LINK_DEGRADED"
+NVML_WARNINGS_ONLY = frozenset({NVML_CLOCKS_HW_SLOWDOWN, NVML_CLOCKS_SW_THERMAL_SLOWDOWN, NVML_PCIE_LINK_DEGRADED})
 _NVML_HARDWARE_REASONS = {
     NVML_REMAP_FAILURE: "row-remap-failure",
     NVML_GPU_UNAVAILABLE: "gpu-unavailable",
@@ -191,9 +201,12 @@ def _source_record(policy: str, record: FaultRecord) -> tuple[bool, str]:
         return (True, f"{policy}:runtime-critical") if record.critical else (False, f"{policy}:runtime-not-critical")
     if record.kind == KIND_CONTAINER_RUNTIME_RECOVERED:
         return False, f"{policy}:runtime-recovered"
+    reason = record.reason or ""
+    if reason in NVML_WARNINGS_ONLY:
+        # Decided here, before either policy's NVML rules, so that no later rule for NVML conditions makes one impair.
+        return False, f"{policy}:nvml-warning-only"
     if policy == POLICY_ECS:
         return False, "ecs:nvml-not-an-ecs-check"
-    reason = record.reason or ""
     hardware = _NVML_HARDWARE_REASONS.get(reason)
     if hardware is not None:
         return True, f"nvidia-catalog:{hardware}"

@@ -1,6 +1,7 @@
 """NVML as a fault source: Xid / ECC / GPU-unavailable / recovery-action events, and a slower poll of state that
 events do not carry (uncorrectable ECC counts, pending retired pages, row remapping, the R575+ drivers' flags, the
-recovery action field, "GPU is lost"), NVIDIA's standing verdicts among them (classify/verdicts.py).
+recovery action field, "GPU is lost"), NVIDIA's standing verdicts among them (classify/verdicts.py), and warnings
+that are never repairs (clocks slowed, a PCIe link below its maximum: nvml_warnings.py).
 
 The pynvml module is a constructor argument, so tests pass a stand-in with pynvml's own function names, return
 types and exception classes, and the real module drops in unchanged.
@@ -88,6 +89,11 @@ class NvmlSource(NvmlEvents, TrackedStatus):
             if gpu.index == index:
                 return gpu.pci, gpu.uuid
         return None
+
+    def gpu_readings(self) -> dict[str, Any]:
+        """Per GPU (by PCI address), its clock event reasons and PCIe link as the last poll read them and the warnings
+        that hold, for /healthz: what the poll kept, so answering never waits on NVML."""
+        return {gpu.label: {"uuid": gpu.uuid, **gpu.warnings.view} for gpu in self.gpus}
 
     def check(self) -> SourceStatus:
         """Initialise NVML now (bounded by check_timeout: this blocks the caller) so the first heartbeat knows."""

@@ -1,6 +1,7 @@
 """Polling the NVML source's GPUs for state that events do not carry: uncorrectable ECC counts, pending retired
 pages, row remapping, the R575+ drivers' flags (SRAM error threshold, unrepairable memory, channel and TPC repair
-pending), the recovery action field, "GPU is lost".
+pending), the recovery action field, "GPU is lost", and the warnings that are never repairs (clocks slowed by
+hardware or heat, a PCIe link below its maximum: nvml_warnings.py decides what counts).
 
 A finding goes out when a condition appears, not on every poll, and its id names the condition and how often it
 cleared before, so a probe restart within a boot re-sends the same id. NVIDIA's standing verdicts (the recovery
@@ -39,6 +40,15 @@ from node_probe.classify.record import FaultRecord
 from node_probe.classify.verdicts import RECOVERY_ACTIONS, UNKNOWN_ACTION_NAME, RecoveryAction, recovery_action
 from node_probe.host import boot_id
 from node_probe.sources.nvml_session import NvmlGpu, NvmlSession, NvmlSessionCalls
+from node_probe.sources.nvml_warnings import (
+    CLOCK_CALLS,
+    PCIE_CHECK,
+    PCIE_CONDITION,
+    ClockBits,
+    GpuWarning,
+    PcieLink,
+    pcie_warning,
+)
 
 # One logger for the whole NVML source, whichever of its modules logs, so that one filter catches all its lines.
 log = logging.getLogger("node_probe.sources.nvml")
@@ -116,6 +126,7 @@ class NvmlPolling(NvmlSessionCalls):
 
     def __init__(self, nvml: Any) -> None:
         super().__init__(nvml)
+        self._clock_bits = ClockBits(nvml)
         self._recovery_actions = dict(RECOVERY_ACTIONS)
         for attr in dir(nvml):
             # Newer drivers' actions come with newer pynvml constants: name them from there.
@@ -144,6 +155,7 @@ class NvmlPolling(NvmlSessionCalls):
             self._poll_unrepairable_memory(gpu, found)
             self._poll_repair_status(gpu, found)
             self._poll_recovery_action(gpu, found)
+            self._poll_warnings(gpu, found)
         except self._errors.gpu_lost:
             found.extend(self._lost(gpu))
             return found
@@ -368,6 +380,72 @@ class NvmlPolling(NvmlSessionCalls):
                 nvidia_action=recovery_action(action, now.name),
             )
         )
+
+    def _poll_warnings(self, gpu: NvmlGpu, found: list[Found]) -> None:
+        """The clock event reasons and the PCIe link: three NVML calls a GPU, once its link's maximum is known."""
+        mask = self._clock_reasons(gpu)
+        if mask is not None:
+            for condition, warning in self._clock_bits.warnings(mask).items():
+                self._warning(gpu, condition, warning, found)
+        link = self._pcie_link(gpu)
+        if link is not None:
+            idle = None if mask is None else self._clock_bits.idle(mask)
+            held = PCIE_CONDITION in gpu.warnings.holding
+            self._warning(gpu, PCIE_CONDITION, pcie_warning(link, idle, held), found)
+        gpu.warnings.publish(mask, link, self._clock_bits, gpu.unsupported)
+
+    def _clock_reasons(self, gpu: NvmlGpu) -> int | None:
+        for check, name in CLOCK_CALLS:
+            if check in gpu.unsupported:
+                continue
+            call = getattr(self.nvml, name, None)
+            if call is None:
+                # Said only when neither name is there: a pynvml before 12.535 lacks the newer one and reads the older.
+                gpu.unsupported.add(check)
+                if all(known in gpu.unsupported for known, _ in CLOCK_CALLS):
+                    lacks = " and ".join(called for _, called in CLOCK_CALLS)
+                    log.info("nvml: GPU %s: clock event reasons not supported (pynvml lacks %s)", gpu.label, lacks)
+                continue
+            mask = self._query(gpu, check, call, gpu.handle)
+            # Only "not supported" moves on: a driver before R535 lacks the newer call, and the older one answers.
+            if mask is not None or check not in gpu.unsupported:
+                return None if mask is None else int(mask)
+        return None
+
+    def _pcie_link(self, gpu: NvmlGpu) -> PcieLink | None:
+        bound = self._bindings(
+            gpu,
+            PCIE_CHECK,
+            "nvmlDeviceGetCurrPcieLinkWidth",
+            "nvmlDeviceGetCurrPcieLinkGeneration",
+            "nvmlDeviceGetMaxPcieLinkWidth",
+            # The most the GPU and the host's slot can both do, not the GPU's own maximum
+            # (nvmlDeviceGetGpuMaxPcieLinkGeneration): a gen 5 GPU in a gen 4 slot at gen 4 has all the link it can get.
+            "nvmlDeviceGetMaxPcieLinkGeneration",
+        )
+        if bound is None:
+            return None
+        width_now, generation_now, width_max, generation_max = bound
+        warnings = gpu.warnings
+
+        def read() -> PcieLink:
+            if warnings.link_max is None:
+                warnings.link_max = (int(width_max(gpu.handle)), int(generation_max(gpu.handle)))
+            width, generation = warnings.link_max
+            return PcieLink(int(width_now(gpu.handle)), width, int(generation_now(gpu.handle)), generation)
+
+        return self._query(gpu, PCIE_CHECK, read)
+
+    def _warning(self, gpu: NvmlGpu, condition: str, warning: GpuWarning | None, found: list[Found]) -> None:
+        """A finding when the warning appears; when it clears, only a new episode: a warning withdraws no verdict."""
+        held = gpu.warnings.holding.get(condition)
+        if warning is not None and held is None:
+            gpu.warnings.holding[condition] = warning.reason
+            found.append(self._state_record(gpu, warning.reason, condition, warning.message))
+        elif warning is None and held is not None:
+            del gpu.warnings.holding[condition]
+            log.info("nvml: GPU %s: %s cleared", gpu.label, held)
+            self._cleared(gpu, condition)
 
     def _recovery_named(self, code: int) -> RecoveryAction:
         return self._recovery_actions.get(code) or RecoveryAction(str(code), UNKNOWN_ACTION_NAME, "")

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from node_probe.sources.nvml_warnings import GpuWarnings
+
 # One logger for the whole NVML source, whichever of its modules logs, so that one filter catches all its lines.
 log = logging.getLogger("node_probe.sources.nvml")
 
@@ -126,6 +128,8 @@ class NvmlGpu:
     recovery_action: int = 0
     # NVIDIA's verdicts on this GPU that hold now (a row-remapping failure, the R575+ flags), by condition name.
     verdicts: set[str] = field(default_factory=set)
+    # The warnings that are never repairs (clocks slowed, a PCIe link below its maximum), and their last readings.
+    warnings: GpuWarnings = field(default_factory=GpuWarnings)
     lost: bool = False
     unsupported: set[str] = field(default_factory=set)  # checks this GPU/driver answered "not supported"
     episodes: dict[str, int] = field(default_factory=dict)  # how often each condition cleared, for finding ids
