@@ -394,3 +394,35 @@ def test_the_user_fault_without_a_visible_gpu_launches_nothing():
     )
     assert done.returncode == 4, done.stderr
     assert "LAUNCHED" not in done.stderr
+
+
+def test_the_fix_s_gate_on_this_host_passes_a_clean_poll_and_fails_a_standing_verdict():
+    from node_probe.classify.record import FaultRecord
+    from tests.gpu.gate import gate_here
+
+    clean = gate_here([], gpu_count=1, host=False)
+    assert clean["passed"] is True and clean["failed"] is None
+    asks = FaultRecord(
+        line=0,
+        raw="NVML NVML_RECOVERY_ACTION_GPU_RESET",
+        kind="nvml",
+        code=None,
+        pci="0000:00:06",
+        message="GPU recovery action: GPU Reset Required (1)",
+        reason="NVML_RECOVERY_ACTION_GPU_RESET",
+        nvidia_verdict="recovery_action",
+        nvidia_action="RESET_GPU",
+    )
+    gated = gate_here([asks], gpu_count=1, host=False)
+    assert gated["passed"] is False
+    assert gated["failed"] == "nvidia: NVIDIA still asks: recovery_action RESET_GPU on 0000:00:06"
+
+
+def test_the_gate_s_host_part_runs_dcgm_s_diagnostic_only_where_dcgm_is_installed():
+    from contract.groups import CapacityGroup
+    from tests.gpu.gate import run_host_part
+
+    ran = run_host_part(CapacityGroup(name="g", cluster="c"))  # no dcgmi on this machine: said, and passed
+    assert ran["passed"] is True and ran["exit_status"] == 0 and "dcgmi not installed" in ran["output"]
+    failing = run_host_part(CapacityGroup(name="g", cluster="c", gate_diag_level=0, gate_command="echo no; exit 3"))
+    assert (failing["passed"], failing["exit_status"], failing["output"]) == (False, 3, "no")

@@ -468,6 +468,19 @@ def main(argv: list[str] | None = None) -> int:
 
         summary["poll_after"] = run_step(summary, "poll_after", after)
         needs_look.extend(judge_poll(summary["poll_after"], "after"))
+
+        def gate() -> dict[str, Any]:
+            # Imported here: the gate reads workflow and activity modules (Temporal, boto3), which the rest of the
+            # check does without; a host lacking them fails this step alone.
+            from tests.gpu.gate import gate_here
+
+            return gate_here([o.record for o in source.poll_once()], len(source.gpus))
+
+        summary["gate"] = run_step(summary, "gate", gate)
+        passed = summary["gate"] is not None and summary["gate"]["passed"]
+        if summary["gate"] is not None and not passed:
+            why = summary["gate"]["failed"] or summary["gate"].get("host")
+            needs_look.append(f"the fix's gate did not pass on this healthy host: {why}")
     summary["raw_after"] = run_step(summary, "raw_after", lambda: read_raw(pynvml))
     if summary["raw_after"] is not None:
         concerns, raw_notes = raw_concerns(summary["raw_after"], "after")
