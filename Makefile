@@ -15,6 +15,7 @@ CHROMIUM ?= /usr/bin/chromium
 JOURNAL_REMOTE ?= /lib/systemd/systemd-journal-remote
 # The probe's launch-template installer (deploy/systemd/install-probe.sh) is checked with Debian's shellcheck.
 SHELLCHECK ?= /usr/bin/shellcheck
+PROMTOOL ?= /usr/bin/promtool
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
 .PHONY: demo test lint install browser clean
@@ -38,10 +39,14 @@ $(JOURNAL_REMOTE):
 $(SHELLCHECK):
 	$(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq shellcheck
 
+# promtool checks and unit-tests the alert rules (deploy/prometheus/).
+$(PROMTOOL):
+	$(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus
+
 demo: $(STAMP)
 	$(BIN)/autorepair demo $(DEMO_ARGS)
 
-test: $(STAMP) $(CHROMIUM) $(JOURNAL_REMOTE) $(SHELLCHECK)
+test: $(STAMP) $(CHROMIUM) $(JOURNAL_REMOTE) $(SHELLCHECK) $(PROMTOOL)
 	$(BIN)/ruff check .
 	$(BIN)/mypy contract workflows activities worker node_probe ingest operator_cli simulator
 	$(BIN)/pytest $(PYTEST_ARGS)

@@ -487,8 +487,9 @@ def test_compose_keeps_state_only_in_the_database():
             if name == "postgresql":
                 assert source == "postgresql-data"
             else:
-                # Only this folder's files, read-only: configuration, the dynamic config, the ingest's certificate.
-                assert source.startswith("./") and volume.endswith(":ro"), f"{name}: {volume}"
+                # Only files that ship, read-only: this folder's configuration, the dynamic config, the ingest's
+                # certificate, and the alert rules (deploy/prometheus/, shared with Kubernetes).
+                assert source.startswith(("./", "../prometheus/")) and volume.endswith(":ro"), f"{name}: {volume}"
                 assert (COMPOSE_DIR / source).exists(), f"{name}: {source} missing"
 
 

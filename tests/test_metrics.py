@@ -95,6 +95,9 @@ async def test_a_repair_shows_on_the_prometheus_endpoint_with_temporals_metrics(
         assert any(n == "autorepair_drain_permits_in_use" and ls.get("group") == group for n, ls, _ in samples)
         assert total(samples, "autorepair_drain_permits_in_use", group=group) == 0
         assert total(samples, "autorepair_drain_permits_waiting", group=group) == 0
+        # Not held: the series is there at 0, so an alert on it has something to read.
+        assert any(n == "autorepair_repairs_held" and ls.get("group") == group for n, ls, _ in samples)
+        assert total(samples, "autorepair_repairs_held", group=group) == 0
         assert total(samples, "autorepair_health_changes", group=group, status="IMPAIRED") == 1
         # INITIALIZING -> OK for the three instances and for the replacement.
         assert total(samples, "autorepair_health_changes", group=group, status="OK") >= 4

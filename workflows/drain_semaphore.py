@@ -70,6 +70,7 @@ DETAILS_WAITERS = 20
 MAX_REPORTS_PENDING = 10_000
 PERMITS_IN_USE = "autorepair_drain_permits_in_use"
 PERMITS_WAITING = "autorepair_drain_permits_waiting"
+REPAIRS_HELD = "autorepair_repairs_held"
 
 
 @workflow.defn(name=names.SEMAPHORE_WORKFLOW)
@@ -505,6 +506,9 @@ class DrainSemaphoreWorkflow:
         meter.create_gauge(PERMITS_IN_USE, "Drain permits held by repairs").set(len(self._state.holders), attributes)
         meter.create_gauge(PERMITS_WAITING, "Repairs waiting for a drain permit").set(
             len(self._state.waiters), attributes
+        )
+        meter.create_gauge(REPAIRS_HELD, "1 while the group's breaker or the fleet's holds its repairs").set(
+            1 if self._state.holding() else 0, attributes
         )
 
     def _details_markdown(self) -> str:
