@@ -130,6 +130,41 @@ class TemporalSettings(SettingsSection):
     tls_server_ca: Path | None = None
     ui_url: str = "http://localhost:8233"
 
+    def beneath_environment(self, profile: str | None = None) -> TemporalSettings:
+        """These settings over the `temporal` CLI's own: what was not set here (AUTOREPAIR_TEMPORAL__*, the TOML file,
+        a flag) comes from TEMPORAL_ADDRESS, TEMPORAL_NAMESPACE, TEMPORAL_API_KEY, TEMPORAL_TLS* and the profile of
+        temporal.toml (TEMPORAL_PROFILE, or `profile`), as temporalio.envconfig reads them; then the defaults."""
+        # Here, not at the top: the probe's install reads these settings and has no Temporal SDK.
+        from temporalio.envconfig import ClientConfigProfile
+
+        try:
+            theirs = ClientConfigProfile.load(profile=profile)
+        except Exception as err:  # a malformed temporal.toml, an unknown profile: said, never a stack trace
+            raise ValueError(f"the temporal CLI's configuration (temporal.toml, TEMPORAL_*): {err}") from err
+        found: dict[str, Any] = {
+            "address": theirs.address,
+            "namespace": theirs.namespace,
+            "api_key": theirs.api_key,
+        }
+        tls = theirs.tls
+        if tls is not None:
+            found["tls"] = not tls.disabled
+            for ours, source in (
+                ("tls_client_cert", tls.client_cert),
+                ("tls_client_key", tls.client_private_key),
+                ("tls_server_ca", tls.server_root_ca_cert),
+            ):
+                if source is not None and not isinstance(source, Path):
+                    raise ValueError(
+                        f"the temporal CLI's TLS {ours.removeprefix('tls_')} is given as data: give its file path "
+                        "(TEMPORAL_TLS_CLIENT_CERT_PATH, ..._KEY_PATH, ..._SERVER_CA_CERT_PATH, or a profile's *_path)"
+                    )
+                found[ours] = source
+        unset = {k: v for k, v in found.items() if v is not None and k not in self.model_fields_set}
+        # Validated like any setting; every field then counts as set, so that nothing reads the environment twice (a
+        # flag still wins: the commands apply theirs over these).
+        return self.model_validate(self.model_dump() | unset) if unset else self
+
     @model_validator(mode="after")
     def _cert_and_key_together(self) -> TemporalSettings:
         if (self.tls_client_cert is None) != (self.tls_client_key is None):

@@ -67,6 +67,10 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     # A short-lived Temporal client: operator_cli/main.py ends the process without finalization (see its _finish).
     parser.set_defaults(hard_exit=True)
     parser.add_argument("--json", action="store_true", help="machine-readable output")
-    # Unset: the shared settings (AUTOREPAIR_TEMPORAL__* or the TOML file), TLS and API key included.
-    parser.add_argument("--temporal-address", default=None)
-    parser.add_argument("--namespace", default=None)
+    # Unset: the shared settings (AUTOREPAIR_TEMPORAL__* or the TOML file), then the `temporal` CLI's own
+    # (TEMPORAL_ADDRESS, TEMPORAL_NAMESPACE, TEMPORAL_API_KEY, TEMPORAL_PROFILE and temporal.toml), TLS included.
+    parser.add_argument(
+        "--address", "--temporal-address", dest="temporal_address", default=None, help="Temporal frontend"
+    )
+    parser.add_argument("-n", "--namespace", default=None)
+    parser.add_argument("--api-key", default=None, help="Temporal Cloud API key")

@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from datetime import timedelta
 from typing import Any, TypeVar
 
+from pydantic import SecretStr
 from temporalio.client import Client, WorkflowExecution, WorkflowUpdateRPCTimeoutOrCancelledError
 from temporalio.service import RPCError, RPCStatusCode
 
@@ -77,7 +78,8 @@ def rpc_reason(err: RPCError, query: str) -> str:
 
 def temporal_settings(args: argparse.Namespace) -> TemporalSettings:
     """The shared Temporal settings, with the command's --temporal-address and --namespace where given."""
-    overrides = {"address": args.temporal_address, "namespace": args.namespace}
+    key = SecretStr(args.api_key) if args.api_key else None
+    overrides = {"address": args.temporal_address, "namespace": args.namespace, "api_key": key}
     return Settings().temporal.model_copy(update={k: v for k, v in overrides.items() if v})
 
 

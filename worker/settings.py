@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from contract.breaker import FleetBreakerSettings
 from contract.config import (
@@ -46,6 +46,12 @@ class Settings(ConfigSources):
             "cancelling them; the orchestrator's stop timeout must be longer"
         ),
     )
+
+    @model_validator(mode="after")
+    def _temporal_beneath_the_cli_s(self) -> Settings:
+        # Beneath ours, the `temporal` CLI's own settings (TEMPORAL_ADDRESS, ..., temporal.toml): docs §0.
+        self.temporal = self.temporal.beneath_environment()
+        return self
 
     @field_validator("groups")
     @classmethod
