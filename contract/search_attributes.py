@@ -1,5 +1,6 @@
 """Custom search attributes: what an operator filters repairs by in the Web UI and `temporal workflow list`."""
 
+from datetime import datetime
 from typing import Any
 
 from temporalio.common import SearchAttributeKey
@@ -20,6 +21,14 @@ ALL: list[SearchAttributeKey[Any]] = [REPAIR_PHASE, INSTANCE_ID, CAPACITY_GROUP,
 def quoted(value: str) -> str:
     """A string literal for a visibility query."""
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def long_repairs_query(group: str, started_before: datetime) -> str:
+    """Running repairs of `group` that started before `started_before`."""
+    return (
+        f"WorkflowType={quoted(names.REPAIR_WORKFLOW)} AND ExecutionStatus='Running'"
+        f" AND {CAPACITY_GROUP.name}={quoted(group)} AND StartTime < {quoted(started_before.isoformat())}"
+    )
 
 
 def health_count_query(group: str, status: str) -> str:

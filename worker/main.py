@@ -124,7 +124,9 @@ async def run_worker(settings: Settings, client: Client, stop: asyncio.Event | N
         health = await stack.enter_async_context(worker_health(settings, client))
         if settings.metrics_bind_address:
             groups = [group.name for group in settings.groups]
-            await stack.enter_async_context(health_gauges(client, groups, meter, settings.health_gauge_interval))
+            await stack.enter_async_context(
+                health_gauges(client, groups, meter, settings.health_gauge_interval, settings.repair_running_long)
+            )
         worker = build_worker(settings, client, aws)
         running = asyncio.create_task(worker.run(), name="temporal worker")
         stopped = asyncio.create_task((stop or asyncio.Event()).wait(), name="wait for a stop signal")

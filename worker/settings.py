@@ -38,6 +38,13 @@ class Settings(ConfigSources):
     health_gauge_interval: PositiveDuration = Field(
         default=timedelta(seconds=30), description="How often instances by health status are counted"
     )
+    repair_running_long: PositiveDuration = Field(
+        default=timedelta(hours=2),
+        description=(
+            "A repair still running this long after it started counts in autorepair_repairs_running_long (the "
+            "AutorepairRepairRunningLong alert): longer than its waits should ever take"
+        ),
+    )
     otlp_endpoint: str | None = None
     graceful_shutdown_timeout: PositiveDuration = Field(
         default=timedelta(seconds=60),
