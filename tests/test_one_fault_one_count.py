@@ -212,8 +212,10 @@ async def test_one_gpu_source_holds_nothing_back(tmp_path: Path) -> None:
 
 
 @contextlib.asynccontextmanager
-async def probing_sources(sources: list[RecordSource], reporter: FakeReporter) -> AsyncIterator[Probe]:
-    probe = Probe(config(), reporter, sources=sources)
+async def probing_sources(
+    sources: list[RecordSource], reporter: FakeReporter, **settings: object
+) -> AsyncIterator[Probe]:
+    probe = Probe(config(**settings), reporter, sources=sources)
     task = asyncio.create_task(probe.run())
     try:
         yield probe

@@ -6,8 +6,7 @@ withdrawal into the finding that set it, or drops what a copy stated."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -33,10 +32,11 @@ from node_probe.classify.record import FaultRecord
 from node_probe.classify.verdicts import RECOVERY_ACTIONS, recovery_action, statement
 from node_probe.delivery.liveness_relay import LivenessRelay, routes_of
 from node_probe.delivery.spool import FileSpool, MemorySpool
-from node_probe.probe import Probe, ProbeConfig
+from node_probe.probe import Probe
 from node_probe.sources.base import RecordSource
 from node_probe.sources.log_file import KernelLogFileSource
 from tests.fake_nvml import NO_INSTANCE, XID, FakeNvml, make_source, two_gpus
+from tests.test_one_fault_one_count import probing_sources
 from tests.test_probe import FakeReporter, eventually
 
 NOW = datetime(2026, 12, 5, 12, 0, tzinfo=UTC)
@@ -210,24 +210,9 @@ def test_statements_tell_a_verdict_from_its_withdrawal() -> None:
     assert statement(one("NVRM: Xid (PCI:0000:b3:00): 79, GPU has fallen off the bus.")) == ""
 
 
-@contextlib.asynccontextmanager
-async def probing(sources: list[RecordSource], reporter: FakeReporter) -> AsyncIterator[Probe]:
-    config = ProbeConfig(
-        instance_id="i-1",
-        group="g",
-        heartbeat_interval=timedelta(hours=1),
-        poll_interval=timedelta(seconds=0.05),
-        retry_max_backoff=timedelta(seconds=1),
-        correlation_window=timedelta(seconds=1),
-    )
-    probe = Probe(config, reporter, sources=sources)
-    task = asyncio.create_task(probe.run())
-    try:
-        yield probe
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+def probing(sources: list[RecordSource], reporter: FakeReporter) -> AbstractAsyncContextManager[Probe]:
+    # A short correlation window: the copies of one fault these tests make arrive within it.
+    return probing_sources(sources, reporter, correlation_window=timedelta(seconds=1))
 
 
 async def test_nvmls_xid_event_first_still_gives_the_kernel_lines_verdict(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 
 from temporalio.client import Client
-from temporalio.common import MetricMeter
+from temporalio.common import MetricGauge, MetricMeter
 
 from contract import search_attributes as sa
 from contract.health import SEARCH_STATUSES
@@ -52,13 +52,10 @@ class HealthGauges:
         counts = {}
         for group in self._groups:
             for status in SEARCH_STATUSES:
-                try:
-                    result = await self._client.count_workflows(sa.health_count_query(group, status))
-                except Exception as exc:  # an unreachable server: stale for one refresh, not a dead worker
-                    log.warning("instances of %s that are %s not counted: %s", group, status, exc)
-                    continue
-                counts[group, status] = result.count
-                self._gauge.set(result.count, {"group": group, "health_status": status})
+                attributes = {"group": group, "health_status": status}
+                count = await self._count(sa.health_count_query(group, status), self._gauge, attributes)
+                if count is not None:
+                    counts[group, status] = count
         return counts
 
     async def refresh_repairs(self) -> dict[str, int]:
@@ -66,14 +63,20 @@ class HealthGauges:
         counts = {}
         before = datetime.now(UTC) - self._long_after
         for group in self._groups:
-            try:
-                result = await self._client.count_workflows(sa.long_repairs_query(group, before))
-            except Exception as exc:  # as above: stale for one refresh
-                log.warning("long repairs of %s not counted: %s", group, exc)
-                continue
-            counts[group] = result.count
-            self._long.set(result.count, {"group": group})
+            count = await self._count(sa.long_repairs_query(group, before), self._long, {"group": group})
+            if count is not None:
+                counts[group] = count
         return counts
+
+    async def _count(self, query: str, gauge: MetricGauge, attributes: dict[str, str]) -> int | None:
+        """The query's count, set on the gauge; None when it cannot be read (the gauge keeps its last value)."""
+        try:
+            result = await self._client.count_workflows(query)
+        except Exception as exc:  # an unreachable server: stale for one refresh, not a dead worker
+            log.warning("not counted (%s): %s", attributes, exc)
+            return None
+        gauge.set(result.count, attributes)
+        return result.count
 
 
 @asynccontextmanager
