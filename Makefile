@@ -16,6 +16,8 @@ JOURNAL_REMOTE ?= /lib/systemd/systemd-journal-remote
 # The probe's launch-template installer (deploy/systemd/install-probe.sh) is checked with Debian's shellcheck.
 SHELLCHECK ?= /usr/bin/shellcheck
 PROMTOOL ?= /usr/bin/promtool
+# The dashboard and firing-alert tests run Debian's Prometheus server, from the same package as promtool.
+PROMETHEUS ?= /usr/bin/prometheus
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
 .PHONY: demo test lint install browser clean
@@ -39,14 +41,14 @@ $(JOURNAL_REMOTE):
 $(SHELLCHECK):
 	$(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq shellcheck
 
-# promtool checks and unit-tests the alert rules (deploy/prometheus/).
-$(PROMTOOL):
+# promtool checks and unit-tests the alert rules (deploy/prometheus/); the server runs the dashboard's queries.
+$(PROMTOOL) $(PROMETHEUS):
 	$(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus
 
 demo: $(STAMP)
 	$(BIN)/autorepair demo $(DEMO_ARGS)
 
-test: $(STAMP) $(CHROMIUM) $(JOURNAL_REMOTE) $(SHELLCHECK) $(PROMTOOL)
+test: $(STAMP) $(CHROMIUM) $(JOURNAL_REMOTE) $(SHELLCHECK) $(PROMTOOL) $(PROMETHEUS)
 	$(BIN)/ruff check .
 	$(BIN)/mypy contract workflows activities worker node_probe ingest operator_cli simulator
 	$(BIN)/pytest $(PYTEST_ARGS)

@@ -6,7 +6,8 @@ running in EC2 and registered (ACTIVE or DRAINING) in the group's ECS cluster ar
 the liveness tracker's business (activities/departures.py).
 
 The calls, per group and read: ListContainerInstances and DescribeContainerInstances (100 at a time), then
-DescribeInstanceStatus with IncludeAllInstances for those instances (100 ids at a time).
+DescribeInstanceStatus with IncludeAllInstances for those instances (100 ids at a time); with `daemon_services`, the
+daemon tasks' few calls (activities/daemon_tasks.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.aws import AwsClients
+from activities.daemon_tasks import DaemonTaskReads, Registration
 from activities.ec2 import Ec2, chunks
 from activities.models import AwsStatusRequest
 from contract.aws_status import (
@@ -54,6 +56,7 @@ class AwsStatusReads:
     def __init__(self, aws: AwsClients) -> None:
         self._aws = aws
         self._ec2 = Ec2(aws)
+        self._daemons = DaemonTaskReads(aws)
 
     async def members(self, group: CapacityGroup, instance_ids: Sequence[str]) -> set[str]:
         """Which of these instances of the group's cluster are the group's (by tag or Auto Scaling membership): a
@@ -65,8 +68,10 @@ class AwsStatusReads:
     ) -> dict[str, AwsInstanceStatus]:
         """Every registered, running instance of the group (or only `instance_id`), as AWS describes it now."""
         observed_at = now or datetime.now(UTC)
-        agents = await self.agents(group.cluster, instance_id)
-        statuses = await self.ec2_statuses(sorted(agents))
+        registered = await self.registrations(group.cluster, instance_id)
+        statuses = await self.ec2_statuses(sorted(registered))
+        running = {iid: registered[iid] for iid in statuses}
+        missing = await self._daemons.missing(group, running, observed_at, instance_id)
         return {
             iid: AwsInstanceStatus(
                 instance_id=iid,
@@ -75,13 +80,14 @@ class AwsStatusReads:
                 system=status.system,
                 instance=status.instance,
                 events=status.events,
-                agent_connected=agents[iid],
+                agent_connected=registered[iid].agent_connected,
+                daemon_tasks_missing=missing.get(iid, []),
             )
             for iid, status in statuses.items()
         }
 
-    async def agents(self, cluster: str, instance_id: str | None = None) -> dict[str, bool]:
-        """EC2 instance id -> agentConnected of its container instance in the cluster (the newest registration's,
+    async def registrations(self, cluster: str, instance_id: str | None = None) -> dict[str, Registration]:
+        """EC2 instance id -> its container instance in the cluster, ACTIVE or DRAINING (the newest registration,
         for one registered twice)."""
         kwargs: dict[str, Any] = {"cluster": cluster}
         if instance_id is not None:
@@ -93,7 +99,7 @@ class AwsStatusReads:
             if not page.get("nextToken"):
                 break
             kwargs["nextToken"] = page["nextToken"]
-        newest: dict[str, tuple[datetime, bool]] = {}
+        newest: dict[str, tuple[datetime, Registration]] = {}
         for chunk in chunks(arns, ECS_DESCRIBE_BATCH):
             described = await self._aws.call(
                 f"ECS cluster {cluster}",
@@ -107,8 +113,16 @@ class AwsStatusReads:
                     continue
                 registered = ci.get("registeredAt") or datetime.min.replace(tzinfo=UTC)
                 if iid not in newest or registered >= newest[iid][0]:
-                    newest[iid] = (registered, bool(ci.get("agentConnected", False)))
-        return {iid: connected for iid, (_, connected) in newest.items()}
+                    newest[iid] = (
+                        registered,
+                        Registration(
+                            arn=ci.get("containerInstanceArn", ""),
+                            status=ci.get("status", ""),
+                            registered_at=ci.get("registeredAt"),
+                            agent_connected=bool(ci.get("agentConnected", False)),
+                        ),
+                    )
+        return {iid: registration for iid, (_, registration) in newest.items()}
 
     async def ec2_statuses(self, instance_ids: Sequence[str]) -> dict[str, _Ec2View]:
         """The running ones among `instance_ids`: their two status checks and pending scheduled events."""

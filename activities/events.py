@@ -22,6 +22,7 @@ from datetime import UTC, date, datetime
 from enum import Enum
 from typing import Any
 
+from pydantic import ValidationError
 from temporalio import activity
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.common import MetricMeter
@@ -31,7 +32,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from activities.aws import AwsClients
 from activities.event_sinks import SinkTries
 from activities.metrics import EventMetrics, OutboxMetrics
-from activities.models import EventType, FleetEvent
+from activities.models import FleetEvent
 from contract import names
 from contract.config import EventSettings
 from contract.event_outbox import (
@@ -44,13 +45,14 @@ from contract.event_outbox import (
     SinkTarget,
     outbox_workflow_id,
 )
+from contract.events import Event
 from contract.formats import iso, workflow_url
 
 log = logging.getLogger(__name__)
 
 
 def _json_default(value: Any) -> Any:
-    # `fields` may hold datetimes and enums when a caller did not dump its model in JSON mode.
+    # A detail sent as built may hold datetimes and enums where a caller did not dump its model in JSON mode.
     if isinstance(value, datetime):
         return iso(value)
     if isinstance(value, date):
@@ -61,21 +63,31 @@ def _json_default(value: Any) -> Any:
 
 
 def event_body(event: FleetEvent, workflow_url: str | None = None) -> dict[str, Any]:
-    """The event's flat line, plus ECS's `healthChecks` name for a HealthChanged event's health details, and the
-    Web UI page of the workflow that sent it (what ECS's event cannot give: the repair's story, step by step)."""
-    body = event.line()
+    """The event as every sink takes it (contract/events.py): the envelope, its detail in its type's model's JSON form
+    (with ECS's `healthChecks` and `overallStatus` on a HealthChanged), and the Web UI page of the workflow that sent
+    it (what ECS's event cannot give: the repair's story, step by step)."""
+    try:
+        published = event.published()
+    except ValidationError as err:
+        # Built by a workflow of another version (a field this worker does not know): sent as built, never lost.
+        log.warning("%s event %s sent as built, not of its schema: %s", event.type.value, event.event_id, err)
+        published = event
     if workflow_url is not None:
-        body["workflow_url"] = workflow_url
-    details = event.fields.get("details")
-    if (
-        event.type is EventType.HEALTH_CHANGED
-        and isinstance(details, list)
-        and all(isinstance(d, dict) and "type" in d and "status" in d for d in details)
-    ):
-        # ECS's "Container Instance Health Change" event says healthChecks where the API says details;
-        # consumers written for ECS's event then read ours unchanged.
-        body["healthChecks"] = details
-    return body
+        published = published.model_copy(update={"workflow_url": workflow_url})
+    return published.line()
+
+
+def current_entry(entry: OutboxEntry) -> OutboxEntry:
+    """An entry that waited since a worker of schema_version 1 queued it, in version 2's shape, so that a consumer
+    sees one shape after the upgrade. The entry's own event_id is the event's: a flat ScheduledEventFound's body
+    had EC2's event id in its place."""
+    if "schema_version" in entry.event:
+        return entry
+    try:
+        event = Event.model_validate(entry.event).model_copy(update={"event_id": entry.event_id})
+    except ValidationError:
+        return entry
+    return entry.model_copy(update={"event": json.loads(json.dumps(event_body(event), default=_json_default))})
 
 
 class Outboxes:
@@ -197,7 +209,7 @@ class EventActivities:
         metrics = OutboxMetrics(_meter())
         sink = delivery.target.sink.value
         for index, entry in enumerate(delivery.entries):
-            failure = await self._sinks.attempt(delivery.target, entry)
+            failure = await self._sinks.attempt(delivery.target, current_entry(entry))
             if failure is not None:
                 metrics.retried(sink, f"{failure.kind}_error")
                 level = logging.WARNING if failure.kind == "transient" else logging.ERROR

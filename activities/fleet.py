@@ -51,6 +51,7 @@ from activities.models import (
     SubnetZones,
     SubnetZonesRequest,
     TaskInfo,
+    TasksWait,
     TerminateResult,
 )
 from activities.workflow_ops import live_group_config
@@ -131,6 +132,7 @@ class FleetActivities:
             self.terminate_replacement,
             self.check_replacement,
             self.list_instance_tasks,
+            self.wait_for_tasks_to_stop,
             self.stop_tasks,
             self.terminate_instance,
             self.quarantine_instance,
@@ -377,9 +379,29 @@ class FleetActivities:
                 break
         tasks: list[TaskInfo] = []
         for task in await self._describe_tasks(group.cluster, task_arns):
+            if task.get("lastStatus") == "STOPPED":
+                continue  # stopped, whatever is still desired of it: nothing left to wait for
             timeout = await self._stop_timeout(task["taskDefinitionArn"])
             tasks.append(TaskInfo(task_arn=task["taskArn"], stop_timeout_seconds=timeout))
         return InstanceTasks(tasks=tasks)
+
+    @activity.defn(name="wait_for_tasks_to_stop")
+    async def wait_for_tasks_to_stop(self, wait: TasksWait) -> InstanceTasks:
+        """Look at the instance's tasks every `poll_seconds` until none is left, one the workflow has not seen starts,
+        or `until`; answer what still runs.
+
+        One activity and a heartbeat a minute instead of a timer and an activity per look: both are billed actions,
+        and a drain that waits for its services' replacement tasks can take as long as an instance's boot."""
+        known = set(wait.known)
+        ref = InstanceRef(group=wait.group, instance_id=wait.instance_id)
+        while True:
+            running = await self.list_instance_tasks(ref)
+            arns = {task.task_arn for task in running.tasks}
+            left = (wait.until - datetime.now(UTC)).total_seconds()
+            if not arns or not arns <= known or left <= 0:
+                return running
+            activity.heartbeat(len(arns))
+            await asyncio.sleep(min(wait.poll_seconds, left))
 
     @activity.defn(name="stop_tasks")
     async def stop_tasks(self, request: StopTasksRequest) -> StopTasksResult:

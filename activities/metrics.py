@@ -6,6 +6,8 @@ activity's Temporal metric meter: they land on the same Prometheus endpoint as T
 (`metrics_bind_address`), with the meter's `namespace`, `task_queue` and `activity_type` labels added.
 
 Counters are per worker process and start at zero when it starts: sum them over workers and use `increase()`/`rate()`.
+Their names here lack the `_total` the exporter appends (worker/telemetry.py: counters_total_suffix), so
+`autorepair_repairs_started` is scraped as `autorepair_repairs_started_total`.
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ class EventMetrics:
 
     def record(self, event: FleetEvent) -> None:
         group = {"group": event.group}
-        fields = event.fields
+        fields = event.detail
         if event.type is EventType.HEALTH_CHANGED:
             status = fields.get("overall_status")
             self._health_changes.add(1, group | {"status": status if isinstance(status, str) else "UNKNOWN"})
@@ -142,8 +144,8 @@ def _finding_to_impaired(event: FleetEvent) -> float | None:
     Later HealthChanged events of an impaired instance (its agent reconnecting, say) carry the same finding; the
     check's `lastStatusChange` equals the event's time only on the change itself, so those are not counted again.
     """
-    raw = event.fields.get("finding")
-    details = event.fields.get("details")
+    raw = event.detail.get("finding")
+    details = event.detail.get("details")
     if not isinstance(raw, dict) or not isinstance(details, list):
         return None
     accelerated = next(

@@ -4,124 +4,23 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
-from typing import Any
 
 from pydantic import BaseModel, Field, field_validator
 
-from contract.formats import iso
+# The events are the contract's (contract/events.py): re-exported for those that import them from here.
+from contract.event_types import EventType as EventType
+from contract.events import BREAKER_DETAIL_TYPE as BREAKER_DETAIL_TYPE
+from contract.events import CONTROL_DETAIL_TYPE as CONTROL_DETAIL_TYPE
+from contract.events import GROUP_DETAIL_TYPE as GROUP_DETAIL_TYPE
+from contract.events import HEALTH_DETAIL_TYPE as HEALTH_DETAIL_TYPE
+from contract.events import REPAIR_DETAIL_TYPE as REPAIR_DETAIL_TYPE
+from contract.events import Event
 from contract.groups import GroupConfigOverrides, GroupConfigState
 from contract.probe import GpuFinding, ProbeSourceHealth
 from contract.repair import MAX_VERDICTS_KEPT, GpuVerdict, RepairInput
 
-
-class EventType(StrEnum):
-    HEALTH_CHANGED = "HealthChanged"
-    REPAIR_STARTED = "RepairStarted"
-    DRAIN_PERMIT_GRANTED = "DrainPermitGranted"
-    DRAINING = "Draining"
-    REPLACEMENT_LAUNCHED = "ReplacementLaunched"
-    REPLACEMENT_LAUNCH_FAILED = "ReplacementLaunchFailed"
-    REPLACEMENT_READY = "ReplacementReady"
-    TASKS_STOPPED = "TasksStopped"
-    TERMINATED = "Terminated"
-    REPAIR_COMPLETED = "RepairCompleted"
-    REPAIR_FAILED = "RepairFailed"
-    DRAIN_PERMIT_RELEASED = "DrainPermitReleased"
-    # A group-level event: instance_id is empty, `changes` holds each changed field's old and new value.
-    GROUP_CONFIG_CHANGED = "GroupConfigChanged"
-    # The instance left on purpose (terminated by someone other than a repair): watched no more, never repaired.
-    INSTANCE_RETIRED = "InstanceRetired"
-    # A dormant instance (it left on purpose, stopped or in standby, say) was heard from again: watched as before.
-    INSTANCE_RETURNED = "InstanceReturned"
-    # A container instance of the group whose probe has not reported within first_report_timeout of its health
-    # workflow's start (the AWS watch starts one for every member): INSUFFICIENT_DATA, watched by AWS alone.
-    INSTANCE_UNMONITORED = "InstanceUnmonitored"
-    # Per-instance operator controls (contract/instances.py), from the instance's health workflow; each carries
-    # `requested_by` and `reason`.
-    INSTANCE_EXCLUDED = "InstanceExcluded"
-    INSTANCE_INCLUDED = "InstanceIncluded"
-    REPAIR_REQUESTED = "RepairRequested"
-    FINDING_CLEARED = "FindingCleared"
-    # The breaker (group-level, or fleet-wide with group "*"): repairs held, and an operator's resume.
-    REPAIRS_HELD = "RepairsHeld"
-    REPLACEMENT_FAULTED_EARLY = "ReplacementFaultedEarly"
-    FIX_VERIFIED = "FixVerified"
-    REPAIRS_RESUMED = "RepairsResumed"
-    # A held repair let go by `--resume --discard-held`: its instance was never touched.
-    REPAIR_DISCARDED = "RepairDiscarded"
-    # A replacement that was not ACTIVE in ECS within replacement_ready_timeout (or went away): terminated, and
-    # another launched unless it was the repair's last attempt.
-    REPLACEMENT_ABANDONED = "ReplacementAbandoned"
-    # The remediation ladder (workflows/repair_reboot.py): a fault handled in place, by a GPU reset or a reboot, and
-    # `Escalated` (with `from_action`, `to_action`, `why`) when a rung is skipped or did not work.
-    GPU_RESET_STARTED = "GpuResetStarted"
-    GPU_RESET_COMPLETED = "GpuResetCompleted"
-    REBOOT_STARTED = "RebootStarted"
-    REBOOT_COMPLETED = "RebootCompleted"
-    ESCALATED = "Escalated"
-    # From the health workflow: the last repair attempt the group allows (max_repair_attempts) failed too; nothing
-    # more is tried until an operator's `autorepair instance repair`.
-    REPAIRS_EXHAUSTED = "RepairsExhausted"
-    # From the health workflow: EC2 scheduled an event that takes the instance away (retirement, stop, reboot,
-    # maintenance); `deadline` is its NotBefore, `repair_at` when the repair starts (scheduled_event_lead before it).
-    SCHEDULED_EVENT_FOUND = "ScheduledEventFound"
-    # Evidence before a termination (workflows/repair_evidence.py): `evidence` is the incident's S3 location,
-    # `objects` what is there, `missing` what is not and why; or why nothing could be stored.
-    EVIDENCE_STORED = "EvidenceStored"
-    EVIDENCE_NOT_STORED = "EvidenceNotStored"
-    # The group's quarantine: the impaired instance was stopped and kept instead of terminated.
-    QUARANTINED = "Quarantined"
-
-
-HEALTH_DETAIL_TYPE = "Instance Health Change"
-REPAIR_DETAIL_TYPE = "Instance Repair Step"
-GROUP_DETAIL_TYPE = "Capacity Group Configuration Change"
-CONTROL_DETAIL_TYPE = "Instance Operator Control"
-CONTROL_EVENTS = frozenset(
-    {EventType.INSTANCE_EXCLUDED, EventType.INSTANCE_INCLUDED, EventType.REPAIR_REQUESTED, EventType.FINDING_CLEARED}
-)
-BREAKER_DETAIL_TYPE = "Capacity Group Breaker"
-
-
-class FleetEvent(BaseModel):
-    """One line of the event stream. `fields` holds the type-specific keys (e.g. `replacement_instance_id`)."""
-
-    event_id: str = Field(description="Deterministic per workflow step, so consumers can drop redeliveries")
-    time: datetime
-    type: EventType
-    group: str
-    instance_id: str
-    workflow_id: str = ""
-    fields: dict[str, Any] = Field(default_factory=dict)
-
-    @property
-    def detail_type(self) -> str:
-        if self.type is EventType.GROUP_CONFIG_CHANGED:
-            return GROUP_DETAIL_TYPE
-        if self.type in CONTROL_EVENTS:
-            return CONTROL_DETAIL_TYPE
-        if self.type in (EventType.REPAIRS_HELD, EventType.REPAIRS_RESUMED, EventType.REPLACEMENT_FAULTED_EARLY):
-            return BREAKER_DETAIL_TYPE
-        health = (
-            EventType.HEALTH_CHANGED,
-            EventType.INSTANCE_RETIRED,
-            EventType.INSTANCE_RETURNED,
-            EventType.INSTANCE_UNMONITORED,
-            EventType.SCHEDULED_EVENT_FOUND,
-        )
-        return HEALTH_DETAIL_TYPE if self.type in health else REPAIR_DETAIL_TYPE
-
-    def line(self) -> dict[str, Any]:
-        """The flat JSON-lines shape: time, type, group, instance_id, then the type's own keys."""
-        head = {
-            "time": iso(self.time),
-            "type": self.type.value,
-            "group": self.group,
-            "instance_id": self.instance_id,
-            "workflow_id": self.workflow_id,
-            "event_id": self.event_id,
-        }
-        return head | self.fields
+# The publish activity's input: an event as its workflow built it.
+FleetEvent = Event
 
 
 class GroupRef(BaseModel):
@@ -255,6 +154,15 @@ class TaskInfo(BaseModel):
 
 class InstanceTasks(BaseModel):
     tasks: list[TaskInfo]
+
+
+class TasksWait(InstanceRef):
+    """Wait while the instance's tasks stop, looking every `poll_seconds`: answered at `until` (the next stop timeout),
+    or at once when no task is left or one starts that the workflow has not seen (its stop timeout is its own)."""
+
+    until: datetime
+    known: list[str] = Field(default_factory=list)
+    poll_seconds: float = Field(gt=0)
 
 
 class StopTasksRequest(BaseModel):

@@ -18,6 +18,9 @@ SHELL_DOCUMENT = "AWS-RunShellScript"
 # SSM's terminal statuses of a command invocation; any other (Pending, InProgress, Delayed) is still running.
 TERMINAL_STATUSES = frozenset({"Success", "Failed", "Cancelled", "TimedOut", "Cancelling", "Undeliverable"})
 OUTPUT_MAX = 500
+# SendCommand refuses a TimeoutSeconds (how long SSM tries to deliver it) under 30 s; a shorter step (a gate_timeout
+# of a few seconds) is still bounded by its own deadline in the workflow, and by executionTimeout on the host.
+MIN_DELIVERY_TIMEOUT_S = 30
 
 
 async def send_once(aws: AwsClients, instance_id: str, comment: str, lines: list[str], timeout_s: int) -> str:
@@ -33,7 +36,7 @@ async def send_once(aws: AwsClients, instance_id: str, comment: str, lines: list
         DocumentName=SHELL_DOCUMENT,
         Parameters={"commands": lines, "executionTimeout": [str(timeout_s)]},
         Comment=comment,
-        TimeoutSeconds=timeout_s,
+        TimeoutSeconds=max(timeout_s, MIN_DELIVERY_TIMEOUT_S),
     )
     return str(resp["Command"]["CommandId"])
 

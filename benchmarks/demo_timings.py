@@ -33,10 +33,14 @@ from simulator.demo_summary import EventLog, percentile, timings
 from simulator.servers import find_binary, free_port
 
 REPO = Path(__file__).resolve().parents[1]
-# simulator/fleet.py logs each fault it writes; the demo's log has the time of day it was written.
+# simulator/fleet.py logs each fault it writes; the demo's log has the time of day it was written, or, since the
+# fleet is `autorepair sim` (a process of its own), sim.log beside it, in JSON lines.
 INJECTED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*fleet-sim: injected Xid \d+ on (i-[0-9a-f]+)")
-# A child of the demo, by what its command line says it is.
+INJECTED_EVENT = re.compile(r"^fleet-sim: injected Xid \d+ on (i-[0-9a-f]+)")
+# A child of the demo, by what its command line says it is (the sim first: its flags name moto's and the ingest's
+# addresses).
 ROLES = (
+    ("operator_cli.main sim ", "sim"),
     ("moto_server", "moto"),
     ("moto_main", "moto"),
     ("temporal", "temporal"),
@@ -52,6 +56,13 @@ def faults_written(log: Path) -> dict[str, datetime]:
         if match:
             at = datetime.strptime(match[1], "%Y-%m-%d %H:%M:%S,%f").replace(tzinfo=UTC)  # the demo logs in UTC
             found.setdefault(match[2], at)
+    sim_log = log.with_name("sim.log")
+    if sim_log.exists():
+        for line in sim_log.read_text(errors="replace").splitlines():
+            with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
+                entry = json.loads(line)
+                if injected := INJECTED_EVENT.match(str(entry.get("event", ""))):
+                    found.setdefault(injected[1], datetime.fromisoformat(entry["timestamp"].replace("Z", "+00:00")))
     return found
 
 
@@ -86,9 +97,17 @@ def role(pid: int) -> str:
     return next((name for needle, name in ROLES if needle in command), "other")
 
 
-def run_demo(commit: str, tree: Path, instances: int, faults: int, state: Path, time_limit: int | None = None) -> Run:
+def run_demo(
+    commit: str,
+    tree: Path,
+    instances: int,
+    faults: int,
+    state: Path,
+    time_limit: int | None = None,
+    extra: tuple[str, ...] = (),
+) -> Run:
     command = [sys.executable, "-m", "operator_cli.main", "demo", "--instances", str(instances), "--faults"]
-    command += [str(faults), "--until-repaired", "--exit", "--state-dir", str(state)]
+    command += [str(faults), "--until-repaired", "--exit", "--state-dir", str(state), *extra]
     if time_limit is not None:
         command += ["--time-limit", str(time_limit)]
     began = time.monotonic()

@@ -73,7 +73,7 @@ async def fleet_latency(state: Path, faults: int, losses: int) -> dict[str, Any]
                 return min(fleet.events(kind, instance), key=at)
 
             impaired = min(
-                (e for e in fleet.events("HealthChanged", instance) if e.get("overall_status") == "IMPAIRED"),
+                (e for e in fleet.events("HealthChanged", instance) if e["detail"].get("overall_status") == "IMPAIRED"),
                 key=at,
             )
             # The finding the event carries was stamped by the probe when it classified the line: it splits
@@ -110,7 +110,7 @@ async def fleet_latency(state: Path, faults: int, losses: int) -> dict[str, Any]
                 for e in fleet.events("HealthChanged", instance)
                 if any(
                     d.get("type") == "AGENT_CONNECTIVITY" and d.get("status") == "IMPAIRED"
-                    for d in e.get("details", [])
+                    for d in e["detail"].get("details", [])
                 )
             ]
             return min(changes, key=at) if changes else None
@@ -125,7 +125,7 @@ async def fleet_latency(state: Path, faults: int, losses: int) -> dict[str, Any]
         for instance in lost:
             event = agent_impaired(instance)
             assert event is not None
-            detail = next(d for d in event["details"] if d["type"] == "AGENT_CONNECTIVITY")
+            detail = next(d for d in event["detail"]["details"] if d["type"] == "AGENT_CONNECTIVITY")
             # "Agent disconnected since <the last heartbeat's time>"
             last_beat = datetime.fromisoformat(detail["statusReason"].rsplit(" ", 1)[-1])
             loss_rows.append(
@@ -138,7 +138,9 @@ async def fleet_latency(state: Path, faults: int, losses: int) -> dict[str, Any]
         spare_view = await fleet.sim.health(spare)
         blip_ok = {
             "blip_s": timing.blip.total_seconds(),
-            "impaired_events": sum(e.get("overall_status") == "IMPAIRED" for e in fleet.events("HealthChanged", spare)),
+            "impaired_events": sum(
+                e["detail"].get("overall_status") == "IMPAIRED" for e in fleet.events("HealthChanged", spare)
+            ),
             "status_after": spare_view.healthStatus.overallStatus.value if spare_view else None,
         }
         healthy_again = spare_view is not None and spare_view.healthStatus.overallStatus is HealthState.OK

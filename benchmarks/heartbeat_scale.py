@@ -118,15 +118,15 @@ ACT_TIMER, ACT_TIMEOUTS = "TimerActiveTaskActivityTimeout", ("start_to_close_tim
 RESPOND = "RespondWorkflowTaskCompleted"
 Labels = dict[str, str | tuple[str, ...]]
 # What each sample reads: (name, endpoint, metric families summed, the labels a sample must have: a tuple, any of
-# these). The worker's are the Temporal SDK core's (durations in ms); "temporal" is the dev server's page, read for
-# the benchmark's namespace only. All are counters but the two gauges.
+# these). The worker's are the Temporal SDK core's (durations in ms, counters with _total); "temporal" is the dev
+# server's page, read for the benchmark's namespace only. All are counters but the two gauges.
 COUNTERS: list[tuple[str, str, tuple[str, ...], Labels]] = [
     ("workflow_tasks", "worker", ("temporal_workflow_task_execution_latency_count",), {}),
-    ("workflow_task_failures", "worker", ("temporal_workflow_task_execution_failed",), {}),
+    ("workflow_task_failures", "worker", ("temporal_workflow_task_execution_failed_total",), {}),
     ("wft_schedule_to_start_ms_sum", "worker", ("temporal_workflow_task_schedule_to_start_latency_sum",), {}),
     ("wft_schedule_to_start_count", "worker", ("temporal_workflow_task_schedule_to_start_latency_count",), {}),
     ("activities", "worker", ("temporal_activity_execution_latency_count",), {}),
-    ("activity_failures", "worker", ("temporal_activity_execution_failed",), {}),
+    ("activity_failures", "worker", ("temporal_activity_execution_failed_total",), {}),
     ("sticky_cache_size", "worker", ("temporal_sticky_cache_size",), {}),
     ("workflow_slots_used", "worker", ("temporal_worker_task_slots_used",), {"worker_type": "WorkflowWorker"}),
     # Signals (and signal-with-starts) from clients: the ingest's, and the worker's activities'. A workflow signalling
@@ -333,7 +333,7 @@ class Detection:
         for event in self.log.read_new():
             if event.get("type") != "HealthChanged" or event.get("group") != self.group:
                 continue
-            instance_id, status = str(event.get("instance_id")), event.get("overall_status")
+            instance_id, status = str(event.get("instance_id")), (event.get("detail") or {}).get("overall_status")
             if status == HealthState.OK.value:
                 self.ok.add(instance_id)
             elif status == HealthState.IMPAIRED.value and instance_id not in self.impaired:
@@ -595,7 +595,7 @@ async def run(args: argparse.Namespace, state: Path) -> dict[str, Any]:
     os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION=REGION)
     group = f"gpu-{uuid.uuid4().hex[:8]}"
     timing = SimTiming(heartbeat_interval=timedelta(seconds=INTERVAL_S), heartbeat_loss_threshold=timedelta(minutes=10))
-    metrics_port, worker_metrics_port = free_port(), free_port()
+    metrics_port, worker_metrics_port, ingest_metrics_port = free_port(), free_port(), free_port()
     server_args = ["--headless", "--metrics-port", str(metrics_port)]
     async with (
         MotoServer(state / "moto", port=free_port()) as moto,
@@ -608,7 +608,11 @@ async def run(args: argparse.Namespace, state: Path) -> dict[str, Any]:
         production = CapacityGroup(
             name=group, cluster=group, launch_template=f"{group}-lt", auto_repair=AutoRepair.DISABLED
         )
-        ingest_settings = IngestSettings(sts_endpoint=moto.endpoint_url, allowed_accounts=[throughput.ACCOUNT])
+        ingest_settings = IngestSettings(
+            sts_endpoint=moto.endpoint_url,
+            allowed_accounts=[throughput.ACCOUNT],
+            metrics_bind=f"127.0.0.1:{ingest_metrics_port}",  # its metrics port: the hosts' serves none
+        )
         # No health endpoint: its default port is fixed, and other runs may share the machine.
         update = {"groups": [production], "ingest": ingest_settings, "health_bind_address": None}
         settings = settings.model_copy(update=update)
@@ -636,7 +640,7 @@ async def run(args: argparse.Namespace, state: Path) -> dict[str, Any]:
                 urls = {
                     "worker": worker_url,
                     "temporal": f"http://127.0.0.1:{metrics_port}/metrics",
-                    "ingest": f"{ingest.url}{METRICS_PATH}",
+                    "ingest": f"http://127.0.0.1:{ingest_metrics_port}{METRICS_PATH}",
                 }
                 sampler = Sampler(processes, client, settings.temporal.task_queue, urls, fleet)
                 try:

@@ -173,7 +173,7 @@ async def _serve(settings: Any, port: int, profile_path: Path | None) -> dict[st
     import aiohttp
 
     from contract.temporal_client import connect
-    from ingest.cli import build_ingest, serving
+    from ingest.cli import build_ingest, serving, serving_metrics
     from ingest.server import build_app
     from node_probe.delivery.reporter import Reporter
 
@@ -196,7 +196,11 @@ async def _serve(settings: Any, port: int, profile_path: Path | None) -> dict[st
         loop.add_signal_handler(signal.SIGUSR2, stop_profile)
     async with aiohttp.ClientSession() as session:
         ingest = build_ingest(settings, Reporter(client), session)
-        async with serving(build_app(ingest), "127.0.0.1", port, None):
+        # Its metrics port too, where the settings name one (heartbeat_scale.py scrapes it).
+        async with (
+            serving(build_app(ingest), "127.0.0.1", port, None),
+            serving_metrics(ingest, settings.ingest.metrics_bind),
+        ):
             await stop.wait()
     return {
         "heartbeats_forwarded_to_temporal": ingest.relay.heartbeats_forwarded,

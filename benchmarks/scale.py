@@ -3,10 +3,10 @@
     .venv/bin/python -m benchmarks.scale [--sizes 100,200,1000] [--share 20] [--time-limit 900] [--json F]
 
 Runs `autorepair demo --instances N --faults N*share/100 --until-repaired --exit` from this checkout at each size in
-turn: moto, the Temporal dev server, `autorepair worker` and `autorepair ingest` each in a process of its own, and
-the simulated fleet with a real probe per instance in the demo's. The drain cap is the default 20 % and the
-breaker's threshold 30 %, so every fault is repaired at once; the demo exits 1 if the drain semaphore ever held more
-permits than its cap.
+turn: moto, the Temporal dev server, `autorepair worker`, `autorepair ingest` and the simulated fleet (`autorepair
+sim`: a real probe per instance up to 300, a probe stand-in above) each in a process of its own. The drain cap is
+the default 20 % and the breaker's threshold 30 %, so every fault is repaired at once; the demo exits 1 if the drain
+semaphore ever held more permits than its cap.
 
 Per size: whether every repair completed, the makespan (first fault written -> last RepairCompleted) against the
 physical floor (the simulator's boot delay, drain grace and longest task stop timeout: what no engine can beat),
@@ -37,7 +37,7 @@ from simulator.fleet_aws import SimWorkload
 
 # The repair waits on these, for the world's sake: not our overhead.
 WAITS = (RepairPhase.WAITING_FOR_REPLACEMENT.value, RepairPhase.STOPPING_TASKS.value)
-ROLES = ("demo", "worker", "ingest", "moto", "temporal")
+ROLES = ("demo", "sim", "worker", "ingest", "moto", "temporal")
 
 
 def physical_floor_s() -> float:
@@ -68,9 +68,10 @@ class Size:
     makespan_s: float | None
     overhead_s: list[float]
     drain_cap: str
+    label: str = ""  # " +latency": the engine's AWS calls answered as slowly as AWS answers them
 
 
-def read_size(instances: int, faults: int, run: Run, state: Path) -> Size:
+def read_size(instances: int, faults: int, run: Run, state: Path, label: str = "") -> Size:
     written = faults_written(state / "demo.log")
     completed: dict[str, dict[str, Any]] = {}
     for line in (state / "events.jsonl").read_text(errors="replace").splitlines():
@@ -82,7 +83,7 @@ def read_size(instances: int, faults: int, run: Run, state: Path) -> Size:
             completed.setdefault(str(event["instance_id"]), event)
     overhead = []
     for event in completed.values():
-        started = [s for s in event.get("timeline") or [] if isinstance(s, dict)]
+        started = [s for s in (event.get("detail") or {}).get("timeline") or [] if isinstance(s, dict)]
         if started:
             whole = (_at(event["time"]) - _at(started[0]["started_at"])).total_seconds()
             overhead.append(whole - waits_s(started))
@@ -91,7 +92,7 @@ def read_size(instances: int, faults: int, run: Run, state: Path) -> Size:
         makespan = (max(_at(e["time"]) for e in completed.values()) - min(written.values())).total_seconds()
     output = state.with_name(state.name + ".out").read_text(errors="replace")
     cap = next((line for line in output.splitlines() if line.startswith("drain cap:")), "drain cap: not printed")
-    return Size(instances, faults, run, len(completed), makespan, overhead, cap)
+    return Size(instances, faults, run, len(completed), makespan, overhead, cap, label)
 
 
 def p50_p99(values: list[float]) -> str:
@@ -108,7 +109,7 @@ def table(sizes: list[Size], floor: float) -> str:
     for size in sizes:
         run = size.run
         makespan = "-" if size.makespan_s is None else f"{size.makespan_s:.1f} ({size.makespan_s / floor:.2f})"
-        cells = [f"{size.instances} / {size.faults}", f"{size.completed} of {size.faults}", makespan]
+        cells = [f"{size.instances} / {size.faults}{size.label}", f"{size.completed} of {size.faults}", makespan]
         cells += [p50_p99(run.timings[m]) for m in measures] + [p50_p99(size.overhead_s)]
         cells += [f"{run.cpu_seconds.get(r, 0):.0f}" for r in ROLES] + [f"{run.rss_mb.get(r, 0):.0f}" for r in ROLES]
         cells += [size.drain_cap.removeprefix("drain cap: "), f"{run.exit}, {run.seconds:.0f}"]
@@ -122,17 +123,23 @@ def main() -> None:
     parser.add_argument("--share", type=int, default=20, help="percent of each fleet faulted at once")
     parser.add_argument("--time-limit", type=int, default=900, help="each demo gives up after this (s)")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--aws-latency", action="store_true", help="each size also run with AWS's latency on the engine's calls"
+    )
     args = parser.parse_args()
 
     scratch = Path(tempfile.mkdtemp(prefix="scale-"))
     floor = physical_floor_s()
     sizes: list[Size] = []
+    variants = [("", ())] + ([(" +latency", ("--aws-latency",))] if args.aws_latency else [])
     for instances in (int(n) for n in args.sizes.split(",")):
         faults = max(1, instances * args.share // 100)
-        state = scratch / f"n{instances}"
-        run = run_demo("HEAD", REPO, instances, faults, state, time_limit=args.time_limit)
-        sizes.append(read_size(instances, faults, run, state))
-        print(f"{instances} / {faults}: exit {run.exit} in {run.seconds} s ({state})", flush=True)
+        # Side by side in one run: the same size without and with AWS's latency.
+        for label, extra in variants:
+            state = scratch / f"n{instances}{label.strip().replace('+', '-')}"
+            run = run_demo("HEAD", REPO, instances, faults, state, time_limit=args.time_limit, extra=extra)
+            sizes.append(read_size(instances, faults, run, state, label))
+            print(f"{instances} / {faults}{label}: exit {run.exit} in {run.seconds} s ({state})", flush=True)
     when = datetime.now(UTC).isoformat(timespec="minutes")
     print(f"\n{when}; {os.cpu_count()} CPUs, {platform.machine()}, Python {platform.python_version()}")
     print(f"{' '.join(sys.argv)}; physical floor {floor:g} s; p50 / p99 seconds\n")

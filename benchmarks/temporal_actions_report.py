@@ -19,6 +19,7 @@ from contract.groups import CapacityGroup
 from contract.ids import repair_instance_of
 from workflows.holder_watch import next_look
 from workflows.repair_replacement import ready_heartbeat_timeout
+from workflows.repair_tasks import drain_heartbeat_timeout
 
 MONTH_S = 30 * 24 * 3600
 GOAL = 1_000  # actions per healthy instance-month (issue 11)
@@ -35,6 +36,7 @@ REAL_READY_TIMEOUT = CapacityGroup.model_fields["replacement_ready_timeout"].def
 # The SDK sends a heartbeat at most every 80 % of the heartbeat timeout, and at most one a minute (the worker's
 # max_heartbeat_throttle_interval, left at its default).
 HEARTBEAT_EVERY_S = min(0.8 * ready_heartbeat_timeout(REAL_READY_TIMEOUT).total_seconds(), 60.0)
+DRAIN_HEARTBEAT_EVERY_S = min(0.8 * drain_heartbeat_timeout(timedelta(seconds=REAL_TASK_POLL_S)).total_seconds(), 60.0)
 
 CATEGORIES = (
     "batches to tracker",
@@ -242,11 +244,14 @@ def repair_cost(measured: Measured) -> dict[str, Any]:
         "semaphore reclaim checks (timer + activity)": sum(
             a.n for a in sem_actions if a.kind == "timer" or a.detail == "find_closed_workflows"
         ),
-        "drain polls (timer + list_instance_tasks after the first)": max(
-            sum(a.n for a in repair_actions if a.kind == "timer") - 1, 0
-        )
-        + max(sum(a.n for a in repair_actions if a.detail == "list_instance_tasks") - 1, 0),
-        "replacement wait heartbeats": sum(a.n for a in repair_actions if a.kind == "activity heartbeat"),
+        "drain waits (wait_for_tasks_to_stop and its heartbeats)": sum(
+            a.n for a in repair_actions if (a.detail or "").startswith("wait_for_tasks_to_stop")
+        ),
+        "replacement wait heartbeats": sum(
+            a.n
+            for a in repair_actions
+            if a.kind == "activity heartbeat" and (a.detail or "").startswith("await_container_instance_active")
+        ),
     }
     hold_s = REAL_BOOT_S + REAL_DRAIN_S + 60
     reclaim = timedelta(seconds=REAL_RECLAIM_S)
@@ -255,7 +260,9 @@ def repair_cost(measured: Measured) -> dict[str, Any]:
     real_timed = {
         # One repair alone: nobody waits behind its permit.
         "semaphore reclaim checks (timer + activity)": 2 * math.ceil(hold_s / idle_look_s),
-        "drain polls (timer + list_instance_tasks after the first)": 2 * math.ceil(REAL_DRAIN_S / REAL_TASK_POLL_S),
+        # One wait per stop timeout passed (one here: every task gets the same), and its throttled heartbeats.
+        "drain waits (wait_for_tasks_to_stop and its heartbeats)": 1
+        + math.ceil(REAL_DRAIN_S / DRAIN_HEARTBEAT_EVERY_S),
         "replacement wait heartbeats": 1 + math.ceil(REAL_BOOT_S / HEARTBEAT_EVERY_S),
     }
     return {
@@ -277,6 +284,7 @@ def repair_cost(measured: Measured) -> dict[str, Any]:
             "task_poll_interval_s": REAL_TASK_POLL_S,
             "permit_reclaim_interval_s": REAL_RECLAIM_S,
             "heartbeat_every_s": HEARTBEAT_EVERY_S,
+            "drain_heartbeat_every_s": DRAIN_HEARTBEAT_EVERY_S,
         },
     }
 

@@ -1,6 +1,7 @@
 """What AWS itself says of an instance, as the worker's per-group reader (worker/aws_watch.py) tells its health
 workflow: EC2's status checks and scheduled events (DescribeInstanceStatus) and whether its ECS agent is connected
-(DescribeContainerInstances `agentConnected`). The `aws_status` signal carries the whole picture of one instance and
+(DescribeContainerInstances `agentConnected`), and which of the group's ECS daemon services has no running, healthy
+task on it (activities/daemon_tasks.py). The `aws_status` signal carries the whole picture of one instance and
 is sent only when the picture changed, so a healthy fleet costs no Temporal action at all.
 """
 
@@ -11,6 +12,7 @@ from typing import Final
 
 from pydantic import BaseModel, Field
 
+from contract.groups import MAX_DAEMON_SERVICES, EcsServiceName
 from contract.limits import Id, Name, Text
 
 # DescribeInstanceStatus's words for a status check (SystemStatus, InstanceStatus).
@@ -65,6 +67,9 @@ class AwsInstanceStatus(BaseModel):
     agent_connected: bool | None = True
     # When the reader first saw it disconnected (ECS gives no time); None when connected or not known.
     agent_disconnected_since: datetime | None = None
+    # The group's daemon_services with no RUNNING task on the instance, or an UNHEALTHY one; empty when all are there,
+    # and for an instance not judged (not ACTIVE for daemon_task_grace yet, no daemon_services, from older readers).
+    daemon_tasks_missing: list[EcsServiceName] = Field(default_factory=list, max_length=MAX_DAEMON_SERVICES)
 
     def same_as(self, other: AwsInstanceStatus | None) -> bool:
         """Whether `other` says the same (when each was read aside)."""
@@ -79,4 +84,5 @@ class AwsInstanceStatus(BaseModel):
             and self.instance.status == EC2_OK
             and not self.events
             and self.agent_connected is not False
+            and not self.daemon_tasks_missing
         )

@@ -41,6 +41,7 @@ from pydantic_settings import (
 )
 
 from contract import names
+from contract.healthz import DEFAULT_INGEST_METRICS_BIND, HealthBind
 
 CONFIG_ENV = "AUTOREPAIR_CONFIG"
 CONFIG_TEXT_ENV = "AUTOREPAIR_CONFIG_TOML"
@@ -49,6 +50,18 @@ ENV_PREFIX = "AUTOREPAIR_"
 # True while ConfigSources validates: the settings rules below apply only then. A model that is also a wire type
 # (CapacityGroup, inside workflow payloads) must still decode a newer version's field or an older version's value.
 _reading_settings: ContextVar[bool] = ContextVar("autorepair_reading_settings", default=False)
+# The temporal.toml profile a command's --profile names, read in place of TEMPORAL_PROFILE while its settings are.
+_temporal_profile: ContextVar[str | None] = ContextVar("autorepair_temporal_profile", default=None)
+
+
+@contextmanager
+def temporal_profile(name: str | None) -> Iterator[None]:
+    """Settings read within read the temporal CLI's profile `name` (None: TEMPORAL_PROFILE's, or `default`)."""
+    token = _temporal_profile.set(name)
+    try:
+        yield
+    finally:
+        _temporal_profile.reset(token)
 
 
 def duration_problem(value: timedelta) -> str | None:
@@ -138,7 +151,7 @@ class TemporalSettings(SettingsSection):
         from temporalio.envconfig import ClientConfigProfile
 
         try:
-            theirs = ClientConfigProfile.load(profile=profile)
+            theirs = ClientConfigProfile.load(profile=profile or _temporal_profile.get())
         except Exception as err:  # a malformed temporal.toml, an unknown profile: said, never a stack trace
             raise ValueError(f"the temporal CLI's configuration (temporal.toml, TEMPORAL_*): {err}") from err
         found: dict[str, Any] = {
@@ -225,6 +238,9 @@ class IngestSettings(SettingsSection):
     # Signed into every proof: a proof made for another ingest (another id) is refused here.
     id: str = Field(default="gpu-autorepair-ingest", min_length=1, max_length=128)
     bind: str = "127.0.0.1:8480"
+    # Prometheus' GET /metrics, and a /healthz, in plain HTTP on a port of their own (never on `bind`, which the
+    # hosts reach); "off": none.
+    metrics_bind: HealthBind = DEFAULT_INGEST_METRICS_BIND
     # HTTPS with this certificate and key; plain HTTP is allowed only on a loopback bind (the demo, the tests), or
     # behind a load balancer that terminates TLS (`tls_terminated_by_load_balancer`).
     tls_cert: Path | None = None

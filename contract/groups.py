@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 from enum import StrEnum
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
@@ -56,6 +56,15 @@ def heartbeat_threshold_problem(threshold: timedelta, heartbeat_interval: timede
     return None
 
 
+# verify_replacement's third value, besides true and false: the reported checks, then the host's part of the fix's
+# gate (DCGM's diagnostic, gate_command) through SSM Run Command. Not the default: it needs SSM on every host.
+VerifyOnHost = Literal["on_host"]
+VERIFY_ON_HOST: VerifyOnHost = "on_host"
+
+# ECS's own bounds on a service name; DescribeServices takes 10 names a call, so the group's daemons cost one.
+EcsServiceName = Annotated[str, Field(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9_-]+$")]
+MAX_DAEMON_SERVICES = 10
+
 # A region has at most a few dozen AZs; a group lists a subnet or two per AZ.
 MAX_SUBNETS = 50
 
@@ -98,8 +107,9 @@ class CapacityGroup(SettingsSection):
     replacement_ready_timeout: timedelta = timedelta(minutes=20)
     # A replacement ACTIVE in ECS must also have its probe report, and pass the gate a fix must pass (every GPU of its
     # type, no NVIDIA verdict, no memory pending, no fault), within replacement_ready_timeout of its launch, before
-    # the impaired instance is terminated; one that fails is abandoned and another launched.
-    verify_replacement: bool = True
+    # the impaired instance is terminated; one that fails is abandoned and another launched. "on_host": then also the
+    # host's part of the gate (gate_diag_level, gate_command, within gate_timeout), which needs SSM on the hosts.
+    verify_replacement: bool | VerifyOnHost = True
     # Replacements one repair may launch that never become ACTIVE; then the repair fails, its instance left DRAINING.
     max_replacement_attempts: int = Field(default=3, ge=1, le=MAX_REPLACEMENT_ATTEMPTS)
     # A failed repair is tried again by the instance's health workflow after this, doubling after each failure, up
@@ -121,6 +131,11 @@ class CapacityGroup(SettingsSection):
     status_check_grace: timedelta = timedelta(minutes=3)
     agent_disconnect_grace: timedelta = timedelta(minutes=10)
     scheduled_event_lead: timedelta = timedelta(hours=24)
+    # ECS DAEMON-scheduled services of the group's cluster that each instance must run (opt-in): one with no RUNNING
+    # task on an instance, or an UNHEALTHY one, for daemon_task_grace makes DAEMON IMPAIRED there. Read per group,
+    # every aws_status_interval; an instance ACTIVE for less than daemon_task_grace is not judged yet.
+    daemon_services: list[EcsServiceName] = Field(default_factory=list, max_length=MAX_DAEMON_SERVICES)
+    daemon_task_grace: timedelta = timedelta(minutes=5)
     # The breaker (docs/operations.md): no new drain permits once strictly more than max(min_impaired, n x
     # max_impaired_percent / 100) of the group's n instances became IMPAIRED within impaired_window.
     max_impaired_percent: ImpairedPercent = 30
@@ -198,6 +213,11 @@ class CapacityGroup(SettingsSection):
         """Whether the fix's gate also runs on the host (DCGM's diagnostic, the operator's command)."""
         return bool(self.gate_diag_level or self.gate_command)
 
+    @property
+    def gates_replacement_on_host(self) -> bool:
+        """Whether a replacement's gate also runs on the host: verify_replacement "on_host", and something to run."""
+        return self.verify_replacement == VERIFY_ON_HOST and self.gates_on_host
+
     def breaker_rule(self) -> BreakerRule:
         return BreakerRule(
             max_impaired_percent=self.max_impaired_percent,
@@ -216,6 +236,8 @@ class CapacityGroup(SettingsSection):
             problems.append(("impaired_window", problem))
         if self.allow_other_azs and not self.subnets and self.launch_template:
             problems.append(("subnets", "allow_other_azs needs the group's subnets to move a replacement to"))
+        if len(set(self.daemon_services)) != len(self.daemon_services):
+            problems.append(("daemon_services", "daemon_services names a service more than once"))
         if self.bug_report and self.evidence_bucket is None:
             problems.append(("bug_report", "bug_report needs the group's evidence_bucket to upload the report to"))
         if self.repair_retry_delay > MAX_REPAIR_RETRY_DELAY:

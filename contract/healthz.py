@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Final
 from pydantic import BeforeValidator
 
 from contract.formats import parse_bind
-from contract.ingest import HEALTH_PATH
+from contract.ingest import HEALTH_PATH, METRICS_PATH
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -28,6 +28,11 @@ if TYPE_CHECKING:
 # the host, with the probe's host networking); the ingest's is on its own bind (ingest.bind, 8480).
 DEFAULT_WORKER_HEALTH_BIND: Final = "127.0.0.1:8481"
 DEFAULT_PROBE_HEALTH_BIND: Final = "127.0.0.1:8482"
+# The ingest's and the probe's Prometheus ports (each with a /healthz of its own); the worker's is 9464.
+DEFAULT_INGEST_METRICS_BIND: Final = "127.0.0.1:9480"
+PROBE_METRICS_PORT: Final = 9482
+# Prometheus' text format, version 0.0.4: what every Prometheus 2 and 3 reads.
+METRICS_CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 # Said instead of HOST:PORT to serve no endpoint (a TOML file cannot say None).
 OFF: Final = "off"
 
@@ -71,9 +76,12 @@ HealthBind = Annotated[str | None, BeforeValidator(_health_bind_setting)]
 
 
 @asynccontextmanager
-async def serving_health(bind: str, verdict: Callable[[], Verdict]) -> AsyncIterator[str]:
+async def serving_health(
+    bind: str, verdict: Callable[[], Verdict], metrics: Callable[[], bytes] | None = None
+) -> AsyncIterator[str]:
     """GET /healthz on `bind` while inside; yields the URL it answers on (the real port when `bind` says 0).
-    `verdict` is called for each request: it must be cheap and must not wait."""
+    `verdict` is called for each request: it must be cheap and must not wait. With `metrics`, GET /metrics answers
+    what it returns (Prometheus' text format), under the same rule."""
     # Here, not at the top: the settings that name a bind read this module, and need no web server.
     from aiohttp import web
 
@@ -84,6 +92,13 @@ async def serving_health(bind: str, verdict: Callable[[], Verdict]) -> AsyncIter
     host, port = parse_bind(bind)
     app = web.Application()
     app.router.add_get(HEALTH_PATH, healthz)
+    if metrics is not None:
+        render = metrics
+
+        async def scrape(request: web.Request) -> web.Response:
+            return web.Response(body=render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+        app.router.add_get(METRICS_PATH, scrape)
     # No access log: an orchestrator asks every few seconds, forever.
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()

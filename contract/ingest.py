@@ -19,7 +19,7 @@ from contract.limits import MAX_TEXT
 FINDINGS_PATH: Final = "/v1/findings"  # body: GpuFinding JSON
 HEARTBEATS_PATH: Final = "/v1/heartbeats"  # body: Heartbeat JSON
 HEALTH_PATH: Final = "/healthz"  # no identity check: for the load balancer
-METRICS_PATH: Final = "/metrics"  # no identity check: Prometheus text
+METRICS_PATH: Final = "/metrics"  # Prometheus text, on the ingest's and the probe's metrics ports (contract/healthz.py)
 
 # On the report request: base64 of the JSON of a SignedStsRequest.
 PROOF_HEADER: Final = "X-Autorepair-Proof"

@@ -17,6 +17,8 @@ from aiohttp import web
 from temporalio.client import Client
 
 from contract.formats import parse_bind
+from contract.healthz import DEFAULT_INGEST_METRICS_BIND, OFF, Verdict, health_bind, serving_health
+from contract.ingest import HEALTH_PATH, METRICS_PATH
 from contract.temporal_client import connect
 from ingest.ecs_tasks import AwsTaskLookup, TaskHosts
 from ingest.identity import ProofVerifier
@@ -42,6 +44,13 @@ class IngestConfigError(Exception):
 
 def add_ingest_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bind", default=None, metavar="HOST:PORT", help="listen here (default: ingest.bind)")
+    parser.add_argument(
+        "--metrics-bind",
+        default=None,
+        metavar="HOST:PORT",
+        help=f"serve GET /metrics (Prometheus) and GET /healthz here, plain HTTP; {OFF!r}: none (default: "
+        f"ingest.metrics_bind, {DEFAULT_INGEST_METRICS_BIND})",
+    )
 
 
 def is_loopback(host: str) -> bool:
@@ -112,18 +121,46 @@ async def serving(
 
 
 @contextlib.asynccontextmanager
-async def running_ingest(settings: Settings, client: Client, bind: str | None = None) -> AsyncIterator[str]:
-    """The ingest serving in this process on `bind` (default settings.ingest.bind); yields its URL. Raises
-    IngestConfigError for a bind or TLS setting it cannot start with."""
+async def serving_metrics(ingest: Ingest, bind: str | None) -> AsyncIterator[str | None]:
+    """GET /metrics and GET /healthz on `bind`, plain HTTP, while inside; yields the /healthz URL, None when not
+    served. A port that cannot be had is logged, not fatal: the hosts' reports matter more than their counts."""
+    temporal = ingest.temporal
+
+    def verdict() -> Verdict:
+        return Verdict(temporal.problem() if temporal is not None else None)
+
+    async with contextlib.AsyncExitStack() as stack:
+        url: str | None = None
+        if bind is not None:
+            try:
+                url = await stack.enter_async_context(serving_health(bind, verdict, ingest.metrics.render))
+            except OSError as err:
+                log.error("metrics not served on %s: %s; choose a free port with ingest.metrics_bind", bind, err)
+            else:
+                log.info("metrics on %s", url.replace(HEALTH_PATH, METRICS_PATH))
+        yield url
+
+
+@contextlib.asynccontextmanager
+async def running_ingest(
+    settings: Settings, client: Client, bind: str | None = None, metrics_bind: str | None = None
+) -> AsyncIterator[str]:
+    """The ingest serving in this process on `bind` (default settings.ingest.bind), its metrics on `metrics_bind`
+    (default settings.ingest.metrics_bind; OFF: none); yields its URL. Raises IngestConfigError for a bind or TLS
+    setting it cannot start with."""
     try:
         host, port = parse_bind(bind or settings.ingest.bind)
     except ValueError as err:
         raise IngestConfigError(f"ingest.bind {err}") from None
+    try:
+        metrics_at = settings.ingest.metrics_bind if metrics_bind is None else health_bind(metrics_bind)
+    except ValueError as err:
+        raise IngestConfigError(f"--metrics-bind {err}") from None
     ssl_context = tls_context(settings, host)
     async with aiohttp.ClientSession() as session:
         # Its /healthz says 503 while Temporal does not answer (the load balancer's target health check).
-        app = build_app(build_ingest(settings, Reporter(client), session, TemporalReachability(client)))
-        async with serving(app, host, port, ssl_context):
+        ingest = build_ingest(settings, Reporter(client), session, TemporalReachability(client))
+        async with serving(build_app(ingest), host, port, ssl_context), serving_metrics(ingest, metrics_at):
             yield f"{'https' if ssl_context else 'http'}://{host}:{port}"
 
 
@@ -139,7 +176,7 @@ async def run_ingest(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
             handled.append(sig)
     try:
-        async with running_ingest(settings, client, args.bind) as url:
+        async with running_ingest(settings, client, args.bind, args.metrics_bind) as url:
             log.info("ingest %s listening on %s", settings.ingest.id, url)
             if not settings.ingest.allowed_accounts:
                 log.warning("ingest.allowed_accounts is empty: every report will be refused (403)")

@@ -1,54 +1,96 @@
-"""The ingest's counters, served on GET /metrics in Prometheus' text format (written by hand: the probe-side image
-carries no prometheus_client, and three counter families need no library)."""
+"""The ingest's metrics, through prometheus-client, served on a port of their own (`ingest.metrics_bind`,
+ingest/cli.py) and never on the port the GPU hosts reach.
+
+One registry per Ingest rather than prometheus-client's global one: a test process runs several ingests, and each
+must count only its own reports. Counters end in `_total`, as the worker's and the probe's do.
+"""
 
 from __future__ import annotations
 
-import threading
-from collections import Counter
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-_FAMILIES = {
-    "autorepair_ingest_reports_accepted_total": "Reports that passed every check (identity, membership, rate).",
-    "autorepair_ingest_reports_relayed_total": "Reports signalled to the instance's health workflow in Temporal.",
-    "autorepair_ingest_reports_refused_total": "Refused, by HTTP status and reason kind (none reached Temporal).",
-}
+REQUESTS = "autorepair_ingest_requests_total"
+ACCEPTED = "autorepair_ingest_reports_accepted_total"
+RELAYED = "autorepair_ingest_reports_relayed_total"
+REFUSED = "autorepair_ingest_reports_refused_total"
+IDENTITY_CACHE = "autorepair_ingest_identity_cache_total"
+REPORT_DURATION = "autorepair_ingest_report_duration_seconds"
+RELAY_DURATION = "autorepair_ingest_relay_duration_seconds"
 
+# A `<name>_created` series beside every counter and histogram doubles the series for a start time that
+# process_start_time_seconds already says; the ingest's process serves no other prometheus-client metrics.
+prometheus_client.disable_created_metrics()
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+# From 5 ms (a session token, a cached membership) to 10 s (STS's 5 s timeout, Temporal slow to answer).
+_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 class IngestMetrics:
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._counts: Counter[tuple[str, tuple[tuple[str, str], ...]]] = Counter()
-
-    def _inc(self, family: str, **labels: str) -> None:
-        with self._lock:
-            self._counts[(family, tuple(sorted(labels.items())))] += 1
+        self.registry = CollectorRegistry()
+        self._requests = Counter(
+            REQUESTS,
+            "Reports answered, by kind (finding, heartbeat) and HTTP status (202 relayed, else refused)",
+            ["kind", "code"],
+            registry=self.registry,
+        )
+        self._accepted = Counter(
+            ACCEPTED, "Reports that passed every check (identity, membership, rate)", ["kind"], registry=self.registry
+        )
+        self._relayed = Counter(
+            RELAYED, "Reports signalled to the instance's health workflow in Temporal", ["kind"], registry=self.registry
+        )
+        self._refused = Counter(
+            REFUSED,
+            "Refused, by HTTP status and reason kind (none reached Temporal)",
+            ["status", "reason"],
+            registry=self.registry,
+        )
+        self._identity = Counter(
+            IDENTITY_CACHE,
+            "Reports by how their sender was known: hit, a session token (no STS call); miss, a proof sent to STS",
+            ["result"],
+            registry=self.registry,
+        )
+        self._report_seconds = Histogram(
+            REPORT_DURATION,
+            "A report's handling, from its request to the answer, by kind and outcome (relayed, refused)",
+            ["kind", "outcome"],
+            buckets=_SECONDS,
+            registry=self.registry,
+        )
+        self._relay_seconds = Histogram(
+            RELAY_DURATION,
+            "The relay of an accepted report to Temporal, by kind (failed relays included)",
+            ["kind"],
+            buckets=_SECONDS,
+            registry=self.registry,
+        )
 
     def accepted(self, kind: str) -> None:
-        self._inc("autorepair_ingest_reports_accepted_total", kind=kind)
+        self._accepted.labels(kind=kind).inc()
 
     def relayed(self, kind: str) -> None:
-        self._inc("autorepair_ingest_reports_relayed_total", kind=kind)
+        self._relayed.labels(kind=kind).inc()
 
     def refused(self, status: int, reason: str) -> None:
-        self._inc("autorepair_ingest_reports_refused_total", status=str(status), reason=reason)
+        self._refused.labels(status=str(status), reason=reason).inc()
 
-    def value(self, family: str, **labels: str) -> int:
-        with self._lock:
-            return self._counts[(family, tuple(sorted(labels.items())))]
+    def identity(self, *, cached: bool) -> None:
+        self._identity.labels(result="hit" if cached else "miss").inc()
 
-    def render(self) -> str:
-        with self._lock:
-            counts = dict(self._counts)
-        lines: list[str] = []
-        for family, help_text in _FAMILIES.items():
-            lines.append(f"# HELP {family} {help_text}")
-            lines.append(f"# TYPE {family} counter")
-            for (name, labels), count in sorted(counts.items()):
-                if name != family:
-                    continue
-                rendered = ",".join(f'{key}="{_escape(value)}"' for key, value in labels)
-                lines.append(f"{family}{{{rendered}}} {count}")
-        return "\n".join(lines) + "\n"
+    def answered(self, kind: str, status: int, seconds: float) -> None:
+        self._requests.labels(kind=kind, code=str(status)).inc()
+        outcome = "relayed" if status == 202 else "refused"
+        self._report_seconds.labels(kind=kind, outcome=outcome).observe(seconds)
+
+    def relay_took(self, kind: str, seconds: float) -> None:
+        self._relay_seconds.labels(kind=kind).observe(seconds)
+
+    def value(self, name: str, **labels: str) -> float:
+        """One sample's value as a scrape would read it (0 for a series not there yet): for the tests and the log."""
+        return self.registry.get_sample_value(name, labels) or 0.0
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -17,12 +17,14 @@ Checks, cheapest first, and what a failure answers (JSON contract.ingest.Refusal
     Temporal failed -> 503;  relayed -> 202 (contract.ingest.Accepted: after a proof, with a session token)
 
 GET HEALTH_PATH (the load balancer's target health check): "ok", or 503 (a Refusal) while Temporal has not answered
-for a while (worker/health_endpoint.py): the hosts' reports then go to a replica that can relay them.
+for a while (worker/health_endpoint.py): the hosts' reports then go to a replica that can relay them. The metrics
+(ingest/metrics.py) are not served here but on a port of their own (ingest/cli.py): this is the port the hosts reach.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -35,7 +37,6 @@ from contract.ingest import (
     HEALTH_PATH,
     HEARTBEATS_PATH,
     MAX_REPORT_BYTES,
-    METRICS_PATH,
     PROOF_HEADER,
     REFUSED_UNKNOWN_GROUP,
     SESSION_HEADER,
@@ -144,6 +145,18 @@ class _Reports:
         model: type[GpuFinding] | type[Heartbeat],
         send: Callable[[BaseModel], Awaitable[None]],
     ) -> web.Response:
+        started = time.perf_counter()
+        response = await self._answer(request, kind, model, send)
+        self.ingest.metrics.answered(kind, response.status, time.perf_counter() - started)
+        return response
+
+    async def _answer(
+        self,
+        request: web.Request,
+        kind: str,
+        model: type[GpuFinding] | type[Heartbeat],
+        send: Callable[[BaseModel], Awaitable[None]],
+    ) -> web.Response:
         claimed: str | None = None
         caller: Caller | None = None
         try:
@@ -152,6 +165,7 @@ class _Reports:
             claimed = report.instance_id
             caller = await self._check(request, body, report)
             self.ingest.metrics.accepted(kind)
+            relay_started = time.perf_counter()
             try:
                 await send(report)
                 if self.ingest.temporal is not None:
@@ -159,6 +173,8 @@ class _Reports:
             except Exception as err:  # unreachable, timed out, refused: the host keeps it and tries again
                 log.warning("%s of %s not relayed to Temporal: %s", kind, claimed, err)
                 raise _Refuse(503, "temporal", "Temporal is unavailable; try again later", retry_after_s=5) from err
+            finally:
+                self.ingest.metrics.relay_took(kind, time.perf_counter() - relay_started)
         except _Refuse as refusal:
             self.ingest.metrics.refused(refusal.status, refusal.kind)
             log.warning(
@@ -215,12 +231,15 @@ class _Reports:
         token = request.headers.get(SESSION_HEADER)
         if token:
             try:
-                return self.ingest.sessions.check(token)
+                caller = self.ingest.sessions.check(token)
             except Refused as refused:
                 raise _Refuse(refused.status, "session", refused.reason) from None
+            self.ingest.metrics.identity(cached=True)
+            return caller
         proof = request.headers.get(PROOF_HEADER)
         if not proof:
             raise _Refuse(401, "unsigned", f"no {PROOF_HEADER}: the report must carry the host's signed proof")
+        self.ingest.metrics.identity(cached=False)
         try:
             return await self.ingest.verifier.verify(proof, body)
         except Refused as refused:
@@ -277,11 +296,7 @@ def build_app(ingest: Ingest) -> web.Application:
             return web.Response(text="ok")
         return _refusal_response(_Refuse(503, "temporal", problem))
 
-    async def metrics(request: web.Request) -> web.Response:
-        return web.Response(text=ingest.metrics.render(), content_type="text/plain", charset="utf-8")
-
     app.router.add_post(FINDINGS_PATH, reports.finding)
     app.router.add_post(HEARTBEATS_PATH, reports.heartbeat)
     app.router.add_get(HEALTH_PATH, health)
-    app.router.add_get(METRICS_PATH, metrics)
     return app

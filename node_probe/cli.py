@@ -1,18 +1,18 @@
-"""`autorepair classify`, `probe` and `probe-report`; operator_cli/main.py wires them into the `autorepair` command."""
+"""`autorepair probe` and `probe-report`, and the rows of `classify` (operator_cli/classify.py prints them);
+operator_cli/main.py wires them into the `autorepair` command."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import math
 import os
 import shutil
 import signal
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -20,8 +20,6 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, ValidationError
 from pydantic_settings import SettingsConfigDict
-from rich.console import Console
-from rich.table import Table
 
 from contract.config import ConfigError, ConfigSources, IngestSettings, TemporalSettings
 from contract.groups import HEARTBEATS_PER_THRESHOLD, MAX_HEARTBEAT_LOSS_THRESHOLD
@@ -98,18 +96,6 @@ def load_policy_config(path: Path | None) -> PolicyConfig:
 # --- classify -----------------------------------------------------------------------------------------------
 
 
-def add_classify_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("file", nargs="?", default=None, metavar="FILE", help="kernel log text (default: stdin)")
-    add_policy_arguments(parser)
-    parser.add_argument("--format", choices=("json", "table"), default="table", help="output (default: table)")
-    parser.add_argument(
-        "--collapse",
-        action="store_true",
-        help="print what the probe would send for this log instead of every record: the first record of each "
-        "burst, then one roll-up per burst with the count of the records it folded (repeat rules applied)",
-    )
-
-
 @contextlib.contextmanager
 def _open_input(file: str | os.PathLike[str] | None) -> Iterator[TextIO]:
     if file is None or str(file) == "-":
@@ -167,85 +153,18 @@ def sent_row(sent: SentFinding) -> dict[str, Any]:
     return row
 
 
-def run_classify(args: argparse.Namespace) -> int:
-    """Print one line per fault record, in input order, without de-duplication (a burst shows in full); with
-    `--collapse`, the findings the probe would send instead."""
-    try:
-        policy = Policy(getattr(args, "policy", POLICY_ECS), load_policy_config(getattr(args, "policy_config", None)))
-        as_json = getattr(args, "format", "table") == "json"
-        with _open_input(getattr(args, "file", None)) as handle:
-            now = datetime.now(UTC)
-            if getattr(args, "collapse", False):
-                # The probe's default window; with one `now` for the whole log, no burst closes before the end.
-                window: timedelta = ProbeConfig.model_fields["dedupe_window"].default
-                sent = (sent_row(s) for s in sent_findings(handle, policy, now, window))
-                if as_json:
-                    _write_json(sent)
-                else:
-                    _print_sent_table(list(sent))
-                return 0
-            rows = (classification_row(r, policy.classify(r, now)) for r in parse_lines(handle))
-            if as_json:
-                _write_json(rows)
-            else:
-                _print_table(list(rows))
-    except CliError as exc:
-        return _fail("classify", exc)
-    return 0
-
-
-def _write_json(rows: Iterable[dict[str, Any]]) -> None:
-    write = sys.stdout.write
-    for row in rows:
-        write(json.dumps(row) + "\n")
-
-
-def _print_table(rows: list[dict[str, Any]]) -> None:
-    table = Table(title="GPU fault records", show_lines=False)
-    # Fold rather than cut: on a narrow terminal a truncated PCI address or rule name would mislead.
-    for column in ("line", "kind", "code", "pci", "impairs", "reason", "rule", "message"):
-        table.add_column(column, overflow="fold")
-    for row in rows:
-        style = "bold red" if row["impairs"] else None
-        table.add_row(
-            *("" if row[c] is None else str(row[c]) for c in ("line", "kind", "code", "pci")),
-            "yes" if row["impairs"] else "no",
-            row["reason"],
-            row["rule"],
-            row["message"],
-            style=style,
-        )
-    impairing = sum(1 for row in rows if row["impairs"])
-    table.caption = f"{len(rows)} records, {impairing} impairing"
-    # Created here, not at import, so it writes to whatever sys.stdout is now (tests capture it).
-    Console(file=sys.stdout).print(table)
-
-
-def _print_sent_table(rows: list[dict[str, Any]]) -> None:
-    table = Table(title="GPU findings the probe would send", show_lines=False)
-    for column in ("line", "kind", "code", "pci", "impairs", "reason", "rule", "count", "message"):
-        table.add_column(column, overflow="fold")
-    for row in rows:
-        # A roll-up names the lines it spans: its count is of the records after the burst's first.
-        line = f"{row['first_line']}..{row['line']}" if row["rollup"] else str(row["line"])
-        table.add_row(
-            line,
-            *("" if row[c] is None else str(row[c]) for c in ("kind", "code", "pci")),
-            "yes" if row["impairs"] else "no",
-            row["reason"],
-            row["rule"],
-            f"+{row['count']} (roll-up)" if row["rollup"] else str(row["count"]),
-            row["message"],
-            style="bold red" if row["impairs"] else None,
-        )
-    rollups = [row for row in rows if row["rollup"]]
-    records = len(rows) - len(rollups) + sum(row["count"] for row in rollups)
-    impairing = sum(1 for row in rows if row["impairs"] and not row["rollup"])
-    table.caption = (
-        f"{len(rows)} findings for {records} records: {len(rows) - len(rollups)} first of a burst "
-        f"({impairing} impairing), {len(rollups)} roll-up{'' if len(rollups) == 1 else 's'}"
-    )
-    Console(file=sys.stdout).print(table)
+def classified_rows(file: str | None, policy: Policy, *, collapse: bool) -> Iterator[dict[str, Any]]:
+    """`autorepair classify`'s rows (operator_cli/classify.py prints them), read as they are asked for: one per fault
+    record in input order, without de-duplication (a burst shows in full); with `collapse`, the findings the probe
+    would send instead. CliError when the input cannot be read."""
+    with _open_input(file) as handle:
+        now = datetime.now(UTC)
+        if collapse:
+            # The probe's default window; with one `now` for the whole log, no burst closes before the end.
+            window: timedelta = ProbeConfig.model_fields["dedupe_window"].default
+            yield from (sent_row(s) for s in sent_findings(handle, policy, now, window))
+        else:
+            yield from (classification_row(r, policy.classify(r, now)) for r in parse_lines(handle))
 
 
 # --- probe --------------------------------------------------------------------------------------------------
@@ -516,7 +435,8 @@ async def run_probe_command(args: argparse.Namespace) -> int:
     except CliError as exc:
         return _fail("probe", exc)
     loop = asyncio.get_running_loop()
-    task = asyncio.create_task(run_with_health(probe, getattr(args, "health_bind", None)))
+    binds = getattr(args, "health_bind", None), getattr(args, "metrics_bind", None)
+    task = asyncio.create_task(run_with_health(probe, *binds))
     handled: list[signal.Signals] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):

@@ -1,11 +1,13 @@
-"""The probe's GET /healthz (contract/healthz.py), for the ECS DAEMON task's container health check or systemd.
+"""The probe's GET /healthz (contract/healthz.py), for the ECS DAEMON task's container health check or systemd, and
+its GET /metrics for Prometheus (node_probe/metrics.py) with a /healthz of its own on `--metrics-bind`.
 
 200 while the probe's loop runs, it delivered a heartbeat within STALE_HEARTBEATS heartbeat intervals (or started
 less than that ago), no finding has been failing to go out for that long, and at least one of its sources reads;
 503 with the reason otherwise. With NVML, `checks.gpus` adds each GPU's clock event reasons, PCIe link and the
 warnings that hold, as the last poll read them. Answered from what the probe keeps anyway (Probe.delivery, its
 sources' health, NVML's last poll): no timer, no polling, nothing at idle. The probe runs with host networking on GPU
-hosts, hence loopback by default.
+hosts, hence loopback by default for /healthz, and no metrics port unless one is named: a port open on every GPU
+host is the operator's choice (the shipped unit and ECS template name 0.0.0.0:9482).
 
 Delivery failing is usually the ingest's or Temporal's trouble rather than the probe's, and a restart does not
 mend it: with a spool dir nothing is lost by one, but a liveness probe on it should be patient (docs/operations.md).
@@ -23,7 +25,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from contract.formats import iso
-from contract.healthz import DEFAULT_PROBE_HEALTH_BIND, OFF, Verdict, health_bind, serving_health
+from contract.healthz import DEFAULT_PROBE_HEALTH_BIND, OFF, PROBE_METRICS_PORT, Verdict, health_bind, serving_health
 from node_probe.probe import Probe
 
 log = logging.getLogger(__name__)
@@ -47,6 +49,15 @@ def add_health_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="HOST:PORT",
         help="serve GET /healthz here for a container or host health check: 200 while the probe reads a source "
         f"and delivers, 503 and why not; {OFF!r}: none (default: {DEFAULT_PROBE_HEALTH_BIND})",
+    )
+    parser.add_argument(
+        "--metrics-bind",
+        type=bind,
+        default=None,
+        metavar="HOST:PORT",
+        help="serve GET /metrics (Prometheus) and GET /healthz here, plain HTTP, e.g. "
+        f"0.0.0.0:{PROBE_METRICS_PORT} for a Prometheus elsewhere (default: {OFF}; the same HOST:PORT as "
+        "--health-bind serves both there)",
     )
 
 
@@ -101,24 +112,45 @@ class ProbeHealth:
 
 @asynccontextmanager
 async def serving_probe_health(
-    probe: Probe, bind: str | None, stale_after: timedelta | None = None
+    probe: Probe, bind: str | None, stale_after: timedelta | None = None, metrics_bind: str | None = None
 ) -> AsyncIterator[str | None]:
-    """/healthz on `bind` while inside (none when None); yields its URL, None when not served."""
+    """/healthz on `bind` and /metrics with /healthz on `metrics_bind` while inside (none where None; one server
+    where they are the same); yields the /healthz URL on `bind`, None when not served."""
+    verdict = ProbeHealth(probe, stale_after).verdict
+    render = None
+    if metrics_bind is not None:
+        # Here, not at the top: a probe that serves no metrics does not carry prometheus_client.
+        from node_probe.metrics import ProbeMetrics
+
+        render = ProbeMetrics(probe).render
     async with contextlib.AsyncExitStack() as stack:
         url: str | None = None
-        if bind is not None:
+        for where, metrics in _endpoints(bind, metrics_bind, render):
             try:
-                url = await stack.enter_async_context(serving_health(bind, ProbeHealth(probe, stale_after).verdict))
+                served = await stack.enter_async_context(serving_health(where, verdict, metrics))
             except OSError as err:
                 # Watching the GPUs matters more than answering health checks: the probe runs on, and the check
                 # (refused) says something is wrong, as this log line does.
-                log.error("health endpoint not served on %s: %s; choose a free port with --health-bind", bind, err)
-            else:
-                log.info("health endpoint on %s", url)
+                flag = "--health-bind" if where == bind else "--metrics-bind"
+                log.error("health endpoint not served on %s: %s; choose a free port with %s", where, err, flag)
+                continue
+            log.info("health endpoint on %s%s", served, " with metrics" if metrics is not None else "")
+            if where == bind:
+                url = served
         yield url
 
 
-async def run_with_health(probe: Probe, bind: str | None) -> None:
-    """The probe's run, with its /healthz served on `bind` for as long as it lasts."""
-    async with serving_probe_health(probe, bind):
+def _endpoints(
+    bind: str | None, metrics_bind: str | None, render: Callable[[], bytes] | None
+) -> list[tuple[str, Callable[[], bytes] | None]]:
+    """Where to serve, and with which metrics: one server where the two binds are the same."""
+    if metrics_bind is not None and metrics_bind == bind:
+        return [(bind, render)]
+    served: list[tuple[str, Callable[[], bytes] | None]] = [] if bind is None else [(bind, None)]
+    return served if metrics_bind is None else [*served, (metrics_bind, render)]
+
+
+async def run_with_health(probe: Probe, bind: str | None, metrics_bind: str | None = None) -> None:
+    """The probe's run, with its /healthz served on `bind` and its metrics on `metrics_bind` for as long as it lasts."""
+    async with serving_probe_health(probe, bind, metrics_bind=metrics_bind):
         await probe.run()

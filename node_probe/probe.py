@@ -12,8 +12,9 @@ import asyncio
 import logging
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -110,6 +111,8 @@ class ProbeConfig(BaseModel):
 
 @dataclass(slots=True)
 class ProbeStats:
+    """Counted where each thing happens, never polled: node_probe/metrics.py reads them when Prometheus scrapes."""
+
     records: int = 0
     suppressed: int = 0  # records folded into a burst
     copies: int = 0  # records that were another source's copy of a fault (classify/correlate.py)
@@ -117,6 +120,9 @@ class ProbeStats:
     dropped: int = 0  # warnings dropped because the spool was full
     delivery_failures: int = 0
     heartbeats_sent: int = 0
+    heartbeat_failures: int = 0
+    findings: Counter[tuple[str, str]] = field(default_factory=Counter)  # made, by (reason, kind)
+    failures_by: Counter[str] = field(default_factory=Counter)  # delivery failures, by why (`failure_why`)
 
 
 @dataclass(slots=True)
@@ -187,7 +193,7 @@ def _gpu_health(sources: list[ProbeSourceHealth]) -> tuple[HealthState, str | No
     gpu_sources = [source for source in sources if source.gpu_source]
     if not gpu_sources:
         return HealthState.INSUFFICIENT_DATA, "no GPU source configured"
-    down = [source.reason for source in gpu_sources if source.reason is not None]
+    down = [source.reason or source.name for source in gpu_sources if source.state is not HealthState.OK]
     if not down:
         return HealthState.OK, None
     return HealthState.INSUFFICIENT_DATA, "; ".join(down)
@@ -195,6 +201,15 @@ def _gpu_health(sources: list[ProbeSourceHealth]) -> tuple[HealthState, str | No
 
 def _utcnow() -> datetime:
     return datetime.now(UTC)
+
+
+def failure_why(exc: Exception) -> str:
+    """A delivery failure as a label value: the check that refused it where the ingest said (its Refusal kind:
+    not_member, rate_instance, ...), else the error's type (ClientConnectorError, TimeoutError, ...)."""
+    refused = _ingest_refusal(exc)
+    if refused is not None:
+        return refused.kind or f"http_{refused.status}"
+    return type(exc).__name__
 
 
 def _ingest_refusal(exc: Exception) -> IngestRefused | None:
@@ -259,6 +274,25 @@ class Probe:
         """Findings not yet delivered."""
         return len(self._spool)
 
+    @property
+    def spool_degraded(self) -> bool:
+        """The spool's disk fails it (findings wait in memory meanwhile)."""
+        return self._spool.degraded
+
+    def source_states(self) -> dict[str, str]:
+        """Each configured source's state, by name: "failed" while it restarts after an error it did not expect
+        (and until its new run has lasted, see `_consume`), "degraded" while it runs but cannot read (NVML not
+        loaded, dcgmi not answering), "ok" while it reads."""
+        states = {}
+        for source in self._sources:
+            if not getattr(source, "configured", True):
+                continue
+            if self._failing(source) is not None:
+                states[source.name] = "failed"
+            else:
+                states[source.name] = "ok" if source.status.is_ok else "degraded"
+        return states
+
     def source_health(self) -> list[ProbeSourceHealth]:
         """Each configured source, as the heartbeat reports it (DCGM without dcgmi installed is not configured, so
         not listed). A source that failed counts as down until its new run has lasted (see `_consume`)."""
@@ -266,7 +300,8 @@ class Probe:
             ProbeSourceHealth(
                 name=source.name,
                 state=HealthState.OK if reason is None else HealthState.INSUFFICIENT_DATA,
-                reason=reason,
+                # OK, a source may still say how it looked (the container runtime: through its API, or its unit only).
+                reason=reason if reason is not None else source.status.reason,
                 gpu_source=getattr(source, "gpu_source", True),
             )
             for source in self._sources
@@ -285,11 +320,17 @@ class Probe:
         could go unseen, so the instance's GPU health is not known to be OK. Daemons are not a GPU source."""
         return _gpu_health(self.source_health())
 
-    def _down_reason(self, source: RecordSource) -> str | None:
+    def _failing(self, source: RecordSource) -> _SourceFailure | None:
         failure = self._failures.get(id(source))
         if failure is not None and (
             failure.restarted_at is None or time.monotonic() - failure.restarted_at < SOURCE_RESTART_MAX_S
         ):
+            return failure
+        return None
+
+    def _down_reason(self, source: RecordSource) -> str | None:
+        failure = self._failing(source)
+        if failure is not None:
             return failure.reason
         status = source.status
         return None if status.is_ok else status.reason or f"{source.name}: unavailable"
@@ -434,6 +475,7 @@ class Probe:
         )
 
     def _enqueue(self, finding: GpuFinding) -> None:
+        self.stats.findings[finding.reason, finding.kind] += 1
         if self._spool.append(finding):
             self._pending.set()
         else:
@@ -483,6 +525,7 @@ class Probe:
                 await self._reporter.send_finding(finding, self.config.task_queue)
             except Exception as exc:  # unreachable server, timeouts: all mean "try again later"
                 self.stats.delivery_failures += 1
+                self.stats.failures_by[failure_why(exc)] += 1
                 if self.delivery.findings_failing_since is None:
                     self.delivery.findings_failing_since = time.monotonic()
                 self.delivery.finding_error = str(exc) or type(exc).__name__
@@ -526,6 +569,7 @@ class Probe:
                 self.stats.heartbeats_sent += 1
                 self.delivery.heartbeat_at, self.delivery.heartbeat_error = time.monotonic(), None
             except Exception as exc:  # a lost heartbeat is replaced by the next one; nothing to retry
+                self.stats.heartbeat_failures += 1
                 log.warning("heartbeat not delivered: %s", exc)
                 self.delivery.heartbeat_error = str(exc) or type(exc).__name__
             await asyncio.sleep(interval)

@@ -1,5 +1,5 @@
 """Argument types and options shared by the operator's commands: durations, moments, safe names, and the options
-every command that talks to Temporal takes (`--json`, `--temporal-address`, `--namespace`)."""
+every command that talks to Temporal takes (`-o/--json`, `--address`, `-n/--namespace`, `--profile`, `--api-key`)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
+
+from operator_cli.output import add_output_arguments
 
 # main.py's `command(name, help, run)`: adds a subcommand that runs `run` and returns its parser.
 Command = Callable[[str, str, Callable[[argparse.Namespace], Any]], argparse.ArgumentParser]
@@ -66,7 +68,7 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of every operator command; added last, so they close each command's --help."""
     # A short-lived Temporal client: operator_cli/main.py ends the process without finalization (see its _finish).
     parser.set_defaults(hard_exit=True)
-    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    add_output_arguments(parser)
     # Unset: the shared settings (AUTOREPAIR_TEMPORAL__* or the TOML file), then the `temporal` CLI's own
     # (TEMPORAL_ADDRESS, TEMPORAL_NAMESPACE, TEMPORAL_API_KEY, TEMPORAL_PROFILE and temporal.toml), TLS included.
     parser.add_argument(
@@ -74,3 +76,5 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("-n", "--namespace", default=None)
     parser.add_argument("--api-key", default=None, help="Temporal Cloud API key")
+    # In place of TEMPORAL_PROFILE: where the profile sits in that order does not change, only which one is read.
+    parser.add_argument("--profile", default=None, metavar="NAME", help="the profile of temporal.toml to read")

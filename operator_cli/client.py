@@ -18,9 +18,10 @@ from temporalio.client import Client, WorkflowExecution, WorkflowUpdateRPCTimeou
 from temporalio.service import RPCError, RPCStatusCode
 
 from contract import formats
-from contract.config import TemporalSettings
+from contract.config import TemporalSettings, temporal_profile
 from contract.limits import MAX_NAME
 from contract.temporal_client import connect
+from operator_cli import exit_codes
 from worker.settings import Settings
 
 T = TypeVar("T")
@@ -33,9 +34,9 @@ CONCURRENCY = 8
 
 
 class OpsError(Exception):
-    """One line for the operator. Exit status 2: fix the command; 3: Temporal unreachable or refused."""
+    """One line for the operator. Exit status USAGE: fix the command; UNREACHABLE: Temporal unreachable or refused."""
 
-    def __init__(self, message: str, code: int = 2) -> None:
+    def __init__(self, message: str, code: int = exit_codes.USAGE) -> None:
         super().__init__(message)
         self.code = code
 
@@ -53,10 +54,10 @@ def guarded(handler: Callable[[argparse.Namespace], Awaitable[int]]) -> Callable
             return err.code
         except RPCError as err:
             print(f"autorepair {name}: Temporal refused the call: {one_line(err.message)}", file=sys.stderr)
-            return 3
+            return exit_codes.UNREACHABLE
         except (TimeoutError, WorkflowUpdateRPCTimeoutOrCancelledError):
             print(f"autorepair {name}: Temporal did not answer in time", file=sys.stderr)
-            return 3
+            return exit_codes.UNREACHABLE
 
     return run
 
@@ -77,22 +78,28 @@ def rpc_reason(err: RPCError, query: str) -> str:
 
 
 def temporal_settings(args: argparse.Namespace) -> TemporalSettings:
-    """The shared Temporal settings, with the command's --temporal-address and --namespace where given."""
+    """The shared Temporal settings (over the temporal CLI's, from --profile's profile where given), with the
+    command's --address, --namespace and --api-key where given."""
     key = SecretStr(args.api_key) if args.api_key else None
     overrides = {"address": args.temporal_address, "namespace": args.namespace, "api_key": key}
-    return Settings().temporal.model_copy(update={k: v for k, v in overrides.items() if v})
+    with temporal_profile(args.profile):
+        temporal = Settings().temporal
+    return temporal.model_copy(update={k: v for k, v in overrides.items() if v})
 
 
 async def connect_client(temporal: TemporalSettings) -> Client:
-    """Connect, or fail within CONNECT_TIMEOUT with one line saying why (exit status 3)."""
+    """Connect, or fail within CONNECT_TIMEOUT with one line saying why (exit status UNREACHABLE)."""
     try:
         return await asyncio.wait_for(connect(temporal), timeout=CONNECT_TIMEOUT.total_seconds())
     except TimeoutError:
         raise OpsError(
-            f"cannot reach Temporal at {temporal.address}: no answer within {CONNECT_TIMEOUT.seconds}s", code=3
+            f"cannot reach Temporal at {temporal.address}: no answer within {CONNECT_TIMEOUT.seconds}s",
+            code=exit_codes.UNREACHABLE,
         ) from None
     except RuntimeError as err:
-        raise OpsError(f"cannot reach Temporal at {temporal.address}: {_connect_reason(err)}", code=3) from None
+        raise OpsError(
+            f"cannot reach Temporal at {temporal.address}: {_connect_reason(err)}", code=exit_codes.UNREACHABLE
+        ) from None
 
 
 def _connect_reason(err: Exception) -> str:

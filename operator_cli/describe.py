@@ -1,18 +1,22 @@
 """`autorepair describe-instances`: each instance's health status, the GPU findings behind it and its repair.
 
 Health comes from the instances' health workflows through their `health` query, never from a worker's memory; a
-group's instances are found through visibility (running health workflows with its CapacityGroup).
+group's instances are found through visibility (running health workflows with its CapacityGroup). Answered like `aws
+ecs describe-container-instances`: the instances described, and those that could not be in `failures`.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Awaitable, Callable
 from datetime import datetime
-from typing import Any
+from enum import StrEnum
+from typing import Any, TypeVar
 
+from pydantic import BaseModel
 from rich.table import Table
 from temporalio.client import Client, WorkflowQueryFailedError, WorkflowQueryRejectedError
-from temporalio.service import RPCError
+from temporalio.service import RPCError, RPCStatusCode
 
 from contract import names
 from contract import search_attributes as sa
@@ -32,10 +36,16 @@ from operator_cli.client import (
     temporal_settings,
     workflow_url,
 )
-from operator_cli.output import iso, print_json, short_time, stdout_console
+from operator_cli.exit_codes import OK
+from operator_cli.output import emit, iso, progress, short_time, stdout_console
 from workflows.models import InstanceHealthView, SemaphoreView
 
+T = TypeVar("T")
+
 LAST_HEARD_BATCH = 1_000
+# The answer's two lists, named as ECS DescribeContainerInstances names them.
+CONTAINER_INSTANCES = "containerInstances"
+FAILURES = "failures"
 STATUS_STYLES = {"IMPAIRED": "bold red", "INSUFFICIENT_DATA": "yellow", "INITIALIZING": "cyan", "OK": "green"}
 
 
@@ -53,8 +63,23 @@ def add_describe_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser)
 
 
+class FailureReason(StrEnum):
+    MISSING = "MISSING"  # no health workflow: its probe has never reported (ECS's word for an unknown instance)
+    UNAVAILABLE = "UNAVAILABLE"  # it exists, but its health query went unanswered (no worker) or failed
+
+
+class Failure(BaseModel):
+    """An instance that could not be described, shaped as a failure of ECS DescribeContainerInstances. `arn` is the
+    instance id: an instance known only by its id has no ARN here."""
+
+    arn: str
+    reason: FailureReason
+    detail: str
+
+
 async def describe_instances(args: argparse.Namespace) -> int:
-    """Exit status 1 when any instance could not be described (its line says why)."""
+    """Exit status OK even when some instances could not be described, as the aws CLI does: they are the answer's
+    `failures` (in the table, a line each). Only a command that could not run at all exits otherwise."""
     if not args.group and not args.instance:
         raise OpsError("give --group G (all its running instances) or --instance I (repeatable)")
     temporal = temporal_settings(args)
@@ -76,20 +101,36 @@ async def describe_instances(args: argparse.Namespace) -> int:
             )
             for execution in executions
         )
-    described = await bounded(_describe_one(client, temporal, instance, run_id) for instance, run_id in instances)
-    entries = [entry for entry, _ in described]
-    await _add_last_heard(client, [view for _, view in described if view is not None], entries)
-    await _add_held(client, [view for _, view in described if view is not None], entries)
-    if args.json:
-        print_json(entries)
-    else:
-        _print_instances(entries, args.group)
-    return 1 if any("error" in e for e in entries) else 0
+    # One query per instance, CONCURRENCY at a time: a large group takes a while, so a person sees it move.
+    with progress("describing instances", len(instances)) as advance:
+        described = await bounded(
+            _counted(_describe_one(client, temporal, instance, run_id), advance) for instance, run_id in instances
+        )
+    entries = [entry for entry, _ in described if isinstance(entry, dict)]
+    failures = [entry for entry, _ in described if isinstance(entry, Failure)]
+    views = [view for _, view in described if view is not None]
+    await _add_last_heard(client, views, entries)
+    await _add_held(client, views, entries)
+    document = {CONTAINER_INSTANCES: entries, FAILURES: [f.model_dump(mode="json") for f in failures]}
+    emit(
+        args,
+        document,
+        lambda wide: _print_instances(entries, failures, args.group, wide),
+        rows=[*document[CONTAINER_INSTANCES], *document[FAILURES]],
+    )
+    return OK
+
+
+async def _counted(call: Awaitable[T], done: Callable[[], None]) -> T:
+    try:
+        return await call
+    finally:
+        done()
 
 
 async def _describe_one(
     client: Client, temporal: TemporalSettings, instance_id: str, run_id: str | None
-) -> tuple[dict[str, Any], InstanceHealthView | None]:
+) -> tuple[dict[str, Any] | Failure, InstanceHealthView | None]:
     workflow_id = health_workflow_id(instance_id)
     handle = client.get_workflow_handle(workflow_id, run_id=run_id)
     try:
@@ -97,9 +138,10 @@ async def _describe_one(
             run_id = (await handle.describe(rpc_timeout=QUERY_TIMEOUT)).run_id
         view = await handle.query(names.QUERY_HEALTH, result_type=InstanceHealthView, rpc_timeout=QUERY_TIMEOUT)
     except RPCError as err:
-        return {"ec2InstanceId": instance_id, "error": rpc_reason(err, names.QUERY_HEALTH)}, None
+        reason = FailureReason.MISSING if err.status == RPCStatusCode.NOT_FOUND else FailureReason.UNAVAILABLE
+        return Failure(arn=instance_id, reason=reason, detail=rpc_reason(err, names.QUERY_HEALTH)), None
     except (WorkflowQueryFailedError, WorkflowQueryRejectedError) as err:
-        return {"ec2InstanceId": instance_id, "error": one_line(str(err))}, None
+        return Failure(arn=instance_id, reason=FailureReason.UNAVAILABLE, detail=one_line(str(err))), None
     return health_entry(view, workflow_url(temporal, workflow_id, run_id)), view
 
 
@@ -195,41 +237,56 @@ def _retry_entry(view: InstanceHealthView) -> dict[str, Any] | None:
     }
 
 
-def _print_instances(entries: list[dict[str, Any]], group: str | None) -> None:
+# The columns `-o wide` adds to each table: what the text table leaves out to fit a terminal.
+WIDE_CHECK_COLUMNS = ("group", "last heard", "Web UI")
+WIDE_FINDING_COLUMNS = ("finding id", "source", "verdict")
+WIDE_REPAIR_COLUMNS = ("started",)
+
+
+def _table(title: str, columns: tuple[str, ...], wide: tuple[str, ...] | None) -> Table:
+    table = Table(title=title)
+    for column in (*columns, *(wide or ())):
+        table.add_column(column, overflow="fold")
+    return table
+
+
+def _print_instances(entries: list[dict[str, Any]], failures: list[Failure], group: str | None, wide: bool) -> None:
     console = stdout_console()
-    checks = Table(title=f"Instance health{f' in {group}' if group else ''}")
-    for column in ("instance", "overall", "check", "status", "reason", "last updated", "last change"):
-        checks.add_column(column, overflow="fold")
-    findings = Table(title="GPU findings behind it")
-    for column in ("instance", "observed", "reason", "impairs", "gpu", "count", "rule", "message"):
-        findings.add_column(column, overflow="fold")
-    repairs = Table(title="Repairs")
-    for column in ("instance", "repair", "phase", "reason", "replacement", "error"):
-        repairs.add_column(column, overflow="fold")
-    sources = Table(title="Probe sources that are down")
-    for column in ("instance", "source", "state", "reason"):
-        sources.add_column(column, overflow="fold")
-    controls = Table(title="Operator controls")
-    for column in ("instance", "control", "by", "at", "what", "reason"):
-        controls.add_column(column, overflow="fold")
-    problems: list[str] = []
+    checks = _table(
+        f"Instance health{f' in {group}' if group else ''}",
+        ("instance", "overall", "check", "status", "reason", "last updated", "last change"),
+        WIDE_CHECK_COLUMNS if wide else None,
+    )
+    findings = _table(
+        "GPU findings behind it",
+        ("instance", "observed", "reason", "impairs", "gpu", "count", "rule", "message"),
+        WIDE_FINDING_COLUMNS if wide else None,
+    )
+    repairs = _table(
+        "Repairs",
+        ("instance", "repair", "phase", "reason", "replacement", "error"),
+        WIDE_REPAIR_COLUMNS if wide else None,
+    )
+    sources = _table("Probe sources that are down", ("instance", "source", "state", "reason"), None)
+    controls = _table("Operator controls", ("instance", "control", "by", "at", "what", "reason"), None)
     retries: list[tuple[str, dict[str, Any]]] = []
     for entry in entries:
         instance = entry["ec2InstanceId"]
-        if "error" in entry:
-            problems.append(f"{instance}: {entry['error']}")
-            continue
         health = entry["healthStatus"]
         overall = health["overallStatus"]
+        heard = entry.get("lastHeard") or entry["lastHeartbeat"]
         for index, detail in enumerate(health["details"]):
+            first = index == 0
+            extra = (entry["capacityGroup"], short_time(_moment(heard)), entry["workflowUrl"] or "")
             checks.add_row(
-                instance if index == 0 else "",
-                f"[{STATUS_STYLES.get(overall, '')}]{overall}[/]" if index == 0 else "",
+                instance if first else "",
+                f"[{STATUS_STYLES.get(overall, '')}]{overall}[/]" if first else "",
                 detail["type"],
                 f"[{STATUS_STYLES.get(detail['status'], '')}]{detail['status']}[/]",
                 detail.get("statusReason") or "",
                 short_time(datetime.fromisoformat(detail["lastUpdated"])),
                 short_time(datetime.fromisoformat(detail["lastStatusChange"])),
+                *((extra if first else ("", "", "")) if wide else ()),
             )
         for finding in entry["findings"]:
             findings.add_row(
@@ -241,6 +298,7 @@ def _print_instances(entries: list[dict[str, Any]], group: str | None) -> None:
                 str(finding["count"]),
                 finding["rule"],
                 finding["message"],
+                *((finding["finding_id"], finding.get("source") or "", finding.get("verdict") or "") if wide else ()),
                 style="bold red" if finding["impairs"] else None,
             )
         repair = entry["repair"]
@@ -252,11 +310,12 @@ def _print_instances(entries: list[dict[str, Any]], group: str | None) -> None:
                 repair["reason"],
                 repair.get("replacement_instance_id") or "",
                 repair.get("error") or "",
+                *((short_time(_moment(repair["started_at"])),) if wide else ()),
             )
         elif entry["repairWithheld"]:
-            repairs.add_row(instance, "", "not repaired", entry["repairWithheld"], "", "")
+            repairs.add_row(instance, "", "not repaired", entry["repairWithheld"], "", "", *(("",) if wide else ()))
         elif (decision := entry.get("repairDecision")) and decision["stance"] != "NotNeeded":
-            repairs.add_row(instance, "", decision["stance"], decision["why"], "", "")
+            repairs.add_row(instance, "", decision["stance"], decision["why"], "", "", *(("",) if wide else ()))
         if entry.get("repairRetry"):
             retries.append((instance, entry["repairRetry"]))
         for source in entry["probeSources"]:
@@ -277,10 +336,14 @@ def _print_instances(entries: list[dict[str, Any]], group: str | None) -> None:
         console.print(sources)
     if controls.row_count:
         console.print(controls)
-    if not entries:
+    if not entries and not failures:
         console.print("no running health workflows found")
-    for problem in problems:
-        console.print(f"[yellow]{problem}[/]")
+    for failure in failures:
+        console.print(f"{failure.arn}: {failure.reason}: {failure.detail}", style="yellow", markup=False)
+
+
+def _moment(text: str | None) -> datetime | None:
+    return None if text is None else datetime.fromisoformat(text)
 
 
 def _add_controls(table: Table, instance: str, entry: dict[str, Any]) -> None:

@@ -15,7 +15,7 @@ OURS = frozenset({"contract", "workflows", "activities", "worker", "node_probe",
 PROBE_SIDE = frozenset({"probe", "probe-report", "classify"})
 # Modules that only the ops extra brings, whichever command reached them (`autorepair probe --direct-temporal`
 # speaks to Temporal itself, so it needs the ops extra even on a GPU host).
-OPS_ONLY = frozenset({"temporalio", "cachetools", "opentelemetry"})
+OPS_ONLY = frozenset({"temporalio", "cachetools", "opentelemetry", "shtab"})
 DEMO_ONLY = frozenset({"moto"})
 
 

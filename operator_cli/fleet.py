@@ -24,7 +24,8 @@ from operator_cli.client import (
     temporal_settings,
     workflow_url,
 )
-from operator_cli.output import print_json, seconds_text, stdout_console
+from operator_cli.exit_codes import OK, UNREACHABLE
+from operator_cli.output import emit, seconds_text, stdout_console
 
 
 def add_fleet_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,13 +63,15 @@ async def fleet_describe(args: argparse.Namespace) -> int:
         "breaker": view.model_dump(mode="json") if view else None,
         "workflowUrl": workflow_url(temporal, fleet_breaker_workflow_id(temporal.task_queue), None) if view else None,
     }
-    if args.json:
-        print_json(document)
-        return 0
+    emit(args, document, lambda wide: _print_breaker(view))
+    return OK
+
+
+def _print_breaker(view: FleetBreakerView | None) -> None:
     console = stdout_console()
     if view is None:
         console.print("no fleet breaker running: no instance has been impaired since the worker started using it")
-        return 0
+        return
     if view.held is not None:
         console.print(f"[bold red]HELD[/] since {view.held.tripped_at.isoformat()}: {view.held.message}")
     console.print(
@@ -77,7 +80,6 @@ async def fleet_describe(args: argparse.Namespace) -> int:
     )
     if view.last_resume is not None:
         console.print(f"last resumed {view.last_resume.at.isoformat()} by {view.last_resume.by or '?'}")
-    return 0
 
 
 async def fleet_resume(args: argparse.Namespace) -> int:
@@ -101,11 +103,12 @@ async def fleet_resume(args: argparse.Namespace) -> int:
         raise OpsError(
             f"no worker completed the resume within {seconds_text(args.timeout.total_seconds())}: is "
             f"`autorepair worker` running on task queue {temporal.task_queue}?",
-            code=3,
+            code=UNREACHABLE,
         ) from None
-    if args.json:
-        print_json(view.model_dump(mode="json"))
-    else:
-        discarded = ", held repairs discarded" if args.discard_held else ""
-        stdout_console().print(f"fleet-wide breaker resumed{discarded}")
-    return 0
+    discarded = ", held repairs discarded" if args.discard_held else ""
+    emit(
+        args,
+        view.model_dump(mode="json"),
+        lambda wide: stdout_console().print(f"fleet-wide breaker resumed{discarded}"),
+    )
+    return OK

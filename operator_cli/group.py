@@ -41,7 +41,8 @@ from operator_cli.client import (
     temporal_settings,
     workflow_url,
 )
-from operator_cli.output import iso, print_json, seconds_text, stdout_console
+from operator_cli.exit_codes import OK, UNREACHABLE
+from operator_cli.output import emit, iso, seconds_text, stdout_console
 from worker.settings import Settings
 from workflows.models import SemaphoreView
 
@@ -132,11 +133,29 @@ async def group_describe(args: argparse.Namespace) -> int:
         "instances": instances,
         "workflowUrl": workflow_url(temporal, semaphore_workflow_id(args.name), None) if state else None,
     }
-    if args.json:
-        print_json(document)
-    else:
-        _print_group(document)
-    return 0
+    emit(args, document, lambda wide: _print_group(document, wide))
+    return OK
+
+
+# The settings other than the live ones that the table shows; `-o wide` shows all.
+SHOWN_SETTINGS = (
+    "cluster",
+    "launch_template",
+    "auto_scaling_group",
+    "replacement_ready_timeout",
+    "gpu_reset",
+    "reboot_timeout",
+    "escalation_window",
+    "max_fixes_in_place",
+    "fix_window",
+)
+
+
+def _default(key: str) -> str:
+    field = CapacityGroup.model_fields.get(key)
+    if field is None or field.is_required():
+        return ""
+    return str(field.get_default(call_default_factory=True))
 
 
 def _local_group(name: str) -> CapacityGroup | None:
@@ -146,29 +165,29 @@ def _local_group(name: str) -> CapacityGroup | None:
         return None
 
 
-def _print_group(document: dict[str, Any]) -> None:
+def _print_group(document: dict[str, Any], wide: bool) -> None:
+    """The live-changeable settings and the chief others; wide: every setting, with its default beside it."""
     console = stdout_console()
     table = Table(title=f"Capacity group {document['name']}")
-    for column in ("setting", "value", "live override"):
+    for column in ("setting", "value", "live override", *(("default",) if wide else ())):
         table.add_column(column, overflow="fold")
     overrides = document["overrides"]
     effective = document["effective"] or {}
     for key in (*GroupConfigOverrides.model_fields,):
         value = effective.get(key, "?")
-        table.add_row(key, str(value), "yes" if key in overrides else "", style="bold" if key in overrides else None)
-    for key in (
-        "cluster",
-        "launch_template",
-        "auto_scaling_group",
-        "replacement_ready_timeout",
-        "gpu_reset",
-        "reboot_timeout",
-        "escalation_window",
-        "max_fixes_in_place",
-        "fix_window",
-    ):
-        if effective.get(key) is not None:
-            table.add_row(key, str(effective[key]), "")
+        table.add_row(
+            key,
+            str(value),
+            "yes" if key in overrides else "",
+            *((_default(key),) if wide else ()),
+            style="bold" if key in overrides else None,
+        )
+    shown = (*SHOWN_SETTINGS, *(k for k in effective if k not in SHOWN_SETTINGS)) if wide else SHOWN_SETTINGS
+    for key in shown:
+        if key in GroupConfigOverrides.model_fields:
+            continue
+        if wide or effective.get(key) is not None:
+            table.add_row(key, str(effective.get(key)), "", *((_default(key),) if wide else ()))
     if document["effectiveSource"]:
         table.caption = f"from {document['effectiveSource']}"
     console.print(table)
@@ -265,26 +284,26 @@ async def group_update(args: argparse.Namespace) -> int:
         raise OpsError(
             f"no worker completed the update within {seconds_text(args.timeout.total_seconds())}: is "
             f"`autorepair worker` running on task queue {temporal.task_queue}?",
-            code=3,
+            code=UNREACHABLE,
         ) from None
     if not isinstance(state, GroupConfigState):
-        raise OpsError(f"unexpected answer from the drain semaphore: {state!r}", code=3)
-    if args.json:
-        print_json(
-            {
-                "name": args.name,
-                "effective": state.effective.model_dump(mode="json") if state.effective else None,
-                "overrides": state.overrides.model_dump(mode="json", exclude_none=True),
-                "revision": state.revision,
-                "updatedAt": iso(state.updated_at),
-                "updatedBy": state.updated_by,
-            }
-        )
-    else:
-        changed = ", ".join(f"{k}={v}" for k, v in state.overrides.model_dump(mode="json", exclude_none=True).items())
+        raise OpsError(f"unexpected answer from the drain semaphore: {state!r}", code=UNREACHABLE)
+    document = {
+        "name": args.name,
+        "effective": state.effective.model_dump(mode="json") if state.effective else None,
+        "overrides": state.overrides.model_dump(mode="json", exclude_none=True),
+        "revision": state.revision,
+        "updatedAt": iso(state.updated_at),
+        "updatedBy": state.updated_by,
+    }
+
+    def text(wide: bool) -> None:
+        changed = ", ".join(f"{k}={v}" for k, v in document["overrides"].items())
         overrides = f"live overrides now {changed}" if changed else "no live overrides (the settings apply)"
         if args.resume:
             discarded = ", held repairs discarded" if args.discard_held else ""
             stdout_console().print(f"capacity group {args.name}: repairs resumed{discarded}")
         stdout_console().print(f"capacity group {args.name}: revision {state.revision}, {overrides}")
-    return 0
+
+    emit(args, document, text)
+    return OK

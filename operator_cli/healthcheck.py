@@ -1,7 +1,8 @@
 """`autorepair healthcheck URL`: what a container's health check runs, since the images have no curl.
 
-Exit 0 on HTTP 200; 1 otherwise, with one line saying why (the endpoint's own reason when it gives one). Standard
-library only: an orchestrator runs it every few seconds, so it must not load a Temporal or AWS client.
+Exit 0 on HTTP 200; 1 otherwise, with one line saying why (the endpoint's own reason when it gives one). The standard
+library and operator_cli/output.py only: an orchestrator runs it every few seconds, so it must not load a Temporal or
+AWS client (nor rich, which output.py imports only for a table).
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ import sys
 import urllib.error
 import urllib.request
 from http.client import HTTPException
+
+from operator_cli.exit_codes import FAILED, OK
+from operator_cli.output import add_output_arguments, emit
 
 DEFAULT_TIMEOUT_S = 5.0
 _MAX_BODY = 4096
@@ -32,9 +36,11 @@ def add_healthcheck_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not verify the TLS certificate (the ingest's own, asked on 127.0.0.1 where its name does not match)",
     )
+    # text: silent when healthy, as a container's health check wants; json/jsonl: the verdict as a document too.
+    add_output_arguments(parser, json_flag=False)
 
 
-def _reason(body: bytes) -> str:
+def reason(body: bytes) -> str:
     """The endpoint's reason: `reason` of a JSON answer (every /healthz of ours, the ingest's Refusal), else the
     body's first line."""
     text = body.decode("utf-8", errors="replace").strip()
@@ -58,19 +64,20 @@ def check(url: str, timeout_s: float, *, insecure: bool = False) -> tuple[bool, 
         with urllib.request.urlopen(url, timeout=timeout_s, context=context) as response:
             status, body = response.status, response.read(_MAX_BODY)
     except urllib.error.HTTPError as err:
-        return False, f"{url} answered {err.code}: {_reason(err.read(_MAX_BODY))}"
+        return False, f"{url} answered {err.code}: {reason(err.read(_MAX_BODY))}"
     except urllib.error.URLError as err:
         return False, f"{url} unreachable: {err.reason}"
     except (OSError, HTTPException, ValueError) as err:  # timeouts, resets, a malformed answer or URL
         return False, f"{url} unreachable: {err or type(err).__name__}"
     if status != 200:
-        return False, f"{url} answered {status}: {_reason(body)}"
+        return False, f"{url} answered {status}: {reason(body)}"
     return True, f"{url}: ok"
 
 
 def run_healthcheck(args: argparse.Namespace) -> int:
     healthy, said = check(args.url, args.timeout, insecure=args.insecure)
+    emit(args, {"url": args.url, "healthy": healthy, "detail": said}, lambda wide: None)
     if not healthy:
         print(f"autorepair healthcheck: {said}", file=sys.stderr)
-        return 1
-    return 0
+        return FAILED
+    return OK

@@ -42,7 +42,8 @@ from operator_cli.client import (
     temporal_settings,
     workflow_url,
 )
-from operator_cli.output import iso, print_json, seconds_text, short_time, stdout_console
+from operator_cli.exit_codes import OK
+from operator_cli.output import emit, iso, seconds_text, short_time, stdout_console
 from workflows.models import RepairResult, RepairStatus
 
 TERMINAL_PHASES = frozenset({RepairPhase.COMPLETED, RepairPhase.FAILED, RepairPhase.CANCELLED, RepairPhase.DISCARDED})
@@ -59,6 +60,8 @@ COLUMNS = (
     "evidence",
     "Web UI",
 )
+# `-o wide`: the record's fields the table leaves out.
+WIDE_COLUMNS = ("group", "workflow id", "run id", "xid", "execution status", "closed", "error")
 STATUS_WORDS = {
     WorkflowExecutionStatus.RUNNING: "Running",
     WorkflowExecutionStatus.COMPLETED: "Completed",
@@ -93,11 +96,8 @@ async def repair_history(args: argparse.Namespace) -> int:
     executions = await list_workflows(client, " AND ".join(clauses), limit=args.limit)
     executions.sort(key=lambda e: e.start_time, reverse=True)
     records = by_incident(await bounded(_repair_record(client, temporal, e) for e in executions))
-    if args.json:
-        print_json(records)
-    else:
-        _print_history(records)
-    return 0
+    emit(args, records, lambda wide: _print_history(records, wide), rows=records)
+    return OK
 
 
 def by_incident(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -218,10 +218,10 @@ def phase_durations(steps: Sequence[PhaseStep], closed_at: datetime | None) -> l
     return phases
 
 
-def _print_history(records: list[dict[str, Any]]) -> None:
+def _print_history(records: list[dict[str, Any]], wide: bool) -> None:
     console = stdout_console()
     table = Table(title="Repairs")
-    for column in COLUMNS:
+    for column in (*COLUMNS, *(WIDE_COLUMNS if wide else ())):
         table.add_column(column, overflow="fold")
     for record in records:
         if record["phases"] is None:
@@ -250,7 +250,21 @@ def _print_history(records: list[dict[str, Any]]) -> None:
             phases,
             record["evidence"] or "",
             record["webUiUrl"],
+            *(_wide_cells(record) if wide else ()),
         )
     console.print(table)
     if not records:
         console.print("no repairs found")
+
+
+def _wide_cells(record: dict[str, Any]) -> tuple[str, ...]:
+    closed = record["closeTime"]
+    return (
+        record["group"] or "",
+        record["workflowId"],
+        record["runId"] or "",
+        "" if record["xid"] is None else str(record["xid"]),
+        record["executionStatus"],
+        short_time(datetime.fromisoformat(closed)) if closed else "",
+        record["error"] or "",
+    )

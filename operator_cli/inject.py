@@ -17,6 +17,7 @@ from contract import search_attributes as sa
 from contract.config import TemporalSettings
 from contract.health import HeartbeatLossInjection
 from contract.ids import health_workflow_id
+from contract.probe import GpuFinding
 from node_probe.classify.manual import DEFAULT_PCI, manual_findings, pci_address, records_from_text, xid_line
 from node_probe.classify.policy import Policy
 from node_probe.classify.record import FaultRecord
@@ -32,7 +33,8 @@ from operator_cli.client import (
     requested_by,
     temporal_settings,
 )
-from operator_cli.output import iso, print_json, seconds_text, short_time, stdout_console
+from operator_cli.exit_codes import OK
+from operator_cli.output import emit, iso, seconds_text, short_time, stdout_console
 
 INJECT_SOURCE = "autorepair-inject"
 DEFAULT_INJECT_PCI = DEFAULT_PCI
@@ -112,11 +114,18 @@ async def _inject_findings(
     for finding in findings:
         await reporter.send_finding(finding, temporal.task_queue)
     workflow_id = health_workflow_id(args.instance)
-    if args.json:
-        print_json({"workflowId": workflow_id, "findings": [f.model_dump(mode="json") for f in findings]})
-        return 0
+    sent = [f.model_dump(mode="json") for f in findings]
+    emit(args, {"workflowId": workflow_id, "findings": sent}, lambda wide: _print_findings(workflow_id, findings, wide))
+    return OK
+
+
+# `-o wide`: the finding's fields the table leaves out.
+WIDE_COLUMNS = ("kind", "code", "verdict", "observed")
+
+
+def _print_findings(workflow_id: str, findings: list[GpuFinding], wide: bool) -> None:
     table = Table(title=f"Injected into {workflow_id}")
-    for column in ("reason", "impairs", "rule", "gpu", "finding id", "line"):
+    for column in ("reason", "impairs", "rule", "gpu", "finding id", "line", *(WIDE_COLUMNS if wide else ())):
         table.add_column(column, overflow="fold")
     for finding in findings:
         table.add_row(
@@ -126,10 +135,19 @@ async def _inject_findings(
             finding.gpu.pci or "",
             finding.finding_id,
             finding.raw,
+            *(
+                (
+                    finding.kind,
+                    "" if finding.code is None else str(finding.code),
+                    finding.verdict,
+                    short_time(finding.observed_at),
+                )
+                if wide
+                else ()
+            ),
             style="bold red" if finding.impairs else None,
         )
     stdout_console().print(table)
-    return 0
 
 
 async def _inject_heartbeat_loss(client: Client, args: argparse.Namespace) -> int:
@@ -143,19 +161,16 @@ async def _inject_heartbeat_loss(client: Client, args: argparse.Namespace) -> in
             raise OpsError(f"no running health workflow for {args.instance}: its probe has never reported") from None
         raise
     until = datetime.now(UTC) + injection.duration
-    if args.json:
-        print_json(
-            {
-                "workflowId": workflow_id,
-                "heartbeatLossSeconds": injection.duration.total_seconds(),
-                "approximatelyUntil": iso(until),
-                "requestedBy": injection.requested_by,
-            }
-        )
-    else:
-        stdout_console().print(
-            f"{workflow_id}: heartbeats ignored for {seconds_text(injection.duration.total_seconds())} "
-            f"(until about {short_time(until)}); AGENT_CONNECTIVITY goes IMPAIRED once the group's heartbeat "
-            "loss threshold passes without one"
-        )
-    return 0
+    document = {
+        "workflowId": workflow_id,
+        "heartbeatLossSeconds": injection.duration.total_seconds(),
+        "approximatelyUntil": iso(until),
+        "requestedBy": injection.requested_by,
+    }
+    said = (
+        f"{workflow_id}: heartbeats ignored for {seconds_text(injection.duration.total_seconds())} "
+        f"(until about {short_time(until)}); AGENT_CONNECTIVITY goes IMPAIRED once the group's heartbeat "
+        "loss threshold passes without one"
+    )
+    emit(args, document, lambda wide: stdout_console().print(said))
+    return OK

@@ -37,7 +37,8 @@ from operator_cli.client import (
     temporal_settings,
     workflow_url,
 )
-from operator_cli.output import iso, print_json, seconds_text, stdout_console
+from operator_cli.exit_codes import OK, UNREACHABLE
+from operator_cli.output import emit, iso, seconds_text, stdout_console
 from workflows.models import InstanceHealthView
 
 # action -> (update, its help, whether --reason is required)
@@ -125,15 +126,13 @@ async def instance_control(args: argparse.Namespace) -> int:
         raise OpsError(
             f"no worker completed the update within {seconds_text(args.timeout.total_seconds())}: is "
             f"`autorepair worker` running on task queue {temporal.task_queue}?",
-            code=3,
+            code=UNREACHABLE,
         ) from None
     if not isinstance(result, InstanceControlResult):
-        raise OpsError(f"unexpected answer from {workflow_id}: {result!r}", code=3)
-    if args.json:
-        print_json(_document(result) | {"action": action, "workflowUrl": workflow_url(temporal, workflow_id, None)})
-    else:
-        _print_result(result)
-    return 0
+        raise OpsError(f"unexpected answer from {workflow_id}: {result!r}", code=UNREACHABLE)
+    document = _document(result) | {"action": action, "workflowUrl": workflow_url(temporal, workflow_id, None)}
+    emit(args, document, lambda wide: _print_result(result))
+    return OK
 
 
 async def _must_be_running(client: Client, handle: WorkflowHandle[Any, Any], instance: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.util
 import os
 import sys
@@ -12,7 +13,8 @@ from typing import Any, NoReturn
 
 from pydantic import ValidationError
 
-from contract.config import ConfigError
+from contract.config import ConfigError, temporal_profile
+from operator_cli import exit_codes
 from operator_cli.extras import PROBE_SIDE, missing_extra, version
 from worker.logging_setup import configure_logging
 
@@ -25,7 +27,7 @@ class OneLineErrorParser(argparse.ArgumentParser):
     """Bad arguments are one line naming the fix, not a usage block: scripts and logs keep it whole."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(exit_codes.USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 class CommandParser(OneLineErrorParser):
@@ -41,6 +43,10 @@ class CommandParser(OneLineErrorParser):
         if self._setup is not None:
             setup, self._setup = self._setup, None
             self.set_defaults(run=setup(self))
+
+    def ready(self) -> None:
+        """Add the command's arguments now, not when it is parsed: shell completion lists every command's."""
+        self._ready()
 
     def parse_known_args(self, *args: Any, **kwargs: Any) -> Any:
         self._ready()
@@ -72,9 +78,11 @@ def _worker(parser: argparse.ArgumentParser) -> Runner:
 
 
 def _setup(parser: argparse.ArgumentParser) -> Runner:
-    from worker.commands import run_setup_command
+    from operator_cli.client import guarded
+    from operator_cli.setup import add_setup_arguments, run_setup
 
-    return run_setup_command
+    add_setup_arguments(parser)
+    return guarded(run_setup)
 
 
 def _demo(parser: argparse.ArgumentParser) -> Runner:
@@ -82,6 +90,13 @@ def _demo(parser: argparse.ArgumentParser) -> Runner:
 
     add_demo_arguments(parser)
     return run_demo
+
+
+def _sim(parser: argparse.ArgumentParser) -> Runner:
+    from simulator.sim import add_sim_arguments, run_sim
+
+    add_sim_arguments(parser)
+    return run_sim
 
 
 def _probe(parser: argparse.ArgumentParser) -> Runner:
@@ -113,10 +128,18 @@ def _healthcheck(parser: argparse.ArgumentParser) -> Runner:
 
 
 def _classify(parser: argparse.ArgumentParser) -> Runner:
-    from node_probe.cli import add_classify_arguments, run_classify
+    from operator_cli.classify import add_classify_arguments, run_classify
 
     add_classify_arguments(parser)
     return run_classify
+
+
+def _completion(parser: argparse.ArgumentParser) -> Runner:
+    from operator_cli.completion import add_completion_arguments, completion_runner
+
+    add_completion_arguments(parser)
+    # Passed, not imported there: the script is made from this very parser, every command's arguments added.
+    return completion_runner(lambda: build_parser(every_command=True))
 
 
 # The operator's commands read and change the fleet through Temporal; guarded() turns what the operator can fix (a
@@ -171,19 +194,33 @@ def _instance(parser: argparse.ArgumentParser) -> Runner:
     return guarded(instance_usage)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _doctor(parser: argparse.ArgumentParser) -> Runner:
+    from operator_cli.client import guarded
+    from operator_cli.doctor import add_doctor_arguments, run_doctor
+
+    add_doctor_arguments(parser)
+    return guarded(run_doctor)
+
+
+def build_parser(every_command: bool = False) -> argparse.ArgumentParser:
+    """`autorepair`'s parser; each command's arguments are added when it is parsed, or all at once (every_command)."""
     parser = OneLineErrorParser(prog="autorepair", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
 
     def command(name: str, help: str, setup: Setup) -> None:
-        commands.add_parser(name, help=help, description=help, setup=setup)
+        added = commands.add_parser(name, help=help, description=help, setup=setup)
+        if every_command and isinstance(added, CommandParser):
+            # A command whose extra is not installed here is left without its flags, as it cannot run here either.
+            with contextlib.suppress(ModuleNotFoundError):
+                added.ready()
 
     command("worker", "run the repair workers (workflows and activities) on this host", _worker)
     command("setup", "register the custom search attributes in the Temporal namespace", _setup)
     # The simulator is only for trying it out: an image without it (the probe's) still runs every other command.
     if importlib.util.find_spec("simulator") is not None:
         command("demo", "run a simulated GPU fleet that heals itself, locally", _demo)
+        command("sim", "play a simulated GPU fleet against moto, beside the worker and the ingest", _sim)
     command("probe", "run the node probe on a GPU host", _probe)
     command(
         "probe-report",
@@ -203,6 +240,12 @@ def build_parser() -> argparse.ArgumentParser:
         "an operator's controls of one instance: exclude from repair, include, repair now, clear a false finding",
         _instance,
     )
+    command(
+        "doctor",
+        "check the setup before the first repair: Temporal, each group's AWS resources, the worker's IAM, the ingest",
+        _doctor,
+    )
+    command("completion", "print the shell completion script of autorepair: bash, zsh or tcsh", _completion)
     return parser
 
 
@@ -225,7 +268,9 @@ def _finish(args: argparse.Namespace, code: int, argv: list[str] | None) -> int:
 def _log_format(command: str) -> str:
     """The command's settings, read for their log format; each side's settings class is imported only by its own
     commands (the worker's would bring the groups' and breaker's models onto a GPU host)."""
-    if command == "healthcheck":  # an orchestrator runs it every few seconds: no settings to read (or to fail on)
+    # healthcheck: an orchestrator runs it every few seconds; completion: a shell's setup. No settings to read (or to
+    # fail on) for either.
+    if command in ("healthcheck", "completion"):
         return "auto"
     if command in PROBE_SIDE:
         from node_probe.cli import ProbeSettings
@@ -241,10 +286,12 @@ def _main(argv: list[str] | None) -> int:
     try:
         # Every command's settings are read here first: a missing file, bad TOML or a bad value is one line naming
         # the file (or environment variable), the key and the fix, and exit status 2, before the command starts.
-        settings_format = _log_format(args.command)
+        # Read as the command will read them: with the profile its --profile names, if it takes one.
+        with temporal_profile(getattr(args, "profile", None)):
+            settings_format = _log_format(args.command)
     except ConfigError as err:
         print(f"autorepair {args.command}: invalid configuration: {err}", file=sys.stderr)
-        return 2
+        return exit_codes.USAGE
     configure_logging(settings_format)
     try:
         outcome = args.run(args)
@@ -252,20 +299,20 @@ def _main(argv: list[str] | None) -> int:
             outcome = asyncio.run(outcome)
         return _finish(args, int(outcome or 0), argv)
     except KeyboardInterrupt:
-        return 130
+        return exit_codes.INTERRUPTED
     except ConfigError as err:
         print(f"autorepair {args.command}: invalid configuration: {err}", file=sys.stderr)
-        return 2
+        return exit_codes.USAGE
     except ValidationError as err:
         print(f"autorepair: {_one_line(err)}", file=sys.stderr)
-        return 2
+        return exit_codes.USAGE
     except (FileNotFoundError, KeyError) as err:
         print(f"autorepair: {err}", file=sys.stderr)
-        return 2
+        return exit_codes.USAGE
     except RuntimeError as err:
         if "Failed client connect" in str(err) or "connect" in str(err).lower():
             print(f"autorepair: cannot reach Temporal: {err}", file=sys.stderr)
-            return 3
+            return exit_codes.UNREACHABLE
         raise
 
 
@@ -278,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         if hint is None:
             raise
         print(hint, file=sys.stderr)
-        return 2
+        return exit_codes.USAGE
 
 
 if __name__ == "__main__":

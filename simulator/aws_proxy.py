@@ -8,6 +8,7 @@ retries it exactly as it would a real one) whenever a `Fault` rule matches. A `C
 call with a successful body of the test's choosing instead: what moto cannot say (an SSM command that failed on the
 host, with the output it printed). A `Rewrite` rule changes moto's own successful answer on its way back, in the
 service's wire format: moto says every status check is "ok", with no scheduled event, and every ECS agent connected.
+`simulate_policy` plays IAM's policy simulator, which moto lacks (simulator/policy_simulation.py).
 
 moto also answers in a millisecond where AWS takes tens to hundreds: a `Latency` rule holds each matching answer for
 a delay drawn from the API's range (`AWS_LATENCY_MS` is a profile of them), so a benchmark shows what the engine's
@@ -32,12 +33,14 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Literal
 from urllib.parse import parse_qs, urlsplit
 from xml.sax.saxutils import escape
+
+from simulator.policy_simulation import Decision, PolicySimulation
 
 log = logging.getLogger(__name__)
 
@@ -268,6 +271,7 @@ class FlakyAws:
         self._canned: list[Canned] = []
         self._rewrites: list[Rewrite] = []
         self._answerers: list[Answerer] = []
+        self._simulation: PolicySimulation | None = None
         self._latencies: list[Latency] = []
         self._random = random.Random(0)  # the same delays in the same order on every run with the same calls
         self._log = _Log()
@@ -374,6 +378,7 @@ class FlakyAws:
             self._faults.clear()
             self._canned.clear()
             self._answerers.clear()
+            self._simulation = None
             self._rewrites.clear()
 
     def calls(self, action: str) -> int:
@@ -470,6 +475,21 @@ class FlakyAws:
     def record(self, request: AwsRequest, status: int, fault: Fault | None) -> None:
         with self._lock:
             self._log.seen.append(Seen(request=request, status=status, fault=fault.code if fault else None))
+
+    def simulate_policy(self, denied: Iterable[str] = (), *, decision: Decision = "implicitDeny") -> PolicySimulation:
+        """Answer iam:SimulatePrincipalPolicy, which moto lacks: every action asked is allowed but `denied`, which get
+        `decision`. A fault rule for the action still wins (the caller may not simulate at all)."""
+        simulation = PolicySimulation(denied=frozenset(denied), decision=decision)
+        with self._lock:
+            self._simulation = simulation
+        return simulation
+
+    def simulated(self, request: AwsRequest) -> bytes | None:
+        with self._lock:
+            simulation = self._simulation
+        if simulation is None or request.action != "SimulatePrincipalPolicy" or request.protocol != "query":
+            return None
+        return simulation.answer(request.params)
 
     def made(self, request: AwsRequest) -> dict[str, object] | None:
         with self._lock:
@@ -596,11 +616,16 @@ def _handler_for(proxy: FlakyAws) -> type[BaseHTTPRequestHandler]:
             decided = proxy.decide(request)
             fault = decided if isinstance(decided, Fault) else None
             made = proxy.made(request) if decided is None else None
+            simulated = proxy.simulated(request) if decided is None and made is None else None
             # HEAD (S3's HeadObject): no body either way, and the length said is moto's, the object's.
             head_length: str | None = None
             if isinstance(decided, Canned) or made is not None:
                 out_body = json.dumps(decided.body if isinstance(decided, Canned) else made).encode()
                 out_headers = [("Content-Type", "application/x-amz-json-1.1"), ("x-amzn-RequestId", str(uuid.uuid4()))]
+                status = 200
+            elif simulated is not None:
+                out_body = simulated
+                out_headers = [("Content-Type", "text/xml"), ("x-amzn-RequestId", str(uuid.uuid4()))]
                 status = 200
             elif fault is not None:
                 out_headers, out_body = error_response(request, fault)

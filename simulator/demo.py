@@ -2,22 +2,27 @@
 
 Everything runs for real except the hardware: a Temporal dev server (with the Web UI), a moto server
 standing in for EC2/ECS/EventBridge/IAM/STS over HTTP, the repair worker (all workflows and activities) as
-`autorepair worker` and `autorepair ingest` each in a process of its own (their logs: <state>/worker.log and
-<state>/ingest.log), and the real node probe on each simulated node reading a kernel-log file and reporting through
-the ingest, signed with credentials of its own instance. Faults are NVRM lines written into those files.
+`autorepair worker`, `autorepair ingest`, and the simulated fleet as `autorepair sim` (simulator/sim.py), each in a
+process of its own (their logs: <state>/worker.log, ingest.log and sim.log). The sim plays the instances and runs
+the real node probe on each (a stand-in above `--probe-standin-above`), reading a kernel-log file and reporting
+through the ingest, signed with credentials of its own instance. Faults are NVRM lines written into those files, on
+the demo's request to the sim's control endpoint (simulator/sim_control.py).
 
-This module is the command itself: its flags, the validated plan they make, and the run (servers, worker,
-fleet, fault injection, watching until done). The engine reaches moto through a `FlakyAws` proxy that injects
-nothing: the simulated fleet follows the engine's calls from it (what it launched, drained, terminated, rebooted)
-and so describes only what changed, plus the whole group at a cadence that grows with the fleet. The live summary
-and the judge look at the fleet every max(1 s, N/50 s), health from Temporal visibility (one list, not a query per
-instance): a simulator that costs less than the engine it tests (benchmarks/SIM_COST.md).
+This module is the command itself: its flags, the validated plan they make, and the run (servers, worker, sim,
+fault injection, watching until done). The engine reaches moto through a `FlakyAws` proxy in this process that
+injects nothing and logs the engine's changing calls to <state>/engine-calls.jsonl: the sim follows that file (what
+the engine launched, drained, terminated, rebooted) and so describes only what changed, plus the whole group at a
+cadence that grows with the fleet; the proxy stays here so that the sim can be killed and started again without the
+engine's AWS going with it. The live summary and the judge look at the fleet every max(1 s, N/50 s): the world from
+the sim, health from Temporal visibility (one list, not a query per instance): a simulator that costs less than the
+engine it tests (benchmarks/SIM_COST.md).
 
 What it shows is simulator.demo_summary's, when it is done is simulator.demo_judge's, and the process settings it
-changes while it runs are simulator.demo_env's.
+changes while it runs are simulator.demo_env's. `demo_stack` is the same demo with the fleet in this process
+(benchmarks.sim_cost measures its ways of looking at the world so).
 
-Exit codes: 0 the run reached its goal; 1 it did not (time limit, a spurious repair, a crashed worker, a drain
-while auto repair was DISABLED); 2 bad arguments or an unusable state dir.
+Exit codes: 0 the run reached its goal; 1 it did not (time limit, a spurious repair, a crashed worker or sim, a
+drain while auto repair was DISABLED); 2 bad arguments or an unusable state dir.
 """
 
 from __future__ import annotations
@@ -43,16 +48,21 @@ from contract.config import AwsSettings, EventSettings, IngestSettings, Temporal
 from contract.formats import parse_bind
 from contract.groups import AutoRepair, CapacityGroup, Remediation
 from contract.ids import semaphore_workflow_id
-from simulator.aws_proxy import FlakyAws
+from simulator.aws_proxy import FlakyAws, Listener
 from simulator.demo_env import logs_to_file, moto_credentials, quiet_runtime
 from simulator.demo_judge import Judge, Outcome
+from simulator.demo_metrics import TARGETS_FILE, metrics_url, write_targets
 from simulator.demo_summary import EventLog, LiveSummary, describe_event, summary_line, timings_line
+from simulator.engine_call_log import EngineCallLog
 from simulator.engine_process import EngineProcess
-from simulator.fleet import FleetSnapshot, SimTiming, SimulatedFleet
+from simulator.fleet import SimTiming, SimulatedFleet
 from simulator.fleet_aws import EngineCalls, ecs_instance_lookup
+from simulator.fleet_view import FleetSnapshot, snapshot_from_visibility
 from simulator.host_identity import HOST_ROLE, HostIdentities
 from simulator.probes import via_ingest
-from simulator.servers import MotoServer, ServerError, TemporalDevServer
+from simulator.servers import MotoServer, ServerError, TemporalDevServer, free_port
+from simulator.sim import DEFAULT_STANDIN_ABOVE
+from simulator.sim_control import SimClient
 from worker.settings import Settings
 from workflows.models import SemaphoreView
 
@@ -68,8 +78,10 @@ STATE_MARKER = ".autorepair-demo"  # only a directory holding this file is ever 
 HEARTBEAT_LOSS_THRESHOLD = timedelta(seconds=8)
 HEARTBEAT_INTERVAL = timedelta(seconds=2)  # the simulated probes', and the group's setting: 3 of them fit the threshold
 WAIT_FOR_OK_S = 60.0
-NOISE_INSTANCES = 2
+SIM_START_S = 300.0  # `autorepair sim` listens once its fleet is set up: a minute or more at 1,000 instances
 REBOOT_TIMEOUT = timedelta(seconds=60)  # a simulated reboot takes the boot delay, seconds
+# How often the worker counts instances by health status for its gauges (30 s in production).
+DEMO_GAUGE_INTERVAL = timedelta(seconds=2)
 # The live summary and the judge look at the fleet every max(1 s, N x this): 4 s at 200 instances.
 SNAPSHOT_PER_INSTANCE_S = 1 / 50
 
@@ -138,6 +150,34 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ui-port", type=int, default=8233)
     parser.add_argument("--moto-port", type=int, default=5000)
     parser.add_argument("--ingest-port", type=int, default=8480, help="where the hosts report (default 8480)")
+    parser.add_argument("--sim-port", type=int, default=8490, help="the simulated fleet's control (default 8490)")
+    parser.add_argument(
+        "--worker-metrics-port",
+        type=int,
+        default=0,
+        metavar="PORT",
+        help=f"the worker's Prometheus /metrics (default 0: a free port; <state>/{TARGETS_FILE} names it)",
+    )
+    parser.add_argument(
+        "--ingest-metrics-port",
+        type=int,
+        default=0,
+        metavar="PORT",
+        help="the ingest's Prometheus /metrics (default 0: a free port, named there too)",
+    )
+    parser.add_argument(
+        "--probe-standin-above",
+        type=int,
+        default=DEFAULT_STANDIN_ABOVE,
+        metavar="N",
+        help=f"above N instances the fleet runs a probe stand-in instead of the real probe (default "
+        f"{DEFAULT_STANDIN_ABOVE})",
+    )
+    parser.add_argument(
+        "--aws-latency",
+        action="store_true",
+        help="every AWS call of the engine answered as slowly as AWS answers it (50-300 ms by API: FlakyAws.like_aws)",
+    )
 
 
 @dataclass
@@ -159,6 +199,11 @@ class DemoPlan:
     ui_port: int
     moto_port: int
     ingest_port: int
+    sim_port: int = 8490
+    probe_standin_above: int = DEFAULT_STANDIN_ABOVE
+    worker_metrics_port: int = 0  # 0: a free one, chosen when the engine starts
+    ingest_metrics_port: int = 0
+    aws_latency: bool = False
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DemoPlan:
@@ -172,9 +217,21 @@ class DemoPlan:
             raise DemoError(f"--faults + --heartbeat-loss + --blips ({chosen}) exceeds --instances ({args.instances})")
         if args.time_limit <= 0:
             raise DemoError("--time-limit must be positive")
-        ports = [args.temporal_port, args.ui_port, args.moto_port, args.ingest_port]
+        ports = [args.temporal_port, args.ui_port, args.moto_port, args.ingest_port, args.sim_port]
         if len(set(ports)) != len(ports) or not all(0 < p < 65536 for p in ports):
-            raise DemoError("--temporal-port, --ui-port, --moto-port and --ingest-port must be distinct valid ports")
+            raise DemoError(
+                "--temporal-port, --ui-port, --moto-port, --ingest-port and --sim-port must be distinct valid ports"
+            )
+        chosen_ports = [p for p in (args.worker_metrics_port, args.ingest_metrics_port) if p]
+        if len(set(chosen_ports)) != len(chosen_ports) or not all(
+            0 < p < 65536 and p not in ports for p in chosen_ports
+        ):
+            raise DemoError(
+                "--worker-metrics-port and --ingest-metrics-port must be 0 (a free port) or distinct valid ports, "
+                "none of the other ports"
+            )
+        if args.probe_standin_above < 0:
+            raise DemoError("--probe-standin-above must not be negative")
         state_dir = Path(args.state_dir)
         return cls(
             instances=args.instances,
@@ -192,6 +249,11 @@ class DemoPlan:
             ui_port=args.ui_port,
             moto_port=args.moto_port,
             ingest_port=args.ingest_port,
+            sim_port=args.sim_port,
+            probe_standin_above=args.probe_standin_above,
+            worker_metrics_port=args.worker_metrics_port,
+            ingest_metrics_port=args.ingest_metrics_port,
+            aws_latency=args.aws_latency,
         )
 
 
@@ -223,6 +285,8 @@ def build_settings(
             sts_endpoint=moto.endpoint_url,
             allowed_accounts=[account],
             allowed_role_arns=[f"arn:aws:iam::{account}:role/{HOST_ROLE}"],
+            # Never the fixed default (9480): demos and tests run side by side.
+            metrics_bind=f"127.0.0.1:{plan.ingest_metrics_port or free_port()}",
         ),
         groups=[
             CapacityGroup(
@@ -246,6 +310,9 @@ def build_settings(
         # The demo's end stops the worker: in-flight waits need not hold it up.
         graceful_shutdown_timeout=timedelta(seconds=5),
         health_bind_address=None,
+        # Temporal's metrics and ours; the gauges counted often enough to follow a demo-scale repair.
+        metrics_bind_address=f"127.0.0.1:{plan.worker_metrics_port or free_port()}",
+        health_gauge_interval=DEMO_GAUGE_INTERVAL,
     )
 
 
@@ -267,12 +334,65 @@ async def run_demo(args: argparse.Namespace) -> int:
 
 
 @dataclass
-class DemoStack:
-    """One demo's running parts: the servers, the engine's AWS proxy, the worker and the simulated fleet."""
+class Engine:
+    """The servers and the engine of one demo: moto, Temporal, the engine's AWS proxy, the worker and the ingest."""
 
     moto: MotoServer
     temporal: TemporalDevServer
     proxy: FlakyAws  # the engine's AWS: moto, through a proxy that injects nothing, so its calls can be followed
+    settings: Settings
+    client: Client
+    worker: EngineProcess
+    ingest_url: str
+    identities: HostIdentities
+
+
+@contextlib.asynccontextmanager
+async def engine_stack(plan: DemoPlan, console: Console, *, calls: Listener | None) -> AsyncIterator[Engine]:
+    """Moto, Temporal, the engine's proxy (`calls` hears its answers), the worker and the ingest; taken down in
+    order on the way out: the worker stops while Temporal, the proxy and moto still answer."""
+    from contract.temporal_client import connect
+
+    async with (
+        MotoServer(plan.state_dir, plan.moto_port) as moto,
+        TemporalDevServer(plan.state_dir, plan.temporal_port, plan.ui_port) as temporal,
+        contextlib.AsyncExitStack() as stack,
+    ):
+        console.print(f"moto {moto.endpoint_url}, Temporal {temporal.address}, Web UI {temporal.ui_url}")
+        proxy = stack.enter_context(FlakyAws(moto.endpoint_url))
+        if plan.aws_latency:
+            proxy.like_aws()
+        if calls is not None:
+            stack.callback(proxy.listen(calls))
+        identities = HostIdentities(moto.endpoint_url)
+        await asyncio.to_thread(_create_bucket, moto.endpoint_url, DEMO_EVIDENCE_BUCKET)
+        account = await asyncio.to_thread(lambda: identities.account)
+        settings = build_settings(plan, temporal, moto, account, engine_endpoint=proxy.url)
+        client = await connect(settings.temporal, runtime=quiet_runtime())
+        # The engine in processes of its own, as it runs for real: the simulated world must hold up neither the
+        # worker's workflow tasks nor the ingest's answers, and what each costs is its own.
+        worker = EngineProcess(settings, plan.state_dir / "worker.log")
+        await worker.start()
+        stack.push_async_callback(worker.stop)
+        ingest_process = EngineProcess(settings, plan.state_dir / "ingest.log", role="ingest")
+        await ingest_process.start()
+        stack.push_async_callback(ingest_process.stop)
+        host, port = parse_bind(settings.ingest.bind)
+        await ingest_process.listening(host, port)
+        ingest = f"http://{host}:{port}"
+        console.print(f"ingest {ingest} (hosts report here, each proven by moto's STS as its own instance)")
+        _say_metrics(console, plan, settings)
+        yield Engine(moto, temporal, proxy, settings, client, worker, ingest, identities)
+
+
+@dataclass
+class DemoStack:
+    """One demo's running parts with the simulated fleet in this process (benchmarks.sim_cost compares its ways of
+    looking at the world so): the servers, the engine's AWS proxy, the worker and the fleet."""
+
+    moto: MotoServer
+    temporal: TemporalDevServer
+    proxy: FlakyAws
     settings: Settings
     client: Client
     worker: EngineProcess
@@ -284,41 +404,13 @@ class DemoStack:
 async def demo_stack(
     plan: DemoPlan, console: Console, *, follow_engine: bool = True, ecs_filter: bool = True
 ) -> AsyncIterator[DemoStack]:
-    """Moto, Temporal, the engine's proxy, the worker, the ingest and the (not yet set up) fleet; taken down in
-    order on the way out: probes and worker stop while Temporal, the proxy and moto still answer.
+    """The engine (engine_stack) and the (not yet set up) fleet in this process, with a real probe per instance.
 
     The proxy answers ListContainerInstances' `ec2InstanceId == ...` query as ECS does (moto ignores it, and the
     engine's every lookup of one instance would list the whole cluster). `follow_engine=False, ecs_filter=False`
     is the demo as it was, for comparison (benchmarks.sim_cost): every tick describes the whole group."""
-    from contract.temporal_client import connect
-
-    async with (
-        MotoServer(plan.state_dir, plan.moto_port) as moto,
-        TemporalDevServer(plan.state_dir, plan.temporal_port, plan.ui_port) as temporal,
-        contextlib.AsyncExitStack() as stack,
-    ):
-        console.print(f"moto {moto.endpoint_url}, Temporal {temporal.address}, Web UI {temporal.ui_url}")
-        proxy = stack.enter_context(FlakyAws(moto.endpoint_url))
-        engine_calls = EngineCalls() if follow_engine else None
-        if engine_calls is not None:
-            stack.callback(proxy.listen(engine_calls))
-        identities = HostIdentities(moto.endpoint_url)
-        await asyncio.to_thread(_create_bucket, moto.endpoint_url, DEMO_EVIDENCE_BUCKET)
-        account = await asyncio.to_thread(lambda: identities.account)
-        settings = build_settings(plan, temporal, moto, account, engine_endpoint=proxy.url)
-        client = await connect(settings.temporal, runtime=quiet_runtime())
-        # The engine in processes of its own, as it runs for real: the probes and the fleet in this one must hold up
-        # neither the worker's workflow tasks nor the ingest's answers, and what each costs is its own.
-        worker = EngineProcess(settings, plan.state_dir / "worker.log")
-        await worker.start()
-        stack.push_async_callback(worker.stop)
-        ingest_process = EngineProcess(settings, plan.state_dir / "ingest.log", role="ingest")
-        await ingest_process.start()
-        stack.push_async_callback(ingest_process.stop)
-        host, port = parse_bind(settings.ingest.bind)
-        await ingest_process.listening(host, port)
-        ingest = f"http://{host}:{port}"
-        console.print(f"ingest {ingest} (hosts report here, each proven by moto's STS as its own instance)")
+    engine_calls = EngineCalls() if follow_engine else None
+    async with engine_stack(plan, console, calls=engine_calls) as engine:
         fleet = SimulatedFleet(
             group=DEMO_GROUP,
             cluster=DEMO_CLUSTER,
@@ -326,21 +418,76 @@ async def demo_stack(
             state_dir=plan.state_dir / "fleet",
             instances=plan.instances,
             seed=plan.seed,
-            endpoint_url=moto.endpoint_url,
+            endpoint_url=engine.moto.endpoint_url,
             timing=SimTiming(heartbeat_interval=HEARTBEAT_INTERVAL, heartbeat_loss_threshold=HEARTBEAT_LOSS_THRESHOLD),
-            client=client,
-            task_queue=settings.temporal.task_queue,
-            probe_runner=via_ingest(ingest, settings.ingest.id, moto.endpoint_url, identities),
+            client=engine.client,
+            task_queue=engine.settings.temporal.task_queue,
+            probe_runner=via_ingest(
+                engine.ingest_url, engine.settings.ingest.id, engine.moto.endpoint_url, engine.identities
+            ),
             engine_calls=engine_calls,
         )
         if ecs_filter:
-            lookup = ecs_instance_lookup(fleet.container_instances_of, moto.endpoint_url)
-            proxy.answer_with("ListContainerInstances", lookup, service="ecs")
+            lookup = ecs_instance_lookup(fleet.container_instances_of, engine.moto.endpoint_url)
+            engine.proxy.answer_with("ListContainerInstances", lookup, service="ecs")
         try:
-            yield DemoStack(moto, temporal, proxy, settings, client, worker, fleet, engine_calls)
+            yield DemoStack(
+                engine.moto,
+                engine.temporal,
+                engine.proxy,
+                engine.settings,
+                engine.client,
+                engine.worker,
+                fleet,
+                engine_calls,
+            )
         finally:
             await fleet.close()
-            await worker.stop()
+            await engine.worker.stop()
+
+
+@dataclass
+class SimStack:
+    """The demo as it runs: the engine, and the simulated fleet as `autorepair sim` in a process of its own."""
+
+    engine: Engine
+    sim: EngineProcess
+    world: SimClient  # the sim's control endpoint
+
+
+def sim_arguments(plan: DemoPlan, engine: Engine, calls_log: Path) -> list[str]:
+    """`autorepair sim`'s flags for this demo: its group, the servers, the compressed heartbeats, the scenario."""
+    return [
+        *("--endpoint-url", engine.moto.endpoint_url, "--ingest", engine.ingest_url),
+        *("--ingest-id", engine.settings.ingest.id, "--group", DEMO_GROUP, "--cluster", DEMO_CLUSTER),
+        *("--launch-template", DEMO_LAUNCH_TEMPLATE, "--instances", str(plan.instances), "--seed", str(plan.seed)),
+        *("--state-dir", str(plan.state_dir / "fleet"), "--control", f"127.0.0.1:{plan.sim_port}"),
+        *("--engine-calls", str(calls_log), "--probe-standin-above", str(plan.probe_standin_above)),
+        *("--heartbeat-interval", f"{HEARTBEAT_INTERVAL.total_seconds():g}"),
+        *("--heartbeat-loss-threshold", f"{HEARTBEAT_LOSS_THRESHOLD.total_seconds():g}"),
+        *("--faults", str(plan.faults), "--heartbeat-loss", str(plan.heartbeat_loss), "--blips", str(plan.blips)),
+    ]
+
+
+@contextlib.asynccontextmanager
+async def sim_stack(plan: DemoPlan, console: Console) -> AsyncIterator[SimStack]:
+    """The engine, then `autorepair sim` once it listens (its fleet set up). The proxy logs the engine's changing
+    calls to a file the sim follows, and answers the engine's one-instance ECS lookups from what the sim says its
+    agents registered (moto's own listing when the sim does not answer). The sim stops first on the way out."""
+    calls_log = plan.state_dir / "engine-calls.jsonl"
+    async with engine_stack(plan, console, calls=EngineCallLog(calls_log)) as engine:
+        sim = EngineProcess(
+            engine.settings, plan.state_dir / "sim.log", role="sim", args=sim_arguments(plan, engine, calls_log)
+        )
+        world = SimClient(f"http://127.0.0.1:{plan.sim_port}")
+        await sim.start()
+        try:
+            await sim.listening("127.0.0.1", plan.sim_port, within=SIM_START_S)
+            lookup = ecs_instance_lookup(world.container_instances_of, engine.moto.endpoint_url)
+            engine.proxy.answer_with("ListContainerInstances", lookup, service="ecs")
+            yield SimStack(engine, sim, world)
+        finally:
+            await sim.stop()
 
 
 async def _run(plan: DemoPlan, console: Console) -> int:
@@ -356,30 +503,45 @@ async def _run(plan: DemoPlan, console: Console) -> int:
 
     try:
         console.print(f"state dir {plan.state_dir} (server logs, events, kernel logs)")
-        async with demo_stack(plan, console) as demo:
-            return await _drive(plan, console, demo.fleet, demo.worker, stop, started, demo.temporal.workflows_url())
+        async with sim_stack(plan, console) as demo:
+            return await _drive(plan, console, demo, stop, started)
     finally:
         for sig in handled:
             loop.remove_signal_handler(sig)
+
+
+def _say_metrics(console: Console, plan: DemoPlan, settings: Settings) -> None:
+    """Where the worker and the ingest serve /metrics, on the console and in a file a Prometheus can read."""
+    worker, ingest = settings.metrics_bind_address, settings.ingest.metrics_bind
+    assert worker is not None and ingest is not None  # build_settings sets both
+    targets = write_targets(plan.state_dir, worker=worker, ingest=ingest)
+    console.print(
+        f"metrics: worker {metrics_url(worker)}, ingest {metrics_url(ingest)} (Prometheus file_sd: {targets})"
+    )
 
 
 def _create_bucket(endpoint_url: str, bucket: str) -> None:
     boto3.client("s3", endpoint_url=endpoint_url, region_name="us-east-1").create_bucket(Bucket=bucket)
 
 
-async def _drive(
-    plan: DemoPlan,
-    console: Console,
-    fleet: SimulatedFleet,
-    worker: EngineProcess,
-    stop: asyncio.Event,
-    started: float,
-    workflows_url: str,
-) -> int:
+async def _drive(plan: DemoPlan, console: Console, demo: SimStack, stop: asyncio.Event, started: float) -> int:
+    worker, sim, client = demo.engine.worker, demo.sim, demo.engine.client
+    workflows_url = demo.engine.temporal.workflows_url()
     # An --events file outside the (wiped) state dir may hold an earlier run: count only what this run adds.
     events = EventLog(plan.events_path, offset=_size(plan.events_path))
-    instances = await fleet.setup()
-    console.print(f"fleet: {len(instances)} x {fleet.instance_type} in cluster {DEMO_CLUSTER}, probes starting")
+    first = await asyncio.to_thread(demo.world.world)
+    console.print(
+        f"fleet: {len(first.live)} instances in cluster {DEMO_CLUSTER}, {first.probes} probes starting "
+        f"(autorepair sim, pid {sim.pid}, control {demo.world.url}, log {plan.state_dir / 'sim.log'})"
+    )
+
+    async def look() -> FleetSnapshot | None:
+        """The sim's world and Temporal's health of it; None while the sim does not answer."""
+        try:
+            world = await asyncio.to_thread(demo.world.world)
+        except (OSError, ValueError):
+            return None
+        return await snapshot_from_visibility(client, DEMO_GROUP, world)
 
     def elapsed() -> float:
         return time.monotonic() - started
@@ -417,39 +579,33 @@ async def _drive(
         every = snapshot_interval(plan.instances)
         wait_until = time.monotonic() + min(WAIT_FOR_OK_S, plan.time_limit_s)
         while not stop.is_set():
-            snap = await fleet.snapshot(from_visibility=True)
+            snap = await look() or snap
             show()
-            if snap.healthy == plan.instances or time.monotonic() > wait_until or not worker.alive:
+            if (snap and snap.healthy == plan.instances) or time.monotonic() > wait_until or not worker.alive:
                 break
             await _sleep_or_stop(stop, every)
         if snap is not None and snap.healthy < plan.instances:
             console.print(f"[yellow]only {snap.healthy}/{plan.instances} instances report OK; going on[/yellow]")
 
-        # 2. Inject: faults, agent losses, blips on distinct random instances; noise on a few healthy ones.
-        chosen = fleet.rng.sample(instances, plan.faults + plan.heartbeat_loss + plan.blips)
-        faulted = chosen[: plan.faults]
-        lost = chosen[plan.faults : plan.faults + plan.heartbeat_loss]
-        blipped = chosen[plan.faults + plan.heartbeat_loss :]
-        rest = [i for i in instances if i not in chosen]
-        for instance_id in fleet.rng.sample(rest, min(NOISE_INSTANCES, len(rest))):
-            line = fleet.inject_noise(instance_id)
+        # 2. Inject, in the sim (POST /scenario): faults, agent losses, blips on distinct random instances; noise on a
+        # few healthy ones.
+        played = await asyncio.to_thread(demo.world.play_scenario)
+        injected_at = datetime.now(UTC)
+        for instance_id, line in played.noise.items():
             console.print(f"noise      {instance_id}: {line}")
         faults_at: dict[str, datetime] = {}
-        for instance_id in faulted:
-            line = fleet.inject_fault(instance_id)
-            faults_at[instance_id] = datetime.now(UTC)
+        for instance_id, line in played.faulted.items():
+            faults_at[instance_id] = injected_at
             console.print(f"[red]fault[/red]      {instance_id}: {line}")
-        for instance_id in lost:
-            await fleet.heartbeat_loss(instance_id)
+        for instance_id in played.lost:
             console.print(f"[red]agent down[/red] {instance_id}: no more heartbeats")
-        for instance_id in blipped:
-            await fleet.blip(instance_id)
-            console.print(f"blip       {instance_id}: agent down for {fleet.timing.blip.total_seconds():.0f}s")
+        for instance_id in played.blipped:
+            console.print(f"blip       {instance_id}: agent down for {played.blip_seconds:.0f}s")
         judge = Judge(
             instances=plan.instances,
             auto_repair=plan.auto_repair,
-            targets=set(faulted) | set(lost),
-            blipped=set(blipped),
+            targets=set(played.faulted) | set(played.lost),
+            blipped=set(played.blipped),
             group=DEMO_GROUP,
             remediation=plan.remediation,
         )
@@ -461,18 +617,24 @@ async def _drive(
         while not stop.is_set():
             for event in events.read_new():
                 console.print(describe_event(event))
-            looked = time.monotonic() >= next_look
-            if looked or snap is None:
+            fresh: FleetSnapshot | None = None
+            if time.monotonic() >= next_look or snap is None:
                 next_look = time.monotonic() + every
-                snap = await fleet.snapshot(from_visibility=True)
+                fresh = await look()
+                snap = fresh or snap
             if not outcome.done and not outcome.failed:
-                if not worker.alive:
+                if not sim.alive:
+                    outcome = Outcome(
+                        failed=True,
+                        message=f"the simulated fleet exited ({sim.exit_status}); its log:\n{sim.log_tail(10)}",
+                    )
+                elif not worker.alive:
                     outcome = Outcome(
                         failed=True,
                         message=f"the repair worker exited ({worker.exit_status}); its log:\n{worker.log_tail(10)}",
                     )
-                elif looked:
-                    outcome = judge.judge(snap, events.counts, events.fixed_in_place, events.abandoned_replacements)
+                elif fresh is not None:  # the judge needs a fresh look; the sim may not have answered this time
+                    outcome = judge.judge(fresh, events.counts, events.fixed_in_place, events.abandoned_replacements)
                 if not outcome.done and not outcome.failed and elapsed() > plan.time_limit_s:
                     outcome = Outcome(failed=True, message=f"time limit of {plan.time_limit_s:.0f}s reached")
                 if outcome.done or outcome.failed:
@@ -493,16 +655,14 @@ async def _drive(
     within_cap = True
     if faults_at:
         console.print(timings_line(events, faults_at))
-        within_cap = await _show_drain_cap(fleet, console)
+        within_cap = await _show_drain_cap(client, console)
     console.print(f"events: {plan.events_path}  Web UI: {workflows_url}")
     return 0 if outcome.done and within_cap else 1
 
 
-async def _show_drain_cap(fleet: SimulatedFleet, console: Console) -> bool:
+async def _show_drain_cap(client: Client, console: Console) -> bool:
     """The most repairs that held a drain permit at once, against the group's cap: never over it."""
-    if fleet.client is None:
-        return True
-    handle = fleet.client.get_workflow_handle(semaphore_workflow_id(DEMO_GROUP))
+    handle = client.get_workflow_handle(semaphore_workflow_id(DEMO_GROUP))
     try:
         view = await handle.query(names.QUERY_STATE, result_type=SemaphoreView)
     except Exception as err:  # a demo without repairs has no semaphore: nothing was drained

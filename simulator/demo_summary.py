@@ -62,13 +62,14 @@ class EventLog:
             except json.JSONDecodeError:
                 continue
             if isinstance(event, dict):
+                own = event.get("detail") or {}  # the type's own fields (contract/events.py)
                 self.counts[str(event.get("type", "?"))] += 1
-                if event.get("type") == "RepairCompleted" and event.get("action") in ("reboot", "gpu-reset"):
+                if event.get("type") == "RepairCompleted" and own.get("action") in ("reboot", "gpu-reset"):
                     self.fixed_in_place.add(str(event.get("instance_id")))
-                if event.get("type") == "RepairCompleted" and (took := own_steps_seconds(event.get("timeline"))):
+                if event.get("type") == "RepairCompleted" and (took := own_steps_seconds(own.get("timeline"))):
                     self.own_steps.setdefault(str(event.get("instance_id")), took)
-                if event.get("type") == "ReplacementAbandoned" and event.get("replacement_instance_id"):
-                    self.abandoned_replacements.add(str(event["replacement_instance_id"]))
+                if event.get("type") == "ReplacementAbandoned" and own.get("replacement_instance_id"):
+                    self.abandoned_replacements.add(str(own["replacement_instance_id"]))
                 self._note_time(event)
                 events.append(event)
         return events
@@ -76,7 +77,7 @@ class EventLog:
     def _note_time(self, event: dict[str, Any]) -> None:
         kind = str(event.get("type", "?"))
         if kind == "HealthChanged":
-            kind = str(event.get("overall_status", "?"))
+            kind = str((event.get("detail") or {}).get("overall_status", "?"))
         try:
             at = datetime.fromisoformat(str(event.get("time", "")).replace("Z", "+00:00"))
         except ValueError:
@@ -145,27 +146,28 @@ def timings_line(events: EventLog, faults_at: dict[str, datetime]) -> str:
 def describe_event(event: dict[str, Any]) -> str:
     """One event as one line: its time of day, type, instance and the one detail worth reading."""
     kind = event.get("type", "?")
+    own = event.get("detail") or {}  # the type's own fields (contract/events.py)
     extra = ""
     if kind == "RepairStarted":
-        extra = f"reason {event.get('reason')}"
+        extra = f"reason {own.get('reason')}"
     elif kind == "ReplacementLaunched":
-        extra = f"replacement {event.get('replacement_instance_id')}"
+        extra = f"replacement {own.get('replacement_instance_id')}"
     elif kind == "TasksStopped":
-        extra = f"forced {event.get('forced')}"
+        extra = f"forced {own.get('forced')}"
     elif kind == "RepairFailed":
-        extra = f"error {event.get('error')}"
+        extra = f"error {own.get('error')}"
     elif kind == "Escalated":
-        extra = f"{event.get('from_action')} -> {event.get('to_action')}: {event.get('why')}"
+        extra = f"{own.get('from_action')} -> {own.get('to_action')}: {own.get('why')}"
     elif kind in ("EvidenceStored", "Quarantined"):
-        extra = str(event.get("evidence") or "")
+        extra = str(own.get("evidence") or "")
     elif kind == "EvidenceNotStored":
-        extra = str(event.get("why") or "")
+        extra = str(own.get("why") or "")
     elif kind == "RepairCompleted":
-        extra = str(event.get("action") or "")
+        extra = str(own.get("action") or "")
     elif kind == "HealthChanged":
-        extra = str(event.get("overall_status", ""))
+        extra = str(own.get("overall_status", ""))
     elif kind in ("RepairsHeld", "RepairsResumed"):
-        extra = str(event.get("message") or f"by {event.get('requested_by')}")
+        extra = str(own.get("message") or f"by {own.get('requested_by')}")
     stamp = str(event.get("time", ""))[11:19]
     return f"{stamp} {kind:<20} {event.get('instance_id', '')} {extra}".rstrip()
 

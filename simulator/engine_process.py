@@ -1,7 +1,7 @@
-"""`autorepair worker` and `autorepair ingest` as child processes, from a Settings object: the demo runs the engine
-apart from the world it simulates (their own interpreters, so the probes and the simulated fleet hold up neither the
-worker's workflow tasks nor the ingest's answers, and what each costs is its own), and the tests SIGKILL a worker and
-start it again.
+"""`autorepair worker`, `autorepair ingest` and `autorepair sim` as child processes, from a Settings object: the demo
+runs the engine apart from the world it simulates (their own interpreters, so the simulated fleet and its probes hold
+up neither the worker's workflow tasks nor the ingest's answers, and what each costs is its own), and the tests
+SIGKILL a worker (or the sim) and start it again.
 """
 
 from __future__ import annotations
@@ -13,12 +13,14 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
+from contract.healthz import OFF
 from worker.settings import Settings
 
-Role = Literal["worker", "ingest"]
+Role = Literal["worker", "ingest", "sim"]
 
 
 def engine_environment(settings: Settings) -> dict[str, str]:
@@ -41,7 +43,16 @@ def engine_environment(settings: Settings) -> dict[str, str]:
     )
     if settings.events.webhook_url:
         env["AUTOREPAIR_EVENTS__WEBHOOK_URL"] = settings.events.webhook_url
+    if settings.metrics_bind_address:
+        # Prometheus' /metrics only where the settings ask (the demo: a free port), with the gauges' cadence.
+        env.update(
+            AUTOREPAIR_METRICS_BIND_ADDRESS=settings.metrics_bind_address,
+            AUTOREPAIR_HEALTH_GAUGE_INTERVAL=f"PT{settings.health_gauge_interval.total_seconds():g}S",
+            AUTOREPAIR_REPAIR_RUNNING_LONG=f"PT{settings.repair_running_long.total_seconds():g}S",
+        )
     ingest = settings.ingest.model_dump(mode="json", exclude_none=True)
+    # Dropped as None above, the child would fall back to the default port: "off" says none.
+    ingest.setdefault("metrics_bind", OFF)
     if settings.ingest.session_secret is not None:
         ingest["session_secret"] = settings.ingest.session_secret.get_secret_value()
     env["AUTOREPAIR_INGEST"] = json.dumps(ingest)
@@ -52,10 +63,12 @@ class EngineProcess:
     """`autorepair worker` (or `ingest`) in a child process: started, SIGKILLed and started again, its output in one
     log."""
 
-    def __init__(self, settings: Settings, log_path: Path, role: Role = "worker") -> None:
+    def __init__(self, settings: Settings, log_path: Path, role: Role = "worker", args: Sequence[str] = ()) -> None:
+        """`args`: the command's flags (the sim's: simulator/sim.py); the worker and the ingest read the settings."""
         self._env = engine_environment(settings)
         self._log_path = log_path
         self._role = role
+        self._args = list(args)
         self._proc: asyncio.subprocess.Process | None = None
         self.starts = 0
 
@@ -72,7 +85,14 @@ class EngineProcess:
             raise RuntimeError(f"the {self._role} is already running")
         with self._log_path.open("ab") as log:
             self._proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "operator_cli.main", self._role, env=self._env, stdout=log, stderr=log
+                sys.executable,
+                "-m",
+                "operator_cli.main",
+                self._role,
+                *self._args,
+                env=self._env,
+                stdout=log,
+                stderr=log,
             )
         self.starts += 1
 

@@ -28,7 +28,6 @@ commands (resets, evidence uploads) in a task of its own, so a slow upload never
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import gzip
 import logging
@@ -37,23 +36,20 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, Field, model_validator
 from temporalio.client import Client
-from temporalio.common import SearchAttributeKey
 
-from contract import names
-from contract import search_attributes as sa
 from contract.health import HealthState
-from contract.ids import health_workflow_id
 from contract.names import DEFAULT_TASK_QUEUE
 from contract.repair import RepairPhase
 from node_probe.classify.catalog import default_catalog
 from simulator import kernel_lines
 from simulator.fleet_aws import AWS_CONCURRENCY, Changes, EngineCalls, FleetAws, SimWorkload
+from simulator.fleet_view import FleetSnapshot, FleetWorld, query_health, snapshot_from_visibility
 from simulator.nodes import SimNode
 from simulator.probes import NodeProbes, ProbeRunner, run_real_probe
 from workflows.models import InstanceHealthView
@@ -61,7 +57,7 @@ from workflows.models import InstanceHealthView
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-E = TypeVar("E", HealthState, RepairPhase)
+__all__ = ["CRITICAL_XIDS", "FleetSnapshot", "SimTiming", "SimulatedFleet"]
 
 # The Xids ECS acts on (the catalog's ecs_replaces column); every other Xid is counted but never repairs.
 CRITICAL_XIDS: tuple[int, ...] = tuple(sorted(default_catalog().ecs_codes))
@@ -128,40 +124,6 @@ class SimTiming(BaseModel):
         return self
 
 
-class FleetSnapshot(BaseModel):
-    """What a live summary shows: AWS's view (EC2, ECS) and the engine's view (health workflows)."""
-
-    taken_at: datetime
-    ec2_states: dict[str, int]
-    container_active: int
-    container_draining: int
-    running_tasks: int
-    # Running, registered instances -> overall health from the health workflow (None: no answer yet).
-    health: dict[str, HealthState | None]
-    repair_phase: dict[str, RepairPhase]
-    retired: list[str]
-    initial_instances: list[str]
-    replacements_running: list[str]
-    terminated: list[str]
-    booting: list[str]
-    probe_errors: dict[str, str]
-
-    @property
-    def running(self) -> int:
-        return self.ec2_states.get("running", 0)
-
-    def count(self, state: HealthState) -> int:
-        return sum(1 for status in self.health.values() if status == state)
-
-    @property
-    def healthy(self) -> int:
-        return self.count(HealthState.OK)
-
-    @property
-    def impaired(self) -> int:
-        return self.count(HealthState.IMPAIRED)
-
-
 class SimulatedFleet:
     """Plays one capacity group's instances, ECS agents, service scheduler and node probes against moto."""
 
@@ -185,6 +147,7 @@ class SimulatedFleet:
         task_queue: str = DEFAULT_TASK_QUEUE,
         probe_runner: ProbeRunner | None = None,
         engine_calls: EngineCalls | None = None,
+        probe_kind: str = "real",
     ) -> None:
         """`engine_calls`: the engine's AWS calls as the proxy in front of moto hears them (FlakyAws.listen); with
         them the watch loop describes only what those calls changed, and the whole group at a cadence that grows
@@ -202,6 +165,7 @@ class SimulatedFleet:
         self.client = client
         self.task_queue = task_queue
         self.rng = random.Random(seed)
+        self.probe_kind = probe_kind  # what probe_runner runs, as the world view names it
         self.nodes: dict[str, SimNode] = {}
         self.aws = FleetAws(
             group=group,
@@ -252,13 +216,17 @@ class SimulatedFleet:
             self.start_watching()
         return [instance_id for instance_id, _ in launched]
 
-    def _new_node(self, instance_id: str, az: str, *, initial: bool, seen_at: float) -> SimNode:
+    def _new_node(self, instance_id: str, az: str, *, initial: bool, seen_at: float, adopted: bool = False) -> SimNode:
+        """`adopted`: a node this simulator played before it was started again, the same host as its saved identity
+        says (where one was saved)."""
         self._name_counter += 1
+        kernel_log = self.state_dir / "nodes" / f"{instance_id}.kern.log"
+        saved = SimNode.saved_identity(kernel_log, instance_id) if adopted else None
         node = SimNode(
             instance_id=instance_id,
             name=f"{self.group}-{self._name_counter:02d}",
             availability_zone=az,
-            kernel_log=self.state_dir / "nodes" / f"{instance_id}.kern.log",
+            kernel_log=kernel_log,
             initial=initial,
             seen_at=seen_at,
             uptime_base_s=self.rng.uniform(600.0, 90_000.0),
@@ -266,8 +234,45 @@ class SimulatedFleet:
                 pci: f"GPU-{uuid.UUID(int=self.rng.getrandbits(128), version=4)}" for pci in kernel_lines.P5_GPU_PCI
             },
         )
+        for key, value in (saved or {}).items():
+            setattr(node, key, value)
         self.nodes[instance_id] = node
+        node.save_identity()
         return node
+
+    async def adopt(self, *, watch: bool = True) -> list[str] | None:
+        """A fleet already in moto (this simulator started again after it was killed): its running instances become
+        nodes again, the same hosts where their saved identities say so (simulator.nodes), registered ones booted
+        with their tasks and probes; nothing is launched or registered anew. None when the group has no instance
+        in moto: nothing to adopt, setup() is what is wanted."""
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        (self.state_dir / "nodes").mkdir(exist_ok=True)
+        instances = await self._aws(self.aws.adopt)
+        if not instances:
+            return None
+        registered = await self._aws(self.aws.registered)
+        tasks = await self._aws(self.aws.running_tasks)
+        now = time.monotonic()
+        adopted: list[str] = []
+        for instance_id, (state, az) in sorted(instances.items()):
+            if state not in _RUNNING_STATES:
+                continue
+            node = self._new_node(instance_id, az, initial=False, seen_at=now, adopted=True)
+            node.reboot_token = self.aws.reboot_tags.get(instance_id)  # a reboot already played, not a new one
+            if instance_id in registered:
+                arn, status = registered[instance_id]
+                node.container_instance_arn = arn
+                node.tasks = {task.arn: task for task in tasks.get(arn, [])}
+                node.task_plan = [(task.stop_timeout_s, task.stubborn) for task in node.tasks.values()]
+                node.booted = True
+                self._container_status[arn] = status
+                self._probes.start(node)
+            adopted.append(instance_id)
+        # The reconcile loop boots what is not registered yet, as for any new instance.
+        log.info("fleet-sim: adopted %d instances of %s from moto", len(adopted), self.group)
+        if watch:
+            self.start_watching()
+        return adopted
 
     # --- A node's life: boot (ECS registration, tasks, kernel log, probe), burial ---------------------------
 
@@ -606,6 +611,7 @@ class SimulatedFleet:
         """The node's agent goes down for good: no more heartbeats; the engine must impair it by threshold."""
         node = self.node(instance_id)
         node.agent_down = True
+        node.save_identity()  # still down after a restart of the simulator
         await self._probes.stop(node)
         log.info("fleet-sim: agent down on %s", instance_id)
 
@@ -619,83 +625,45 @@ class SimulatedFleet:
 
     # --- Observation ----------------------------------------------------------------------------------------
 
-    async def snapshot(self, *, from_visibility: bool = False) -> FleetSnapshot:
-        """AWS's counts, and each live instance's health: by a query to each health workflow, or, `from_visibility`,
-        from Temporal visibility (the HealthStatus and RepairPhase search attributes, one list each, whatever the
-        fleet's size; a moment behind the workflows, and `retired` is not known there: always empty)."""
+    async def world(self) -> FleetWorld:
+        """AWS's counts (one look at the whole group) and the fleet's own lists of its nodes."""
         counts = await self._aws(self.aws.count)
         live = self._live_nodes()
-        health: dict[str, HealthState | None] = {}
-        phases: dict[str, RepairPhase] = {}
-        retired: list[str] = []
-        if from_visibility:
-            statuses, repairs = await self._visibility()
-            health = {n.instance_id: statuses.get(n.instance_id) for n in live}
-            phases = {i: phase for i, phase in repairs.items() if i in health}
-        else:
-            views = await asyncio.gather(*(self.health(n.instance_id) for n in live))
-            for node, view in zip(live, views, strict=True):
-                health[node.instance_id] = None if view is None else view.healthStatus.overallStatus
-                if view is not None and view.repair is not None:
-                    phases[node.instance_id] = view.repair.phase
-                if view is not None and view.retired:
-                    retired.append(node.instance_id)
-        return FleetSnapshot(
-            taken_at=datetime.now(UTC),
+        return FleetWorld(
             ec2_states=counts["ec2"],
             container_active=counts["ecs"].get("ACTIVE", 0),
             container_draining=counts["ecs"].get("DRAINING", 0),
             running_tasks=counts["tasks"].get("RUNNING", 0),
-            health=health,
-            repair_phase=phases,
-            retired=retired,
+            live=[n.instance_id for n in live],
             initial_instances=[n.instance_id for n in self.nodes.values() if n.initial],
             replacements_running=[n.instance_id for n in live if not n.initial],
             terminated=[n.instance_id for n in self.nodes.values() if n.terminated],
             booting=[n.instance_id for n in self.nodes.values() if not n.booted and not n.terminated],
             probe_errors={n.instance_id: n.probe_error for n in self.nodes.values() if n.probe_error},
+            probes=self.probe_kind,
         )
 
-    async def _visibility(self) -> tuple[dict[str, HealthState], dict[str, RepairPhase]]:
-        """(instance -> overall health, instance -> repair phase) of the group's running health and repair
-        workflows, from their search attributes; empty without a client or when visibility does not answer."""
-        try:
-            statuses = await self._running(names.HEALTH_WORKFLOW, sa.HEALTH_STATUS, HealthState)
-            phases = await self._running(names.REPAIR_WORKFLOW, sa.REPAIR_PHASE, RepairPhase)
-        except Exception:
-            log.warning("fleet-sim: visibility did not answer", exc_info=True)
-            return {}, {}
-        return statuses, phases
-
-    async def _running(self, workflow_type: str, attribute: SearchAttributeKey[str], kind: type[E]) -> dict[str, E]:
-        """Instance -> `attribute` (as `kind`) of the group's running workflows of `workflow_type`."""
-        found: dict[str, E] = {}
-        if self.client is None:
-            return found
-        query = (
-            f"WorkflowType={sa.quoted(workflow_type)} AND {sa.CAPACITY_GROUP.name}={sa.quoted(self.group)} "
-            "AND ExecutionStatus='Running'"
-        )
-        async for execution in self.client.list_workflows(query, page_size=1000):
-            instance_id = execution.typed_search_attributes.get(sa.INSTANCE_ID)
-            value = execution.typed_search_attributes.get(attribute)
-            with contextlib.suppress(ValueError, TypeError):
-                if instance_id:
-                    found[instance_id] = kind(str(value))
-        return found
+    async def snapshot(self, *, from_visibility: bool = False) -> FleetSnapshot:
+        """The world, and each live instance's health: by a query to each health workflow, or, `from_visibility`,
+        from Temporal visibility (simulator.fleet_view)."""
+        world = await self.world()
+        if from_visibility:
+            return await snapshot_from_visibility(self.client, self.group, world)
+        health: dict[str, HealthState | None] = {}
+        phases: dict[str, RepairPhase] = {}
+        retired: list[str] = []
+        views = await asyncio.gather(*(self.health(i) for i in world.live))
+        for instance_id, view in zip(world.live, views, strict=True):
+            health[instance_id] = None if view is None else view.healthStatus.overallStatus
+            if view is not None and view.repair is not None:
+                phases[instance_id] = view.repair.phase
+            if view is not None and view.retired:
+                retired.append(instance_id)
+        return FleetSnapshot.of(world, health, phases, retired)
 
     async def health(self, instance_id: str) -> InstanceHealthView | None:
         """The health workflow's view of an instance; None when there is none to ask or it does not answer."""
-        if self.client is None:
-            return None
-        handle = self.client.get_workflow_handle(health_workflow_id(instance_id))
-        try:
-            return await handle.query(
-                names.QUERY_HEALTH, result_type=InstanceHealthView, rpc_timeout=timedelta(seconds=3)
-            )
-        except Exception:
-            # Not started yet (no heartbeat so far), or no worker to answer: unknown, not unhealthy.
-            return None
+        return await query_health(self.client, instance_id)
 
     # --- Shutdown -------------------------------------------------------------------------------------------
 

@@ -137,7 +137,8 @@ class FleetAws:
 
     def setup(self, instance_count: int) -> list[tuple[str, str]]:
         """Cluster, task definitions, launch template and `instance_count` instances: (instance id, AZ) each."""
-        self._freeze_moto_task_lifecycle()
+        if self.endpoint_url is not None:  # real AWS: nothing to do
+            freeze_moto_task_lifecycle(self.endpoint_url)
         self._ecs.create_cluster(clusterName=self.cluster)
         for stop_timeout in sorted(set(self.workload.stop_timeouts_s)):
             family = f"{self.cluster}-job-stop{stop_timeout}s"
@@ -180,26 +181,51 @@ class FleetAws:
             launched += [(instance["InstanceId"], zone) for instance in reservation["Instances"]]
         return launched
 
-    def _freeze_moto_task_lifecycle(self) -> None:
-        """Tasks stop only when someone calls StopTask, as on a real instance.
+    def adopt(self) -> dict[str, tuple[str, str]]:
+        """A fleet that is already there (a simulator started again over the same moto): the task definitions'
+        families as setup() named them, and the group's instances (id -> (EC2 state, AZ)); nothing is created."""
+        self._families = {t: f"{self.cluster}-job-stop{t}s" for t in sorted(set(self.workload.stop_timeouts_s))}
+        instances, self.reboot_tags = self._describe_group()
+        return instances
 
-        By default moto moves a task one step towards STOPPED (lastStatus) on every DescribeTasks, so an
-        engine that polls its tasks would see stubborn tasks stop by themselves. The setting is global to the
-        moto server, which belongs to the simulated world anyway. No endpoint (real AWS): nothing to do.
-        """
-        if self.endpoint_url is None:
-            return
-        body = json.dumps(
-            {"model_name": "ecs::task", "transition": {"progression": "manual", "times": 1_000_000_000}}
-        ).encode()
-        request = urllib.request.Request(
-            f"{self.endpoint_url.rstrip('/')}/moto-api/state-manager/set-transition", data=body, method="POST"
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=5):
-                pass
-        except OSError as err:
-            log.warning("fleet-sim: could not pin moto's task lifecycle: %s", err)
+    def registered(self) -> dict[str, tuple[str, str]]:
+        """EC2 instance id -> (container instance ARN, status) of every container instance in the cluster."""
+        arns: list[str] = []
+        for page in self._ecs.get_paginator("list_container_instances").paginate(cluster=self.cluster):
+            arns += page["containerInstanceArns"]
+        found: dict[str, tuple[str, str]] = {}
+        for start in range(0, len(arns), _ECS_BATCH):
+            described = self._ecs.describe_container_instances(
+                cluster=self.cluster, containerInstances=arns[start : start + _ECS_BATCH]
+            )
+            for ci in described["containerInstances"]:
+                found[ci["ec2InstanceId"]] = (ci["containerInstanceArn"], ci["status"])
+        return found
+
+    def running_tasks(self) -> dict[str, list[SimTask]]:
+        """Container instance ARN -> its running tasks, as the fleet started them (family, stop timeout, stubborn):
+        the whole cluster in pages of 100, so a restart costs calls per 100 tasks, not per instance."""
+        timeouts = {family: t for t, family in self._families.items()}
+        arns: list[str] = []
+        for page in self._ecs.get_paginator("list_tasks").paginate(cluster=self.cluster, desiredStatus="RUNNING"):
+            arns += page["taskArns"]
+        found: dict[str, list[SimTask]] = {}
+        for start in range(0, len(arns), _ECS_BATCH):
+            described = self._ecs.describe_tasks(
+                cluster=self.cluster, tasks=arns[start : start + _ECS_BATCH], include=["TAGS"]
+            )
+            for task in described["tasks"]:
+                family = task["taskDefinitionArn"].rsplit("/", 1)[-1].split(":", 1)[0]
+                tags = {t.get("key"): t.get("value") for t in task.get("tags", [])}
+                found.setdefault(task["containerInstanceArn"], []).append(
+                    SimTask(
+                        arn=task["taskArn"],
+                        family=family,
+                        stop_timeout_s=timeouts.get(family, min(self.workload.stop_timeouts_s)),
+                        stubborn=tags.get(STUBBORN_TAG) == "true",
+                    )
+                )
+        return found
 
     def _ensure_launch_template(self) -> None:
         # The group tag lives in the template, so a replacement the engine launches from it is recognised as a
@@ -469,6 +495,32 @@ class Changes:
         return bool(self.instances or self.container_instances or self.commands or self.reconcile)
 
 
+def changes_heard(answered: Answered) -> tuple[str, Changes] | None:
+    """(the API, what it changed) of one answered call; None for a call that changes nothing the fleet plays, or
+    that was refused (a refused call changed nothing)."""
+    request = answered.request
+    if not 200 <= answered.status < 300:
+        return None
+    action = request.action
+    if action in EC2_CHANGES:
+        ids = {v for k, v in request.params.items() if _ID_PARAM.match(k) and _INSTANCE_ID.fullmatch(v)}
+        if action == "RunInstances":
+            ids |= set(_RUN_INSTANCES_ID.findall(answered.answer.decode("utf-8", "replace")))
+        return action, Changes(instances=ids)
+    if action in RECONCILE_CHANGES:
+        return action, Changes(reconcile=True)
+    if action in ECS_CHANGES or (action == "SendCommand" and request.service == "ssm"):
+        try:
+            body = json.loads(request.body or b"{}")
+        except ValueError:
+            return None
+        if action == "SendCommand":
+            return action, Changes(commands={str(i) for i in body.get("InstanceIds", [])})
+        named = body.get("containerInstances") or [body.get("containerInstance")]
+        return action, Changes(container_instances={str(arn) for arn in named if arn})
+    return None
+
+
 class EngineCalls:
     """The engine's calls that change the world, heard from the proxy in front of moto (`FlakyAws.listen(calls)`):
     the fleet `take()`s what changed on each tick and describes those instances alone.
@@ -483,43 +535,18 @@ class EngineCalls:
         self.heard: Counter[str] = Counter()  # the changing calls heard, by API
 
     def __call__(self, answered: Answered) -> None:
-        request = answered.request
-        if not 200 <= answered.status < 300:
-            return
-        action = request.action
-        if action in EC2_CHANGES:
-            ids = {v for k, v in request.params.items() if _ID_PARAM.match(k) and _INSTANCE_ID.fullmatch(v)}
-            if action == "RunInstances":
-                ids |= set(_RUN_INSTANCES_ID.findall(answered.answer.decode("utf-8", "replace")))
-            self._add(action, instances=ids)
-        elif action in RECONCILE_CHANGES:
-            self._add(action, reconcile=True)
-        elif action in ECS_CHANGES or (action == "SendCommand" and request.service == "ssm"):
-            try:
-                body = json.loads(request.body or b"{}")
-            except ValueError:
-                return
-            if action == "SendCommand":
-                self._add(action, commands={str(i) for i in body.get("InstanceIds", [])})
-            else:
-                named = body.get("containerInstances") or [body.get("containerInstance")]
-                self._add(action, container_instances={str(arn) for arn in named if arn})
+        heard = changes_heard(answered)
+        if heard is not None:
+            self.add(*heard)
 
-    def _add(
-        self,
-        action: str,
-        *,
-        instances: Iterable[str] = (),
-        container_instances: Iterable[str] = (),
-        commands: Iterable[str] = (),
-        reconcile: bool = False,
-    ) -> None:
+    def add(self, action: str, changes: Changes) -> None:
+        """What one call of `action` changed, added to what the next take() returns."""
         with self._lock:
             self.heard[action] += 1
-            self._changes.instances.update(instances)
-            self._changes.container_instances.update(container_instances)
-            self._changes.commands.update(commands)
-            self._changes.reconcile |= reconcile
+            self._changes.instances.update(changes.instances)
+            self._changes.container_instances.update(changes.container_instances)
+            self._changes.commands.update(changes.commands)
+            self._changes.reconcile |= changes.reconcile
 
     def take(self) -> Changes:
         """What changed since the last take, and forget it."""
@@ -532,7 +559,7 @@ _EC2_INSTANCE_QUERY = re.compile(r"\s*ec2InstanceId\s*==\s*(i-[0-9a-f]{8,17})\s*
 
 
 def ecs_instance_lookup(
-    arns_of: Callable[[str], Collection[str]], endpoint_url: str
+    arns_of: Callable[[str], Collection[str] | None], endpoint_url: str
 ) -> Callable[[AwsRequest], dict[str, object] | None]:
     """A FlakyAws answerer of ListContainerInstances (`proxy.answer_with("ListContainerInstances", ...)`) for the
     cluster query `ec2InstanceId == i-...`, answered as ECS does: only that instance's registered container instances.
@@ -540,7 +567,8 @@ def ecs_instance_lookup(
     one instance cost a call per 100 instances, every one listing them all (at 1,000 instances, with 200 repairs
     waiting for their replacements, more than moto could answer). `arns_of` names what the fleet registered for the
     instance (the ECS agent's, so all there are); moto is asked only whether those are still registered, one
-    DescribeContainerInstances. Any other query, a later page, or a cluster moto does not know goes to moto."""
+    DescribeContainerInstances. Any other query, a later page, a cluster moto does not know, or an `arns_of` that
+    cannot say (None: the simulator in a process of its own, not answering now) goes to moto."""
     ecs: ECSClient = boto3.client(
         "ecs", region_name="us-east-1", endpoint_url=endpoint_url, config=Config(max_pool_connections=AWS_CONCURRENCY)
     )
@@ -555,7 +583,10 @@ def ecs_instance_lookup(
         matched = _EC2_INSTANCE_QUERY.fullmatch(str(query.get("filter") or ""))
         if matched is None or not isinstance(query.get("cluster"), str):
             return None
-        candidates = sorted(arns_of(matched.group(1)))
+        known = arns_of(matched.group(1))
+        if known is None:
+            return None
+        candidates = sorted(known)
         if not candidates:
             return {"containerInstanceArns": []}
         try:
@@ -570,3 +601,21 @@ def ecs_instance_lookup(
         return {"containerInstanceArns": registered}
 
     return answer
+
+
+def freeze_moto_task_lifecycle(endpoint_url: str) -> None:
+    """Tasks stop only when someone calls StopTask, as on a real instance.
+
+    By default moto moves a task one step towards STOPPED (lastStatus) on every DescribeTasks, so an engine that
+    polls its tasks would see stubborn tasks stop by themselves. The setting is global to the moto server, which
+    belongs to the simulated world anyway.
+    """
+    body = json.dumps({"model_name": "ecs::task", "transition": {"progression": "manual", "times": 1_000_000_000}})
+    request = urllib.request.Request(
+        f"{endpoint_url.rstrip('/')}/moto-api/state-manager/set-transition", data=body.encode(), method="POST"
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=5):
+            pass
+    except OSError as err:
+        log.warning("fleet-sim: could not pin moto's task lifecycle: %s", err)

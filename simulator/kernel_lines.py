@@ -74,6 +74,8 @@ def append(node: SimNode, lines: list[str]) -> None:
     # One write of whole lines: the probe never sees half a line.
     with node.kernel_log.open("a", encoding="utf-8") as handle:
         handle.write("".join(f"{line}\n" for line in lines))
+    if node.kernel_news is not None:
+        node.kernel_news.put_nowait(list(lines))
 
 
 def stamp(node: SimNode) -> str:

@@ -8,10 +8,16 @@ Plain data on purpose: every decision about a node lives with the part that make
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+# What moto cannot tell a simulator started again about a node (simulator.fleet's adopt): the rest (its instance,
+# AZ, container instance, tasks) is read back from moto.
+_KEPT = ("name", "initial", "uptime_base_s", "gpu_uuids", "boot_id", "agent_down")
 
 
 @dataclass
@@ -61,6 +67,9 @@ class SimNode:
     reset_refused: bool = False
     reboot_hangs: bool = False
     evidence_seen: set[str] = field(default_factory=set)  # evidence commands already played
+    # The lines written to its kernel log from now on, while a probe stand-in (simulator.probe_standin) listens:
+    # it classifies what is written instead of reading the file back.
+    kernel_news: asyncio.Queue[list[str]] | None = None
 
     @property
     def registered(self) -> bool:
@@ -73,3 +82,20 @@ class SimNode:
     def uptime(self) -> float:
         # The kernel's clock: a node that has been up a while before the simulation saw it, plus what passed since.
         return self.uptime_base_s + (time.monotonic() - self.seen_at)
+
+    def identity_path(self) -> Path:
+        return self.kernel_log.with_name(f"{self.instance_id}.node.json")
+
+    def save_identity(self) -> None:
+        """Beside its kernel log: what a simulator started again needs to play this node as the same host."""
+        kept = {key: getattr(self, key) for key in _KEPT}
+        self.identity_path().write_text(json.dumps(kept, sort_keys=True))
+
+    @staticmethod
+    def saved_identity(kernel_log: Path, instance_id: str) -> dict[str, Any] | None:
+        """What save_identity() wrote for `instance_id` (whose log is `kernel_log`), or None: never saved."""
+        try:
+            kept = json.loads(kernel_log.with_name(f"{instance_id}.node.json").read_text())
+        except (OSError, ValueError):
+            return None
+        return {key: kept[key] for key in _KEPT if key in kept}

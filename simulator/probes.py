@@ -20,6 +20,7 @@ from simulator.nodes import SimNode
 if TYPE_CHECKING:
     from temporalio.client import Client
 
+    from node_probe.delivery.ingest_reporter import IngestReporter
     from node_probe.probe import ProbeConfig
     from simulator.host_identity import HostIdentities
 
@@ -80,9 +81,25 @@ def via_ingest(url: str, ingest_id: str, sts_endpoint: str, identities: HostIden
     """The real node probe reporting through the ingest, as a host in production does: each node signs its
     reports with credentials of its own instance (HostIdentities)."""
 
+    async def probe(fleet: ProbeFleet, node: SimNode, reporter: IngestReporter) -> None:
+        from node_probe.probe import Probe
+
+        await Probe(_probe_config(fleet, node), reporter).run()
+
+    return reporting_via_ingest(url, ingest_id, sts_endpoint, identities, probe)
+
+
+def reporting_via_ingest(
+    url: str,
+    ingest_id: str,
+    sts_endpoint: str,
+    identities: HostIdentities,
+    report: Callable[[ProbeFleet, SimNode, IngestReporter], Awaitable[None]],
+) -> ProbeRunner:
+    """A runner whose node reports through the ingest with credentials of its own instance, as `report` says."""
+
     async def run(fleet: ProbeFleet, node: SimNode) -> None:
         from node_probe.delivery.ingest_reporter import IngestReporter
-        from node_probe.probe import Probe
 
         reporter = IngestReporter(
             url,
@@ -91,7 +108,7 @@ def via_ingest(url: str, ingest_id: str, sts_endpoint: str, identities: HostIden
             credentials=lambda: identities.credentials(node.instance_id),
         )
         async with reporter:
-            await Probe(_probe_config(fleet, node), reporter).run()
+            await report(fleet, node, reporter)
 
     return run
 

@@ -1,5 +1,6 @@
 """Make AWS say what moto never does, through the fault proxy (simulator/aws_proxy.py): an EC2 status check impaired or
-insufficient-data (with its ImpairedSince), a scheduled event, an ECS agent disconnected.
+insufficient-data (with its ImpairedSince), a scheduled event, an ECS agent disconnected, a task's health check
+failing (moto's tasks have no healthStatus).
 
 moto's own answers to DescribeInstanceStatus (query protocol, XML) and DescribeContainerInstances (json protocol)
 are edited on their way to the engine, in the wire format botocore parses; an instance the test said nothing of is
@@ -41,8 +42,10 @@ class AwsSays:
         self._instance: dict[str, Check] = {}
         self._events: dict[str, list[Event]] = {}
         self._disconnected: set[str] = set()
+        self._task_health: dict[str, str] = {}
         proxy.rewrite("DescribeInstanceStatus", self._edit_status, service="ec2")
         proxy.rewrite("DescribeContainerInstances", self._edit_agents, service="ecs")
+        proxy.rewrite("DescribeTasks", self._edit_tasks, service="ecs")
 
     def status(self, instance_id: str, *, system: Check | None = None, instance: Check | None = None) -> None:
         """The two status checks from now on (None: as moto says, ok)."""
@@ -60,6 +63,14 @@ class AwsSays:
     def agent(self, instance_id: str, *, connected: bool) -> None:
         with self._lock:
             (self._disconnected.discard if connected else self._disconnected.add)(instance_id)
+
+    def task_health(self, task_arn: str, health: str | None) -> None:
+        """The task's healthStatus from now on (HEALTHY, UNHEALTHY, UNKNOWN; None: as moto says, none)."""
+        with self._lock:
+            if health is None:
+                self._task_health.pop(task_arn, None)
+            else:
+                self._task_health[task_arn] = health
 
     # --- on the proxy's threads ----------------------------------------------------------------------------------
 
@@ -83,6 +94,14 @@ class AwsSays:
             for ci in answer.get("containerInstances", []):
                 if ci.get("ec2InstanceId") in self._disconnected:
                     ci["agentConnected"] = False
+        return json.dumps(answer).encode()
+
+    def _edit_tasks(self, request: AwsRequest, body: bytes) -> bytes:
+        answer = json.loads(body)
+        with self._lock:
+            for task in answer.get("tasks", []):
+                if task.get("taskArn") in self._task_health:
+                    task["healthStatus"] = self._task_health[task["taskArn"]]
         return json.dumps(answer).encode()
 
 

@@ -264,19 +264,19 @@ class ExampleOracle:
     def check_events(self) -> None:
         held_events = [e for e in self.stub.events if e.type.value == "RepairsHeld"]
         resumed_events = [e for e in self.stub.events if e.type.value == "RepairsResumed"]
-        published = {BreakerHold.model_validate(e.fields).tripped_at for e in held_events}
+        published = {BreakerHold.model_validate(e.detail).tripped_at for e in held_events}
         for tripped_at, hold in self.holds.items():
             if tripped_at not in published:
                 self.problems.append(f"hold tripped at {tripped_at.isoformat()} ({hold.cause}): no RepairsHeld event")
             self.report.holds[hold.cause.value] = self.report.holds.get(hold.cause.value, 0) + 1
             self.check_hold_counts(hold)
         for event in held_events:
-            hold = BreakerHold.model_validate(event.fields)
+            hold = BreakerHold.model_validate(event.detail)
             self.holds.setdefault(hold.tripped_at, hold)
         if len(resumed_events) != len(self.resumes):
             self.problems.append(f"{len(self.resumes)} resumes, {len(resumed_events)} RepairsResumed events")
         for event, record in zip(resumed_events, self.resumes, strict=False):
-            if event.fields.get("discard_held") != record.discard_held:
+            if event.detail.get("discard_held") != record.discard_held:
                 self.problems.append(f"RepairsResumed at {event.time.isoformat()} says discard_held wrongly")
         self.report.resumes = len(self.resumes)
 

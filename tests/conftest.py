@@ -15,6 +15,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from contract import search_attributes
 from simulator.servers import find_binary, free_port, moto_command
+from tests.event_schema_check import check_events_files
 from tests.harness import SERVER_STARTUP_TIMEOUT
 
 # The longest files (minutes each, end to end), started first when files run side by side (`make test`): started last,
@@ -26,6 +27,7 @@ LONGEST_FIRST = (
     "test_remediation_ladder.py",
     "test_repair_retries.py",
     "test_demo.py",
+    "test_dashboard.py",
     "test_aws_signals.py",
     "test_breaker.py",
     "test_liveness.py",
@@ -37,6 +39,17 @@ LONGEST_FIRST = (
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
+@pytest.fixture(autouse=True)
+def events_follow_their_schemas(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After each test that had a tmp_path: every event its workers wrote there validates against its type's schema."""
+    yield
+    tmp_path = request.node.funcargs.get("tmp_path") if hasattr(request.node, "funcargs") else None
+    if tmp_path is None:
+        return
+    _, wrong = check_events_files(tmp_path)
+    assert not wrong, f"{len(wrong)} event(s) not of their schema:\n" + "\n".join(wrong[:20])
 
 
 @pytest.fixture(scope="session")

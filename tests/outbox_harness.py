@@ -20,7 +20,8 @@ from temporalio.worker import Worker
 
 from activities.aws import AwsClients
 from activities.events import EventActivities
-from activities.models import EventType, FleetEvent
+from activities.models import FleetEvent
+from contract import event_types as ev
 from contract import names
 from contract.config import AwsSettings, EventSettings, TemporalSettings
 from contract.event_outbox import OutboxView, SinkTarget, outbox_workflow_id
@@ -33,16 +34,15 @@ from workflows.event_outbox import EventOutboxWorkflow
 
 def events(count: int, *, instance_ids: bool = False) -> list[FleetEvent]:
     run = uuid.uuid4().hex[:8]
-    steps = [EventType.REPAIR_STARTED, EventType.DRAIN_PERMIT_GRANTED, EventType.DRAINING]
+    steps: list[ev.EventDetail] = [ev.RepairStarted(reason="XID_79"), ev.DrainPermitGranted(), ev.Draining()]
     return [
-        FleetEvent(
+        FleetEvent.of(
+            steps[i % len(steps)],
             event_id=f"evt-{run}-{i:03d}",
             time=datetime.now(UTC),
-            type=steps[i % len(steps)],
             group="gpu-a",
             instance_id=f"i-{i:017x}" if instance_ids else "i-0123456789abcdef0",
             workflow_id=f"repair/i-{i:017x}" if instance_ids else "repair/i-0123456789abcdef0",
-            fields={"reason": "XID_79", "step": i},
         )
         for i in range(count)
     ]

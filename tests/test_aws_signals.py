@@ -95,11 +95,11 @@ async def test_an_impaired_status_check_and_a_scheduled_retirement_are_replaced_
 
             # The status check: IMPAIRED once impaired for the grace (counted from EC2's ImpairedSince), replaced.
             assert_start_before_stop(fleet, broken)
-            impaired = [e for e in fleet.events("HealthChanged", broken) if e["overall_status"] == "IMPAIRED"]
+            impaired = [e for e in fleet.events("HealthChanged", broken) if e["detail"]["overall_status"] == "IMPAIRED"]
             assert impaired and at(impaired[0]) >= t0 + GRACE
             [started] = fleet.events("RepairStarted", broken)
             assert (
-                started["reason"]
+                started["detail"]["reason"]
                 == f"EC2 system status check impaired since {iso(t0, 'seconds')} (reachability failed)"
             )
 
@@ -107,11 +107,18 @@ async def test_an_impaired_status_check_and_a_scheduled_retirement_are_replaced_
             assert fleet.steps(retiring) == ["ScheduledEventFound", *START_BEFORE_STOP]
             assert_start_before_stop(fleet, retiring, tolerating={"ScheduledEventFound"})
             [found] = fleet.events("ScheduledEventFound", retiring)
-            assert found["code"] == "instance-retirement" and found["event_id"] == "instance-event-0123456789abcdef0"
-            assert at(found, "deadline") == not_before and at(found, "repair_at") == not_before - LEAD
+            # EC2's event id is in detail; the envelope's event_id stays the event's own (the dedupe id).
+            assert found["detail"]["code"] == "instance-retirement"
+            assert found["detail"]["ec2_event_id"] == "instance-event-0123456789abcdef0" != found["event_id"]
+            assert (
+                at(found["detail"], "deadline") == not_before and at(found["detail"], "repair_at") == not_before - LEAD
+            )
             assert at(found) < not_before - LEAD
             [started] = fleet.events("RepairStarted", retiring)
-            assert started["reason"] == f"EC2 scheduled instance-retirement not before {iso(not_before, 'seconds')}"
+            assert (
+                started["detail"]["reason"]
+                == f"EC2 scheduled instance-retirement not before {iso(not_before, 'seconds')}"
+            )
             assert at(started) >= not_before - LEAD
             assert at(fleet.events("RepairCompleted", retiring)[0]) < not_before
 
@@ -133,7 +140,7 @@ async def test_an_impaired_status_check_and_a_scheduled_retirement_are_replaced_
 
 def assert_nothing_happened(fleet: Fleet, instance_id: str) -> None:
     assert fleet.steps(instance_id) == []
-    assert all(e["overall_status"] != "IMPAIRED" for e in fleet.events("HealthChanged", instance_id))
+    assert all(e["detail"]["overall_status"] != "IMPAIRED" for e in fleet.events("HealthChanged", instance_id))
 
 
 def register(moto: str, cluster: str, count: int) -> list[str]:
@@ -236,7 +243,9 @@ async def test_insufficient_data_alternating_reasons_and_the_ecs_agent(
                 assert watch.rounds >= 10
 
     events = [e for e in _events(tmp_path) if e["type"] == "HealthChanged"]
-    assert not any(e["overall_status"] == "IMPAIRED" for e in events if e["instance_id"] in (unknown, agent_blip))
+    assert not any(
+        e["detail"]["overall_status"] == "IMPAIRED" for e in events if e["instance_id"] in (unknown, agent_blip)
+    )
 
 
 def _events(tmp_path: Path) -> list[dict[str, Any]]:

@@ -19,7 +19,7 @@ from contract.repair import RepairPhase
 from contract.semaphore import SemaphoreInput
 from tests.fleet import Fleet, assert_start_before_stop, simulated_fleet
 from tests.harness import eventually, make_settings, running_worker, unique
-from tests.test_ops_cli import autorepair, cli_env, cli_json
+from tests.test_ops_cli import autorepair, cli_env, cli_json, described_instances
 from tests.test_repair_engine import max_concurrently_draining
 from workflows.models import InstanceHealthView, SemaphoreView
 
@@ -70,15 +70,19 @@ async def test_ten_of_twenty_faulted_trip_the_breaker_at_most_six_drain_and_resu
         # Every impaired instance gets a repair, but only the permits granted before the trip drain.
         await eventually(lambda: asyncio.sleep(0, fleet.events("RepairStarted")), lambda e: len(e) == 10)
         [event] = await eventually(lambda: asyncio.sleep(0, fleet.events("RepairsHeld")), lambda e: len(e) == 1)
-        assert event["count"] == hold.count and event["cause"] == "impaired_percent" and event["instance_id"] == ""
-        assert set(event["instances"]) <= set(faulty) and len(event["instances"]) == hold.count
+        assert (
+            event["detail"]["count"] == hold.count
+            and event["detail"]["cause"] == "impaired_percent"
+            and event["instance_id"] == ""
+        )
+        assert set(event["detail"]["instances"]) <= set(faulty) and len(event["detail"]["instances"]) == hold.count
 
         described = await cli_json(fleet.settings, "group", "describe", "--name", fleet.group)
         assert described["breaker"]["held"]["count"] == hold.count
         code, out, _ = await autorepair(cli_env(fleet.settings), "group", "describe", "--name", fleet.group)
         assert code == 0 and "HELD by the group's breaker" in out
         waiting = await eventually(
-            lambda: cli_json(fleet.settings, "describe-instances", "--group", fleet.group, "--status", "IMPAIRED"),
+            lambda: described_instances(fleet.settings, "--group", fleet.group, "--status", "IMPAIRED"),
             lambda entries: any(e.get("repairHeld") for e in entries),
         )
         assert all(e["repairHeld"] == hold.message for e in waiting if e["repair"]["phase"] == "WaitingForPermit")
@@ -95,7 +99,11 @@ async def test_ten_of_twenty_faulted_trip_the_breaker_at_most_six_drain_and_resu
         assert len(await fleet.repairs_finished(10, within=400)) == 10
         await fleet.all_healthy(20)
         [resumed] = fleet.events("RepairsResumed")
-        assert resumed["discard_held"] is False and resumed["held"]["count"] == hold.count and resumed["requested_by"]
+        assert (
+            resumed["detail"]["discard_held"] is False
+            and resumed["detail"]["held"]["count"] == hold.count
+            and resumed["detail"]["requested_by"]
+        )
 
         for instance_id in faulty:
             assert_start_before_stop(fleet, instance_id)
@@ -149,7 +157,7 @@ async def test_discard_held_repairs_only_the_instances_whose_fault_is_seen_again
         for instance_id in sorted(discarded - set(again)):
             assert fleet.ec2_state(instance_id) == "running" and fleet.replacements_of(instance_id) == []
         [resumed] = fleet.events("RepairsResumed")
-        assert resumed["discard_held"] is True
+        assert resumed["detail"]["discard_held"] is True
 
 
 async def test_the_fleet_breaker_holds_every_group_on_a_surge_across_groups(

@@ -42,7 +42,7 @@ async def test_a_repair_cancelled_while_its_launch_is_retried_ends_cancelled(
 
             await eventually(repair.describe, lambda d: d.status == WorkflowExecutionStatus.CANCELED, within=60)
             [failed] = fleet.events("RepairFailed", faulty)
-            assert failed["error"] == "cancelled by an operator"
+            assert failed["detail"]["error"] == "cancelled by an operator"
             tries = throttle.matched
             await asyncio.sleep(5)  # past the activity's retry interval: a swallowed cancel would try again
             assert throttle.matched == tries

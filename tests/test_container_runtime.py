@@ -38,6 +38,7 @@ from node_probe.sources.container_runtime import (
 from tests.harness import eventually, unique
 from tests.test_daemons import NOW, Clock
 from tests.test_health_signals import check, health_of, monitor_only, start_health
+from tests.test_probe import FakeReporter
 
 API_TIMEOUT = 0.5
 
@@ -322,3 +323,66 @@ async def test_a_hung_docker_impairs_container_runtime_and_its_recovery_clears_i
                 await task
     assert [f.kind for f in view.recent_findings] == ["container_runtime", "container_runtime_recovered"]
     assert view.healthStatus.overallStatus is not HealthState.IMPAIRED and not view.warning_counts
+
+
+async def test_the_source_says_which_way_it_checked_each_runtime_and_the_heartbeat_carries_it(tmp_path: Path) -> None:
+    """OK, and how: through the API where the probe may open the socket, by the unit alone where it is not running."""
+    sock = tmp_path / "docker.sock"
+    systemctl, _ = fake_systemctl(tmp_path, {"docker": "active", "containerd": "failed"})
+    runtime = source([docker(sock), containerd(tmp_path / "containerd.sock")], systemctl, Clock())
+    async with docker_like(sock):
+        assert await runtime.poll() == []  # containerd failed, but not for long yet
+    assert runtime.status.state is HealthState.OK
+    assert runtime.status.reason == f"docker: unit and API on {sock}; containerd: unit failed"
+    # The heartbeat names it, OK; it is no GPU source, so the GPUs' health is as the GPU sources say.
+    probe = Probe(ProbeConfig(instance_id="i-1", group="g"), FakeReporter(), sources=[runtime])
+    [reported] = probe.heartbeat().sources
+    assert (reported.state, reported.reason, reported.gpu_source) == (HealthState.OK, runtime.status.reason, False)
+
+
+AS_A_USER_GRANTED_LATER = """
+import asyncio, logging, sys
+from pathlib import Path
+from node_probe.sources.container_runtime import ContainerRuntimeSource, RuntimeSpec
+
+async def main() -> None:
+    docker = RuntimeSpec(unit="docker", api="docker", socket=Path(sys.argv[1]))
+    runtime = ContainerRuntimeSource([docker], down_threshold=0, systemctl=sys.argv[2], api_timeout=0.5)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(len(await runtime.poll()), runtime.status.reason, flush=True)
+    sys.stdin.readline()  # the socket's mode changes meanwhile, as a restart in its group would make it
+    print(len(await runtime.poll()), runtime.status.reason, flush=True)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="drops root's file-access capabilities in a child, which needs root")
+async def test_a_socket_refused_is_checked_by_its_unit_and_says_so_until_access_is_granted(tmp_path: Path) -> None:
+    """As deployed: a probe outside the socket's group judges the unit alone and says so in its status; once it may
+    open the socket (the unit's SupplementaryGroups=docker), the next poll asks the API, and says that."""
+    systemctl, _ = fake_systemctl(tmp_path, {"docker": "active"})
+    sock = tmp_path / "docker.sock"
+    async with docker_like(sock):
+        os.chown(sock, NOBODY, NOBODY)
+        sock.chmod(0o600)
+        child = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            AS_A_USER_GRANTED_LATER,
+            str(sock),
+            str(systemctl),
+            cwd=Path(__file__).resolve().parent.parent,
+            preexec_fn=without_root_file_access,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        assert child.stdout is not None and child.stdin is not None
+        first = (await asyncio.wait_for(child.stdout.readline(), 30)).decode().strip()
+        sock.chmod(0o666)
+        out, err = await asyncio.wait_for(child.communicate(b"\n"), 30)
+    assert child.returncode == 0, err.decode()
+    assert first == f"0 docker: unit only, may not open {sock} (Permission denied)"
+    assert out.decode().strip() == f"0 docker: unit and API on {sock}"
+    assert f"may open {sock} now: watching the docker API too" in err.decode()

@@ -82,7 +82,7 @@ async def test_a_member_whose_probe_never_reports_is_unmonitored_never_repaired_
                 assert (agent.status, agent.statusReason) == (HealthState.INSUFFICIENT_DATA, UNMONITORED)
                 assert watch.started == 1  # the others' probes had started theirs
                 [unmonitored] = fleet.events("InstanceUnmonitored", silent)
-                assert unmonitored["first_report_timeout"] == "4s"
+                assert unmonitored["detail"]["first_report_timeout"] == "4s"
                 started = await handle.describe()
                 assert started.start_time is not None
                 assert datetime.fromisoformat(unmonitored["time"]) >= started.start_time + FIRST_REPORT
@@ -103,7 +103,8 @@ async def test_a_member_whose_probe_never_reports_is_unmonitored_never_repaired_
             [repair] = fleet.events("RepairStarted", silent)
             assert repair["workflow_id"] == repair_workflow_id(silent, 1)
             assert (
-                repair["reason"] == f"EC2 system status check impaired since {iso(t0, 'seconds')} (reachability failed)"
+                repair["detail"]["reason"]
+                == f"EC2 system status check impaired since {iso(t0, 'seconds')} (reachability failed)"
             )
             # The hosts whose probes report were never unmonitored.
             assert [e["instance_id"] for e in fleet.events("InstanceUnmonitored")] == [silent]

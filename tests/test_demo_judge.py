@@ -9,8 +9,11 @@ from collections import Counter
 from datetime import UTC, datetime
 from pathlib import Path
 
+from contract import event_types as ev
+from contract.events import Event
 from contract.groups import AutoRepair
 from contract.health import HealthState
+from contract.repair import RepairAction
 from simulator.demo_judge import ABANDONED_EVENT_GRACE_S, Judge
 from simulator.demo_summary import EventLog
 from simulator.fleet import FleetSnapshot
@@ -70,16 +73,31 @@ def test_a_replacement_the_repair_abandoned_is_not_a_repair_without_a_fault() ->
 
 def test_the_abandoned_replacement_is_read_from_the_events_file(tmp_path: Path) -> None:
     path = tmp_path / "events.jsonl"
+    now = datetime(2026, 12, 5, 6, 0, tzinfo=UTC)
+
+    def completed(replacement: str) -> ev.RepairCompleted:
+        return ev.RepairCompleted(
+            replacement_instance_id=replacement, reason="XID_79", action=RepairAction.REPLACE, timeline=[]
+        )
+
+    abandoned = ev.ReplacementAbandoned(
+        attempt=1, replacement_instance_id=ABANDONED, why="not ACTIVE in ECS within 15s", error="", attempts_left=1
+    )
     events = [
-        {"type": "RepairStarted", "instance_id": INITIAL[0]},
-        {"type": "ReplacementLaunched", "instance_id": INITIAL[0], "replacement_instance_id": ABANDONED},
-        {"type": "ReplacementAbandoned", "instance_id": INITIAL[0], "replacement_instance_id": ABANDONED},
-        {"type": "ReplacementLaunched", "instance_id": INITIAL[0], "replacement_instance_id": KEPT[0]},
-        {"type": "RepairCompleted", "instance_id": INITIAL[0], "replacement_instance_id": KEPT[0]},
-        {"type": "RepairStarted", "instance_id": INITIAL[1]},
-        {"type": "RepairCompleted", "instance_id": INITIAL[1], "replacement_instance_id": KEPT[1]},
+        (INITIAL[0], ev.RepairStarted(reason="XID_79")),
+        (INITIAL[0], ev.ReplacementLaunched(replacement_instance_id=ABANDONED, attempt=1)),
+        (INITIAL[0], abandoned),
+        (INITIAL[0], ev.ReplacementLaunched(replacement_instance_id=KEPT[0], attempt=2)),
+        (INITIAL[0], completed(KEPT[0])),
+        (INITIAL[1], ev.RepairStarted(reason="XID_79")),
+        (INITIAL[1], completed(KEPT[1])),
     ]
-    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+    path.write_text(
+        "".join(
+            json.dumps(Event.of(d, event_id=f"e{n}", time=now, group="g", instance_id=i, workflow_id="w").line()) + "\n"
+            for n, (i, d) in enumerate(events)
+        )
+    )
     log = EventLog(path)
     log.read_new()
     assert log.abandoned_replacements == {ABANDONED}

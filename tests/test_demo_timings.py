@@ -10,6 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.demo_timings import faults_written
+from contract import event_types as ev
+from contract.events import Event
+from contract.health import HealthState
+from contract.repair import PhaseStep, RepairAction
 from simulator.demo_summary import EventLog, own_steps_seconds, timings_line
 
 T0 = datetime(2026, 12, 5, 6, 0, tzinfo=UTC)
@@ -50,17 +54,22 @@ def test_timings_line_reports_p50_p90_and_max_of_each_measure(tmp_path: Path) ->
         faults_at[instance] = T0
         scale = n + 1  # the n-th repair takes n + 1 times as long in each measure
         steps = {phase: s * scale for phase, s in REPAIR_TIMELINE.items()}
-        events += [
-            {"type": "HealthChanged", "overall_status": "IMPAIRED", "instance_id": instance, "time": at(0.1 * scale)},
-            {"type": "RepairStarted", "instance_id": instance, "time": at(1)},
-            {"type": "DrainPermitGranted", "instance_id": instance, "time": at(1 + 0.2 * scale)},
-            {
-                "type": "RepairCompleted",
-                "instance_id": instance,
-                "time": at(1 + 10 * scale),
-                "timeline": timeline(steps),
-            },
-        ]
+        completed = ev.RepairCompleted(
+            reason="XID_79",
+            action=RepairAction.REPLACE,
+            timeline=[PhaseStep.model_validate(s) for s in timeline(steps)],
+        )
+        for seconds, detail in [
+            (0.1 * scale, ev.HealthChanged(overall_status=HealthState.IMPAIRED, details=[])),
+            (1, ev.RepairStarted(reason="XID_79")),
+            (1 + 0.2 * scale, ev.DrainPermitGranted()),
+            (1 + 10 * scale, completed),
+        ]:
+            time = T0 + timedelta(seconds=seconds)
+            event = Event.of(
+                detail, event_id=f"e{len(events)}", time=time, group="g", instance_id=instance, workflow_id="w"
+            )
+            events.append(event.published().line())
     path = tmp_path / "events.jsonl"
     path.write_text("".join(json.dumps(e) + "\n" for e in events))
     log = EventLog(path)

@@ -15,7 +15,11 @@ import pytest
 import yaml
 from temporalio.common import SearchAttributeKey
 
+from activities.permissions import every_action
 from contract import search_attributes
+from contract.healthz import PROBE_METRICS_PORT
+from contract.ingest import METRICS_PATH
+from contract.names import GROUP_TAG
 from simulator.servers import find_binary, free_port
 from worker.settings import Settings
 
@@ -174,6 +178,15 @@ def test_worker_policy_grants_exactly_what_the_activities_call():
     )
 
 
+def test_the_doctor_simulates_what_the_activities_call():
+    # `autorepair doctor` asks IAM about activities/permissions.py's table: it must name every call, and no other.
+    expected = _actions_called_by_activities() | IMPLIED_ACTIONS
+    assert every_action() == expected, (
+        f"missing from activities/permissions.py: {sorted(expected - every_action())}; "
+        f"no longer called: {sorted(every_action() - expected)}"
+    )
+
+
 def test_worker_policy_mutations_are_guarded():
     by_action: dict[str, list[dict]] = {}
     for st in _policy_statements():
@@ -300,11 +313,23 @@ def test_prometheus_scrapes_the_worker_metrics_and_temporal():
     targets = {
         target: job.get("metrics_path", "/metrics")
         for job in config["scrape_configs"]
-        for static in job["static_configs"]
+        for static in job.get("static_configs", [])
         for target in static["targets"]
     }
     assert targets.get("worker:9464") == "/metrics"
     assert any(target.startswith("temporal:") for target in targets)
+
+
+def test_prometheus_finds_the_probes_on_the_port_the_unit_and_the_template_serve():
+    """The GPU hosts' probes, through EC2 by their group tag, on the port of their --metrics-bind."""
+    config = yaml.safe_load((DEPLOY / "compose" / "prometheus.yml").read_text())
+    (job,) = [job for job in config["scrape_configs"] if job["job_name"] == "gpu-autorepair-probe"]
+    (discovery,) = job["ec2_sd_configs"]
+    assert discovery["port"] == PROBE_METRICS_PORT and job.get("metrics_path", "/metrics") == METRICS_PATH
+    assert {"name": "tag-key", "values": [GROUP_TAG]} in discovery["filters"]
+    unit = (DEPLOY / "systemd" / "autorepair-probe.service").read_text()
+    assert f"Environment=AUTOREPAIR_PROBE_METRICS_BIND=0.0.0.0:{PROBE_METRICS_PORT}" in unit
+    assert "--metrics-bind ${AUTOREPAIR_PROBE_METRICS_BIND}" in unit
 
 
 def _kinds(path: Path) -> dict[str, dict]:

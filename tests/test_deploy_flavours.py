@@ -5,6 +5,7 @@ checks each file on its own; this checks the flavours hold together."""
 
 from __future__ import annotations
 
+import configparser
 import os
 import re
 import shlex
@@ -22,6 +23,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
+from contract.formats import parse_bind
 from ingest.cli import is_loopback
 from worker.settings import Settings
 
@@ -159,11 +161,21 @@ def test_compose_runs_the_ingest_beside_the_worker(monkeypatch: pytest.MonkeyPat
     assert published.rsplit(":", 2)[1:] == [str(INGEST_PORT), str(INGEST_PORT)]
 
 
-def test_prometheus_scrapes_the_ingest_over_https():
+def test_prometheus_scrapes_the_ingest_on_its_metrics_port_not_the_hosts(monkeypatch: pytest.MonkeyPatch):
     config = yaml.safe_load((COMPOSE_DIR / "prometheus.yml").read_text())
-    jobs = {target: job for job in config["scrape_configs"] for s in job["static_configs"] for target in s["targets"]}
-    job = jobs[f"ingest:{INGEST_PORT}"]
-    assert job["scheme"] == "https" and job.get("metrics_path", "/metrics") == "/metrics"
+    jobs = {
+        target: job
+        for job in config["scrape_configs"]
+        for s in job.get("static_configs", [])
+        for target in s["targets"]
+    }
+    assert f"ingest:{INGEST_PORT}" not in jobs  # the hosts' port serves no metrics
+    settings = _settings((COMPOSE_DIR / "autorepair.toml").read_text(), monkeypatch)
+    assert settings.ingest.metrics_bind is not None
+    host, port = parse_bind(settings.ingest.metrics_bind)
+    job = jobs[f"ingest:{port}"]
+    assert host == "0.0.0.0" and job.get("scheme", "http") == "http" and job.get("metrics_path") == "/metrics"
+    assert str(port) in _compose()["services"]["ingest"]["expose"]  # on the compose network, not published
 
 
 def test_kubernetes_runs_the_ingest_with_a_service_and_a_disruption_budget(monkeypatch: pytest.MonkeyPatch):
@@ -176,7 +188,10 @@ def test_kubernetes_runs_the_ingest_with_a_service_and_a_disruption_budget(monke
     (container,) = pod["containers"]
     assert container["image"] == OPS_IMAGE and container["args"] == ["ingest"]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"https": INGEST_PORT}
+    # The hosts' port, and the metrics port the pod's annotations send Prometheus to.
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert ports == {"https": INGEST_PORT, "metrics": int(annotations["prometheus.io/port"])}
+    assert annotations.get("prometheus.io/scheme", "http") == "http"
 
     service = _kind(path, "Service")
     assert service["spec"]["selector"].items() <= labels.items()
@@ -208,6 +223,7 @@ def test_kubernetes_runs_the_ingest_with_a_service_and_a_disruption_budget(monke
     settings = _settings(configmap["data"]["config.toml"], monkeypatch)
     _assert_ingest_serves_safely(settings, "kubernetes/ingest-configmap.yaml")
     assert settings.ingest.tls_cert is not None and settings.ingest.tls_key is not None
+    assert settings.ingest.metrics_bind == f"0.0.0.0:{ports['metrics']}"
     assert projected[settings.ingest.tls_cert] == ("gpu-autorepair-ingest-tls", "tls.crt")
     assert projected[settings.ingest.tls_key] == ("gpu-autorepair-ingest-tls", "tls.key")
     # The Secrets it names are the ones its header tells how to create.
@@ -488,8 +504,11 @@ def test_compose_keeps_state_only_in_the_database():
                 assert source == "postgresql-data"
             else:
                 # Only files that ship, read-only: this folder's configuration, the dynamic config, the ingest's
-                # certificate, and the alert rules (deploy/prometheus/, shared with Kubernetes).
-                assert source.startswith(("./", "../prometheus/")) and volume.endswith(":ro"), f"{name}: {volume}"
+                # certificate, the alert rules (deploy/prometheus/, shared with Kubernetes) and Grafana's dashboard
+                # and provisioning (deploy/grafana/).
+                assert source.startswith(("./", "../prometheus/", "../grafana/")) and volume.endswith(":ro"), (
+                    f"{name}: {volume}"
+                )
                 assert (COMPOSE_DIR / source).exists(), f"{name}: {source} missing"
 
 
@@ -748,3 +767,32 @@ def test_install_probe_script_trusts_a_private_ca_and_refuses_what_cannot_work(t
     refused = _run(script, env)
     assert refused.returncode == 1 and "is not an https:// URL" in refused.stderr
     assert not (tmp_path / "http/root/opt").exists()
+
+
+def test_install_probe_script_lets_the_probe_ask_docker_where_the_host_has_its_group(tmp_path: Path):
+    """The CONTAINER_RUNTIME check as deployed: a drop-in adds the docker group to the shipped unit only where the
+    group exists (a unit naming a missing group does not start), and RUNTIME_SOCKET_GROUP="" takes it away again."""
+    script, env = _sandboxed_script(tmp_path, GROUP="g")
+    _stub(tmp_path / "bin" / "getent", '[ "$1 $2" = "group docker" ] && echo "docker:x:992:" || exit 2\n')
+    drop_in = tmp_path / "root/etc/systemd/system/autorepair-probe.service.d/runtime-socket.conf"
+    done = _run(script, env)
+    assert done.returncode == 0, done.stderr
+    parser = configparser.ConfigParser(strict=False, interpolation=None)
+    parser.read_string(drop_in.read_text())
+    assert dict(parser["Service"]) == {"supplementarygroups": "docker"}
+    assert "the probe joins group docker" in done.stdout
+    # The shipped unit itself is unchanged: it still names only the journal's group.
+    assert (tmp_path / "root/etc/systemd/system/autorepair-probe.service").read_text() == PROBE_UNIT.read_text()
+
+    # A host without that group: no drop-in (and none left from before).
+    script, env = _sandboxed_script(tmp_path / "none", GROUP="g", RUNTIME_SOCKET_GROUP="runtime-users")
+    _stub(tmp_path / "none" / "bin" / "getent", '[ "$1 $2" = "group docker" ] && echo "docker:x:992:" || exit 2\n')
+    assert _run(script, env).returncode == 0
+    assert not (tmp_path / "none/root/etc/systemd/system/autorepair-probe.service.d/runtime-socket.conf").exists()
+    # Left out on purpose: the drop-in goes.
+    script, env = _sandboxed_script(tmp_path / "again", GROUP="g", RUNTIME_SOCKET_GROUP="")
+    again = tmp_path / "again/root/etc/systemd/system/autorepair-probe.service.d"
+    again.mkdir(parents=True)
+    (again / "runtime-socket.conf").write_text("[Service]\nSupplementaryGroups=docker\n")
+    assert _run(script, env).returncode == 0
+    assert not (again / "runtime-socket.conf").exists()

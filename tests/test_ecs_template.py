@@ -160,7 +160,11 @@ def test_the_ingest_port_is_the_same_everywhere(stack: Stack):
     ingest = stack.container("IngestTaskDefinition", "ingest")
     host, bind_port = parse_bind(env_vars(ingest)["AUTOREPAIR_INGEST__BIND"])
     assert host == "0.0.0.0"
-    ((container_port,),) = [[m["ContainerPort"] for m in ingest["PortMappings"]]]
+    mappings = {m["Name"]: m["ContainerPort"] for m in ingest["PortMappings"]}
+    container_port = mappings.pop("ingest")
+    # Its metrics on a port of their own, where ingest.metrics_bind says, for the scraper only.
+    metrics_host, metrics_port = parse_bind(env_vars(ingest)["AUTOREPAIR_INGEST__METRICS_BIND"])
+    assert mappings == {"metrics": metrics_port} and metrics_host == "0.0.0.0" and metrics_port == 9480
     (target_group,) = stack.of_type("AWS::ElasticLoadBalancingV2::TargetGroup").values()
     (service,) = [p for p in stack.of_type("AWS::ECS::Service").values() if p.get("LoadBalancers")]
     (attachment,) = service["LoadBalancers"]
@@ -178,14 +182,19 @@ def test_the_ingest_port_is_the_same_everywhere(stack: Stack):
         for p in stack.of_type("AWS::EC2::SecurityGroupIngress").values()
         if p["GroupId"] == stack.ref("IngestSecurityGroup")
     ]
-    assert into_ingest == [
-        {
-            **into_ingest[0],
-            "FromPort": 8480,
-            "ToPort": 8480,
-            "SourceSecurityGroupId": stack.ref("LoadBalancerSecurityGroup"),
-        }
-    ]
+    from_balancer, from_scraper = sorted(into_ingest, key=lambda p: p["FromPort"])
+    assert from_balancer == {
+        **from_balancer,
+        "FromPort": 8480,
+        "ToPort": 8480,
+        "SourceSecurityGroupId": stack.ref("LoadBalancerSecurityGroup"),
+    }
+    assert from_scraper == {
+        **from_scraper,
+        "FromPort": metrics_port,
+        "ToPort": metrics_port,
+        "SourceSecurityGroupId": FULL["MetricsScrapeSecurityGroupId"],
+    }
     # The GPU hosts reach the load balancer on 443 only.
     into_balancer = [
         p

@@ -20,11 +20,14 @@ from typing import Any
 
 import pytest
 
+from activities.events import event_body
 from activities.models import HEALTH_DETAIL_TYPE, EventType, FleetEvent
+from contract import event_types as ev
 from contract.config import ENV_PREFIX, IngestSettings
 from contract.formats import parse_bind
 from contract.groups import DEFAULT_HEARTBEAT_INTERVAL
-from contract.healthz import DEFAULT_PROBE_HEALTH_BIND, DEFAULT_WORKER_HEALTH_BIND
+from contract.health import HealthState
+from contract.healthz import DEFAULT_PROBE_HEALTH_BIND, DEFAULT_WORKER_HEALTH_BIND, PROBE_METRICS_PORT
 from contract.ingest import HEALTH_PATH
 from ingest.cli import tls_context
 from operator_cli.main import build_parser
@@ -233,6 +236,8 @@ def test_the_health_checks_are_commands_the_images_have(stack: Stack):
         args = build_parser().parse_args(stack.container(task_definition)["Command"])
         # Where the probe serves it (the default, unless the command names another).
         assert getattr(args, "health_bind", None) in (None, DEFAULT_PROBE_HEALTH_BIND)
+        # Its metrics, on the host's network for a Prometheus elsewhere, on a port of their own.
+        assert args.metrics_bind == f"0.0.0.0:{PROBE_METRICS_PORT}"
 
 
 def test_image_defaults_follow_the_release():
@@ -302,6 +307,14 @@ def test_the_ingest_role_grants_what_ingest_policy_json_grants(stack: Stack):
 # --- events ----------------------------------------------------------------------------------------------------------
 
 
+def matches(pattern: dict[str, Any], body: dict[str, Any]) -> bool:
+    """EventBridge's matching of exact values: each key of the pattern in the body, its value one of those listed."""
+    return all(
+        matches(want, body.get(key) or {}) if isinstance(want, dict) else body.get(key) in want
+        for key, want in pattern.items()
+    )
+
+
 def test_the_alert_rule_matches_events_the_worker_publishes(stack: Stack):
     (rule,) = stack.of_type("AWS::Events::Rule").values()
     pattern = rule["EventPattern"]
@@ -309,10 +322,18 @@ def test_the_alert_rule_matches_events_the_worker_publishes(stack: Stack):
     health, problems = pattern["$or"]
     assert health["detail-type"] == [HEALTH_DETAIL_TYPE]
     assert FleetEvent.model_fields["type"].annotation is EventType
-    health_changed = FleetEvent(
-        event_id="e", time=datetime(2026, 1, 1, tzinfo=UTC), type=EventType.HEALTH_CHANGED, group="g", instance_id="i"
+    health_changed = FleetEvent.of(
+        ev.HealthChanged(overall_status=HealthState.IMPAIRED, details=[]),
+        event_id="e",
+        time=datetime(2026, 1, 1, tzinfo=UTC),
+        group="g",
+        instance_id="i",
+        workflow_id="health/i",
     )
     assert health_changed.detail_type == HEALTH_DETAIL_TYPE
+    # EventBridge's Detail is the whole published event: the pattern's keys are where the event has them.
+    assert matches(health["detail"], event_body(health_changed))
+    assert not matches(health["detail"], event_body(health_changed.model_copy(update={"detail": {}})))
     for name in health["detail"]["type"] + problems["detail"]["type"]:
         assert name in {t.value for t in EventType}, name
     assert rule["EventBusName"] == stack.ref("EventBus")

@@ -15,10 +15,13 @@ from temporalio.testing import ActivityEnvironment
 
 from activities.aws import AwsClients
 from activities.events import EventActivities
-from activities.models import HEALTH_DETAIL_TYPE, REPAIR_DETAIL_TYPE, EventType, FleetEvent
+from activities.models import HEALTH_DETAIL_TYPE, REPAIR_DETAIL_TYPE, FleetEvent
+from contract import event_types as ev
 from contract.config import AwsSettings, EventSettings
+from contract.health import CheckType, HealthState
+from tests.event_schema_check import problems
 
-REQUIRED_KEYS = {"time", "type", "group", "instance_id", "workflow_id", "event_id"}
+ENVELOPE = ["schema_version", "type", "event_id", "time", "group", "instance_id", "workflow_id", "detail"]
 
 
 def unique(prefix: str) -> str:
@@ -48,45 +51,43 @@ def received(sqs: Any, queue_url: str) -> list[dict[str, Any]]:
     return [json.loads(m["Body"]) for m in messages]
 
 
-def health_event(**fields: Any) -> FleetEvent:
-    return FleetEvent(
+def health_event() -> FleetEvent:
+    return FleetEvent.of(
+        ev.HealthChanged(overall_status=HealthState.IMPAIRED, details=DETAILS),
         event_id=unique("evt"),
         time=datetime(2026, 3, 1, 12, 30, 5, tzinfo=UTC),
-        type=EventType.HEALTH_CHANGED,
         group="gpu-a",
         instance_id="i-0123456789abcdef0",
         workflow_id="health/i-0123456789abcdef0",
-        fields=fields,
     )
 
 
-def repair_event(event_type: EventType = EventType.REPLACEMENT_LAUNCHED) -> FleetEvent:
-    return FleetEvent(
+def repair_event(detail: ev.EventDetail | None = None) -> FleetEvent:
+    return FleetEvent.of(
+        detail or ev.ReplacementLaunched(replacement_instance_id="i-0fedcba9876543210", attempt=1),
         event_id=unique("evt"),
         time=datetime.now(UTC),
-        type=event_type,
         group="gpu-a",
         instance_id="i-0123456789abcdef0",
         workflow_id="repair/i-0123456789abcdef0",
-        fields={"replacement_instance_id": "i-0fedcba9876543210"},
     )
 
 
 DETAILS = [
-    {
-        "type": "ACCELERATED_COMPUTE",
-        "status": "IMPAIRED",
-        "statusReason": "XID_79",
-        "lastUpdated": datetime(2026, 3, 1, 12, 30, 5, tzinfo=UTC),
-        "lastStatusChange": "2026-03-01T12:30:05Z",
-    }
+    ev.HealthCheck(
+        type=CheckType.ACCELERATED_COMPUTE,
+        status=HealthState.IMPAIRED,
+        statusReason="XID_79",
+        lastUpdated=datetime(2026, 3, 1, 12, 30, 5, tzinfo=UTC),
+        lastStatusChange=datetime(2026, 3, 1, 12, 30, 5, tzinfo=UTC),
+    )
 ]
 
 
 async def test_put_to_event_bus(client: Client, aws: AwsClients, bus: tuple[str, str, Any, str]) -> None:
     name, source, sqs, queue_url = bus
     acts = EventActivities(aws, EventSettings(bus_name=name, source=source), client)
-    event = health_event(overallStatus="IMPAIRED", details=DETAILS, xid=79, gpu_pci="0000:10:1c")
+    event = health_event()
 
     await ActivityEnvironment().run(acts.publish_event, event)
 
@@ -94,18 +95,21 @@ async def test_put_to_event_bus(client: Client, aws: AwsClients, bus: tuple[str,
     assert envelope["source"] == source
     assert envelope["detail-type"] == HEALTH_DETAIL_TYPE
     assert envelope["time"].startswith("2026-03-01T12:30:05")
-    detail = envelope["detail"]
-    assert detail.keys() >= REQUIRED_KEYS
-    assert detail["time"] == "2026-03-01T12:30:05Z"
-    assert (detail["type"], detail["group"], detail["instance_id"]) == (
+    # EventBridge's Detail is the whole event as the other sinks receive it: the envelope, the type's own under detail.
+    body = envelope["detail"]
+    assert list(body) == ENVELOPE and problems(body) == []
+    assert body["schema_version"] == 2 and body["time"] == "2026-03-01T12:30:05Z"
+    assert (body["type"], body["group"], body["instance_id"], body["event_id"]) == (
         "HealthChanged",
         "gpu-a",
         event.instance_id,
+        event.event_id,
     )
-    assert detail["event_id"] == event.event_id and detail["xid"] == 79
-    # ECS's event name for the API's `details`, both present and identical.
-    assert detail["healthChecks"] == detail["details"]
-    assert detail["healthChecks"][0]["lastUpdated"] == "2026-03-01T12:30:05Z"
+    own = body["detail"]
+    assert own["overall_status"] == "IMPAIRED" and own["finding"] is None
+    # ECS's event names for the API's `details` and `overallStatus`, both present and identical.
+    assert own["healthChecks"] == own["details"] and own["overallStatus"] == own["overall_status"]
+    assert own["healthChecks"][0]["lastUpdated"] == "2026-03-01T12:30:05Z"
 
 
 async def test_repair_event_detail_type_and_no_health_checks(
@@ -118,19 +122,19 @@ async def test_repair_event_detail_type_and_no_health_checks(
 
     [envelope] = received(sqs, queue_url)
     assert envelope["detail-type"] == REPAIR_DETAIL_TYPE
-    assert envelope["detail"]["replacement_instance_id"] == "i-0fedcba9876543210"
-    assert "healthChecks" not in envelope["detail"]
+    assert envelope["detail"]["detail"] == {"replacement_instance_id": "i-0fedcba9876543210", "attempt": 1}
+    assert problems(envelope["detail"]) == []
 
 
 async def test_put_to_default_bus(client: Client, aws: AwsClients) -> None:
     acts = EventActivities(aws, EventSettings(), client)
-    await ActivityEnvironment().run(acts.publish_event, repair_event(EventType.TERMINATED))
+    await ActivityEnvironment().run(acts.publish_event, repair_event(ev.Terminated()))
 
 
 async def test_jsonl_lines(client: Client, aws: AwsClients, tmp_path: Path) -> None:
     path = tmp_path / "nested" / "dir" / "events.jsonl"
     acts = EventActivities(aws, EventSettings(eventbridge=False, jsonl_path=path), client)
-    events = [health_event(overallStatus="IMPAIRED", details=DETAILS), repair_event(), repair_event()]
+    events = [health_event(), repair_event(), repair_event()]
 
     for event in events:
         await ActivityEnvironment().run(acts.publish_event, event)
@@ -138,7 +142,7 @@ async def test_jsonl_lines(client: Client, aws: AwsClients, tmp_path: Path) -> N
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(lines) == 3
     for line, event in zip(lines, events, strict=True):
-        assert line.keys() >= REQUIRED_KEYS
+        assert list(line) == ENVELOPE and problems(line) == []
         assert line["time"].endswith("Z")
         assert datetime.fromisoformat(line["time"]).utcoffset() is not None
         assert datetime.fromisoformat(line["time"]) == event.time
@@ -147,9 +151,8 @@ async def test_jsonl_lines(client: Client, aws: AwsClients, tmp_path: Path) -> N
             event.group,
             event.instance_id,
         )
-        assert list(line)[:4] == ["time", "type", "group", "instance_id"]
-    assert lines[0]["healthChecks"] == lines[0]["details"]
-    assert lines[1]["replacement_instance_id"] == "i-0fedcba9876543210"
+    assert lines[0]["detail"]["healthChecks"] == lines[0]["detail"]["details"]
+    assert lines[1]["detail"]["replacement_instance_id"] == "i-0fedcba9876543210"
 
 
 async def test_both_sinks(client: Client, aws: AwsClients, bus: tuple[str, str, Any, str], tmp_path: Path) -> None:

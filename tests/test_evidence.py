@@ -71,14 +71,14 @@ async def test_evidence_is_in_s3_before_the_termination(client: Client, aws_env:
         prefix = incident(fleet, faulty)
         location = f"s3://{bucket}/{prefix}"
         [stored] = fleet.events("EvidenceStored", faulty)
-        assert stored["evidence"] == location
-        assert stored["missing"] == {} and stored["complete"] is True
-        assert sorted(stored["objects"]) == sorted(
+        assert stored["detail"]["evidence"] == location
+        assert stored["detail"]["missing"] == {} and stored["detail"]["complete"] is True
+        assert sorted(stored["detail"]["objects"]) == sorted(
             [evidence.FINDINGS, evidence.KERNEL_LINES, *evidence.HOST_OBJECTS, evidence.MANIFEST]
         )
         # Linked from the repair's last events too.
-        assert fleet.events("Terminated", faulty)[0]["evidence"] == location
-        assert fleet.events("RepairCompleted", faulty)[0]["evidence"] == location
+        assert fleet.events("Terminated", faulty)[0]["detail"]["evidence"] == location
+        assert fleet.events("RepairCompleted", faulty)[0]["detail"]["evidence"] == location
 
         # What the worker holds: the finding, and its kernel-log line.
         findings = json.loads(read(fleet, bucket, prefix + evidence.FINDINGS))
@@ -149,15 +149,17 @@ async def test_quarantine_stops_and_keeps_the_instance_and_says_what_the_host_co
             assert fleet.ec2_state(result.replacement_instance_id) == "running"
             prefix = incident(fleet, faulty)
             [quarantined] = fleet.events("Quarantined", faulty)
-            assert quarantined["kept"] is True and quarantined["evidence"] == f"s3://{bucket}/{prefix}"
+            assert (
+                quarantined["detail"]["kept"] is True and quarantined["detail"]["evidence"] == f"s3://{bucket}/{prefix}"
+            )
 
             [stored] = fleet.events("EvidenceStored", faulty)
-            assert stored["complete"] is False
-            assert sorted(stored["missing"]) == sorted(evidence.HOST_OBJECTS)
-            for why in stored["missing"].values():
+            assert stored["detail"]["complete"] is False
+            assert sorted(stored["detail"]["missing"]) == sorted(evidence.HOST_OBJECTS)
+            for why in stored["detail"]["missing"].values():
                 assert why.startswith("the host could not be asked: ") and "AccessDeniedException" in why
             manifest = json.loads(read(fleet, bucket, prefix + evidence.MANIFEST))
-            assert manifest["missing"] == stored["missing"]
+            assert manifest["missing"] == stored["detail"]["missing"]
             assert b"XID_79" in read(fleet, bucket, prefix + evidence.FINDINGS)
             details = await current_details(client, repair)
             assert "[done] Stop and keep the impaired instance (quarantine) — stopped, tagged" in details
@@ -182,7 +184,7 @@ async def test_evidence_that_cannot_be_stored_never_holds_the_repair_and_a_reboo
         # Said, and the repair went on: replaced, start-before-stop.
         assert steps_of(fleet, repair) == [*START_BEFORE_STOP[:6], "EvidenceNotStored", *START_BEFORE_STOP[6:]]
         [not_stored] = fleet.events("EvidenceNotStored", faulty)
-        assert "NoSuchBucket" in not_stored["why"]
+        assert "NoSuchBucket" in not_stored["detail"]["why"]
         assert "evidence" not in fleet.events("Terminated", faulty)[0]
         assert fleet.ec2_state(faulty) == "terminated"
         details = await current_details(client, repair)
@@ -201,7 +203,7 @@ async def test_evidence_that_cannot_be_stored_never_holds_the_repair_and_a_reboo
         await closed(fleet, repair)
         assert steps_of(fleet, repair) == [*REBOOTED_IN_PLACE[:4], "EvidenceStored", *REBOOTED_IN_PLACE[4:]]
         [stored] = fleet.events("EvidenceStored", rebooted)
-        assert stored["evidence"] == f"s3://{bucket}/{incident(fleet, rebooted)}"
+        assert stored["detail"]["evidence"] == f"s3://{bucket}/{incident(fleet, rebooted)}"
         assert fleet.sim.node(rebooted).reboots == 1 and container_status(fleet, rebooted) == "ACTIVE"
         details = await current_details(client, repair)
         assert "3. [done] Let tasks stop within their stop timeouts" in details

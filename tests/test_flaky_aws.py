@@ -148,9 +148,9 @@ async def test_capacity_shortage_backs_off_keeps_the_instance_and_completes_when
         [first_failure, *_] = await eventually(
             lambda: asyncio.sleep(0, fleet.events("ReplacementLaunchFailed", faulty)), bool
         )
-        assert "InsufficientInstanceCapacity" in first_failure["error"]
-        assert "ec2:RunInstances" in first_failure["error"]
-        assert first_failure["attempt"] == 1 and first_failure["retry_in_seconds"] > 0
+        assert "InsufficientInstanceCapacity" in first_failure["detail"]["error"]
+        assert "ec2:RunInstances" in first_failure["detail"]["error"]
+        assert first_failure["detail"]["attempt"] == 1 and first_failure["detail"]["retry_in_seconds"] > 0
         # Backing off without a replacement: the impaired instance is drained but kept running.
         assert fleet.replacements_of(faulty) == []
         assert fleet.ec2_state(faulty) == "running"
@@ -165,7 +165,9 @@ async def test_capacity_shortage_backs_off_keeps_the_instance_and_completes_when
         steps = fleet.steps(faulty)
         assert steps.index("ReplacementLaunchFailed") < steps.index("ReplacementLaunched")
         assert steps.index("ReplacementReady") < steps.index("Terminated")
-        assert all("InsufficientInstanceCapacity" in e["error"] for e in fleet.events("ReplacementLaunchFailed"))
+        assert all(
+            "InsufficientInstanceCapacity" in e["detail"]["error"] for e in fleet.events("ReplacementLaunchFailed")
+        )
         done = await fleet.health(faulty)
         assert done.repair is not None and done.repair.phase is RepairPhase.COMPLETED and done.repair.error is None
 
@@ -181,7 +183,7 @@ async def test_permanent_launch_error_fails_at_once_names_the_call_and_keeps_the
         fleet.sim.inject_fault(faulty)
 
         [failed] = await eventually(lambda: asyncio.sleep(0, fleet.events("RepairFailed", faulty)), bool)
-        assert "ec2:RunInstances" in failed["error"] and "UnauthorizedOperation" in failed["error"]
+        assert "ec2:RunInstances" in failed["detail"]["error"] and "UnauthorizedOperation" in failed["detail"]["error"]
         handle = client.get_workflow_handle(repair_workflow_id(faulty))
         with pytest.raises(WorkflowFailureError) as raised:
             await asyncio.wait_for(handle.result(), timeout=60)

@@ -26,10 +26,12 @@ from activities.models import (
     InstanceRef,
     LaunchRequest,
     StopTasksRequest,
+    TasksWait,
 )
 from contract.config import AwsSettings
 from contract.groups import CapacityGroup
 from contract.names import GROUP_TAG
+from simulator.fleet_aws import freeze_moto_task_lifecycle
 
 if TYPE_CHECKING:
     from mypy_boto3_ec2.type_defs import TagTypeDef
@@ -416,6 +418,49 @@ async def test_list_tasks_stop_timeouts_and_stop_tasks_twice(fleet: Fleet) -> No
     assert (await run(fleet.acts.list_instance_tasks, ref)).tasks == []
     for task in fleet.aws.ecs.describe_tasks(cluster=fleet.group.cluster, tasks=sorted(expected))["tasks"]:
         assert task["lastStatus"] == "STOPPED"
+
+
+async def test_the_drain_wait_answers_when_tasks_are_gone_at_its_deadline_or_on_a_new_task(
+    fleet: Fleet, aws_env: str
+) -> None:
+    freeze_moto_task_lifecycle(aws_env)
+    [instance_id] = fleet.launch()
+    arn = fleet.register(instance_id)
+    expected = start_tasks(fleet, arn)
+    known = sorted(expected)
+    heartbeats: list[Any] = []
+    env = ActivityEnvironment()
+    env.on_heartbeat = heartbeats.append
+
+    def wait(until: datetime, known: list[str]) -> Awaitable[Any]:
+        request = TasksWait(group=fleet.group.name, instance_id=instance_id, until=until, known=known, poll_seconds=0.2)
+        return env.run(fleet.acts.wait_for_tasks_to_stop, request)
+
+    # Nothing changes: it looks until its deadline, heartbeating each look, and answers what still runs.
+    began = time.monotonic()
+    still = await wait(datetime.now(UTC) + timedelta(seconds=1), known)
+    assert time.monotonic() - began >= 1.0
+    assert sorted(t.task_arn for t in still.tasks) == known
+    assert len(heartbeats) >= 3
+
+    # A task it was not told of: answered at once, far from its deadline, so the workflow gives it its timeout.
+    began = time.monotonic()
+    seen = await wait(datetime.now(UTC) + timedelta(minutes=5), known[:1])
+    assert time.monotonic() - began < 30
+    assert sorted(t.task_arn for t in seen.tasks) == known
+
+    # The tasks stop while it waits: answered with none left, long before its deadline.
+    async def stop_soon() -> None:
+        await asyncio.sleep(0.5)
+        stop = StopTasksRequest(group=fleet.group.name, task_arns=known, reason="gpu-autorepair: drained")
+        assert (await run(fleet.acts.stop_tasks, stop)).stopped == 2
+
+    began = time.monotonic()
+    stopper = asyncio.create_task(stop_soon())
+    gone = await wait(datetime.now(UTC) + timedelta(minutes=5), known)
+    await stopper
+    assert gone.tasks == []
+    assert time.monotonic() - began < 30
 
 
 async def test_stop_tasks_of_unknown_task_is_success(fleet: Fleet) -> None:

@@ -114,7 +114,7 @@ def transitions(settings: Settings, tmp_path: Path, instance: str, check: CheckT
     """The check's own changes as the published HealthChanged events carry them: (status, reason, since when)."""
     seen: list[Transition] = []
     for event in published(settings, tmp_path, instance, "HealthChanged"):
-        for detail in event["details"]:
+        for detail in event["detail"]["details"]:
             change = (detail["status"], detail.get("statusReason"), detail["lastStatusChange"])
             if detail["type"] == check.value and (not seen or seen[-1] != change):
                 seen.append(change)
@@ -123,7 +123,9 @@ def transitions(settings: Settings, tmp_path: Path, instance: str, check: CheckT
 
 def times_impaired(settings: Settings, tmp_path: Path, instance: str) -> int:
     """How many times the instance's overall status went to IMPAIRED from something else."""
-    statuses = ["OK"] + [e["overall_status"] for e in published(settings, tmp_path, instance, "HealthChanged")]
+    statuses = ["OK"] + [
+        e["detail"]["overall_status"] for e in published(settings, tmp_path, instance, "HealthChanged")
+    ]
     return sum(1 for before, now in pairwise(statuses) if now == "IMPAIRED" != before)
 
 

@@ -167,11 +167,11 @@ async def test_malformed_empty_and_duplicate_signals_are_counted_and_dropped(
         assert view.repair is None
         events = await eventually(
             lambda: asyncio.sleep(0, read_events(tmp_path / "events.jsonl")),
-            lambda events: any(e.get("overall_status") == "IMPAIRED" for e in events),
+            lambda events: any(e["detail"].get("overall_status") == "IMPAIRED" for e in events),
         )
-        impaired = next(e for e in events if e.get("overall_status") == "IMPAIRED")
+        impaired = next(e for e in events if e["detail"].get("overall_status") == "IMPAIRED")
         assert impaired["type"] == "HealthChanged" and impaired["instance_id"] == instance
-        assert {d["type"]: d["status"] for d in impaired["details"]}["ACCELERATED_COMPUTE"] == "IMPAIRED"
+        assert {d["type"]: d["status"] for d in impaired["detail"]["details"]}["ACCELERATED_COMPUTE"] == "IMPAIRED"
         assert not [e for e in events if e["type"] != "HealthChanged"]
         await handle.terminate("test over")
 
@@ -212,7 +212,7 @@ async def test_heartbeat_blip_changes_nothing_and_sustained_loss_impairs(
         blip_view = await health_of(blip_handle)
         assert blip_view.healthStatus.overallStatus is HealthState.OK
         blip_changes = [e for e in read_events(tmp_path / "events.jsonl") if e["instance_id"] == blip]
-        assert [e["overall_status"] for e in blip_changes] == ["OK"]  # INITIALIZING -> OK, nothing after
+        assert [e["detail"]["overall_status"] for e in blip_changes] == ["OK"]  # INITIALIZING -> OK, nothing after
         # Only the first heartbeat said something new: the others reached the tracker alone.
         assert probes[blip].heartbeats_forwarded == 1 and probes[blip].batches_sent == 5
 
@@ -224,7 +224,7 @@ async def test_heartbeat_blip_changes_nothing_and_sustained_loss_impairs(
             lambda: asyncio.sleep(0, [e for e in read_events(tmp_path / "events.jsonl") if e["instance_id"] == lost]),
             lambda events: len(events) >= 3,
         )
-        assert [e["overall_status"] for e in lost_changes] == ["OK", "IMPAIRED", "OK"]
+        assert [e["detail"]["overall_status"] for e in lost_changes] == ["OK", "IMPAIRED", "OK"]
         for handle in (blip_handle, lost_handle):
             await handle.terminate("test over")
 
@@ -303,7 +303,7 @@ async def test_initializing_until_first_heartbeat_and_insufficient_data_when_gpu
         events = await eventually(
             lambda: asyncio.sleep(0, read_events(tmp_path / "events.jsonl")), lambda events: len(events) >= 2
         )
-        assert [e["overall_status"] for e in events] == ["INSUFFICIENT_DATA", "OK"]
+        assert [e["detail"]["overall_status"] for e in events] == ["INSUFFICIENT_DATA", "OK"]
         await handle.terminate("test over")
 
 
@@ -347,7 +347,7 @@ async def test_critical_daemon_down_is_an_impaired_daemon_check(client: Client, 
         events = await eventually(
             lambda: asyncio.sleep(0, read_events(tmp_path / "events.jsonl")), lambda events: len(events) >= 4
         )
-        assert [e["overall_status"] for e in events][-1] == "OK"
+        assert [e["detail"]["overall_status"] for e in events][-1] == "OK"
         await handle.terminate("test over")
 
 

@@ -33,7 +33,7 @@ from contract.ids import health_workflow_id
 from contract.ingest import FINDINGS_PATH, HEALTH_PATH, HEARTBEATS_PATH, MAX_REPORT_BYTES, METRICS_PATH, PROOF_HEADER
 from contract.names import GROUP_TAG, QUERY_HEALTH
 from contract.probe import GpuFinding, Heartbeat
-from ingest.cli import build_ingest, serving
+from ingest.cli import build_ingest, serving, serving_metrics
 from ingest.server import Ingest, build_app
 from node_probe.classify.manual import manual_findings, records_from_text, xid_line
 from node_probe.classify.policy import Policy
@@ -43,6 +43,7 @@ from node_probe.delivery.reporter import Reporter
 from node_probe.probe import Probe, ProbeConfig
 from simulator.servers import free_port
 from tests.harness import eventually, make_settings, running_worker, unique
+from tests.prometheus_text import scrape, total
 from worker.settings import Settings
 from workflows.models import InstanceHealthView
 
@@ -188,16 +189,18 @@ async def post(
         return resp.status, dict(resp.headers), json.loads(text) if text.startswith("{") else {"text": text}
 
 
-async def metrics_text(url: str) -> str:
-    async with aiohttp.ClientSession() as session, session.get(f"{url}{METRICS_PATH}") as resp:
-        assert resp.status == 200
-        return await resp.text()
+@contextlib.asynccontextmanager
+async def ingest_metrics(ingest: Ingest) -> AsyncIterator[str]:
+    """The ingest's metrics port as `autorepair ingest` serves it (never the hosts' port); yields its /metrics URL."""
+    async with serving_metrics(ingest, f"127.0.0.1:{free_port()}") as health_url:
+        assert health_url is not None
+        yield health_url.replace(HEALTH_PATH, METRICS_PATH)
 
 
 async def test_a_host_reporting_about_itself_is_relayed_to_its_health_workflow(stack: Stack) -> None:
     host = stack.launch(group=stack.group)
     finding = finding_about(host.instance_id, stack.group)
-    async with running_ingest(stack) as (url, ingest):
+    async with running_ingest(stack) as (url, ingest), ingest_metrics(ingest) as metrics_url:
         async with stack.reporter(url, host) as reporter:
             await reporter.send_finding(finding, "the ingest's to choose")
             heartbeat = Heartbeat(instance_id=host.instance_id, group=stack.group, sent_at=datetime.now(UTC))
@@ -210,9 +213,9 @@ async def test_a_host_reporting_about_itself_is_relayed_to_its_health_workflow(s
         assert view.recent_findings[-1].reason == "XID_79"
         async with aiohttp.ClientSession() as session, session.get(f"{url}{HEALTH_PATH}") as resp:
             assert (resp.status, await resp.text()) == (200, "ok")
-        text = await metrics_text(url)
-        assert 'autorepair_ingest_reports_relayed_total{kind="finding"} 1' in text
-        assert 'autorepair_ingest_reports_relayed_total{kind="heartbeat"} 1' in text
+        samples = await scrape(metrics_url)
+        assert total(samples, "autorepair_ingest_reports_relayed_total", kind="finding") == 1
+        assert total(samples, "autorepair_ingest_reports_relayed_total", kind="heartbeat") == 1
         assert ingest.metrics.value("autorepair_ingest_reports_accepted_total", kind="finding") == 1
 
 
@@ -246,7 +249,7 @@ async def test_unsigned_foreign_group_oversized_and_invalid_reports_are_refused(
     def body(host: Host, group: str | None = None) -> bytes:
         return finding_about(host.instance_id, group or stack.group).model_dump_json().encode()
 
-    async with running_ingest(stack) as (url, ingest):
+    async with running_ingest(stack) as (url, ingest), ingest_metrics(ingest) as metrics_url:
         status, _, refusal = await post(url, FINDINGS_PATH, body(member), signer=None, stack=stack)
         assert (status, refusal["status"]) == (401, 401) and PROOF_HEADER in refusal["reason"]
 
@@ -273,7 +276,7 @@ async def test_unsigned_foreign_group_oversized_and_invalid_reports_are_refused(
         )
         assert status == 403 and "another body" in refusal["reason"]
 
-        text = await metrics_text(url)
+        samples = await scrape(metrics_url)
         for status_text, reason in [
             ("401", "unsigned"),
             ("403", "not_member"),
@@ -281,7 +284,7 @@ async def test_unsigned_foreign_group_oversized_and_invalid_reports_are_refused(
             ("400", "invalid"),
             ("403", "proof"),
         ]:
-            assert f'autorepair_ingest_reports_refused_total{{reason="{reason}",status="{status_text}"}}' in text
+            assert total(samples, "autorepair_ingest_reports_refused_total", reason=reason, status=status_text) >= 1
         assert ingest.metrics.value("autorepair_ingest_reports_relayed_total", kind="finding") == 1
     for refused in (member, outsider):
         assert not await stack.health_exists(refused.instance_id)

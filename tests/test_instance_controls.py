@@ -26,7 +26,7 @@ from tests.fleet import assert_start_before_stop, simulated_fleet
 from tests.harness import eventually, unique
 from tests.test_forged_signals import group_worker, hold_the_one_permit, semaphore_state
 from tests.test_health_signals import finding, health_of, start_health
-from tests.test_ops_cli import assert_one_clear_line, autorepair, cli_env, cli_json, describe
+from tests.test_ops_cli import assert_one_clear_line, autorepair, cli_env, cli_json, describe, described_instances
 from worker.settings import Settings
 from workflows.models import InstanceHealthView, RepairProgress
 
@@ -99,15 +99,20 @@ async def test_clear_and_exclude_withdraw_a_waiting_repair_and_a_draining_one_is
         [failed] = await eventually(
             lambda: asyncio.sleep(0, events_of(settings, "RepairFailed", falsely)), lambda e: len(e) == 1
         )
-        assert failed["error"].startswith("withdrawn before draining: finding cleared as false by ")
+        assert failed["detail"]["error"].startswith("withdrawn before draining: finding cleared as false by ")
         [event] = events_of(settings, "FindingCleared", falsely)
-        assert event["requested_by"] == cleared["cleared_by"] and event["reason"] == "driver roll-out false positive"
-        assert event["cleared"] == [cleared] and event["repair_workflow_id"] == repair_workflow_id(falsely, 1)
+        assert (
+            event["detail"]["requested_by"] == cleared["cleared_by"]
+            and event["detail"]["reason"] == "driver roll-out false positive"
+        )
+        assert event["detail"]["cleared"] == [cleared] and event["detail"]["repair_workflow_id"] == repair_workflow_id(
+            falsely, 1
+        )
         await eventually(
             lambda: asyncio.sleep(0, events_of(settings, "HealthChanged", falsely)),
-            lambda e: e[-1]["overall_status"] == "OK",
+            lambda e: e[-1]["detail"]["overall_status"] == "OK",
         )
-        [entry] = await cli_json(settings, "describe-instances", "--instance", falsely)
+        [entry] = await described_instances(settings, "--instance", falsely)
         assert entry["clearedFindings"] == [cleared] and entry["excluded"] is None
         err = await refused(settings, "clear", "--instance", falsely)
         assert "nothing to clear: no check of" in err
@@ -139,7 +144,7 @@ async def test_clear_and_exclude_withdraw_a_waiting_repair_and_a_draining_one_is
         assert view.repair is not None and view.repair.workflow_id == repair_workflow_id(falsely, 3)
         assert view.repair_retry.failed == 0 and view.repair_retry.text() is None
         [event] = events_of(settings, "InstanceIncluded", falsely)
-        assert event["excluded_reason"] == "bisecting" and event["repair_re_armed"] is True
+        assert event["detail"]["excluded_reason"] == "bisecting" and event["detail"]["repair_re_armed"] is True
 
         # A repair past its permit (its progress says Draining) is not taken back: clear is refused, and exclude
         # leaves it to finish, saying so.
@@ -204,7 +209,11 @@ async def test_exclude_include_and_repair_now_on_a_simulated_fleet(
         assert code == 0, err
         assert "excluded from repair" in out and "maintenance" in out
         [event] = fleet.events("InstanceExcluded", kept)
-        assert (event["requested_by"], event["reason"], event["repair"]) == (who, "maintenance", None)
+        assert (event["detail"]["requested_by"], event["detail"]["reason"], event["detail"]["repair"]) == (
+            who,
+            "maintenance",
+            None,
+        )
         assert fleet.events("RepairStarted") == []
 
         # include: still impaired, so its repair starts.
@@ -212,7 +221,7 @@ async def test_exclude_include_and_repair_now_on_a_simulated_fleet(
         assert "its repair starts now" in included["message"]
         assert await fleet.repairs_finished(1) == [kept]
         assert_start_before_stop(fleet, kept, tolerating=CONTROL_EVENTS)
-        assert fleet.events("RepairStarted", kept)[0]["reason"] == "XID_79"
+        assert fleet.events("RepairStarted", kept)[0]["detail"]["reason"] == "XID_79"
 
         # repair now, on an instance that is OK: through the group's drain semaphore like any repair.
         started = await cli_json(
@@ -225,12 +234,18 @@ async def test_exclude_include_and_repair_now_on_a_simulated_fleet(
         assert sorted(await fleet.repairs_finished(2)) == sorted([kept, chosen])
         assert_start_before_stop(fleet, chosen, tolerating=CONTROL_EVENTS)
         [requested] = fleet.events("RepairRequested", chosen)
-        assert (requested["requested_by"], requested["reason"], requested["overall_status"]) == (
+        assert (
+            requested["detail"]["requested_by"],
+            requested["detail"]["reason"],
+            requested["detail"]["overall_status"],
+        ) == (
             who,
             "NCCL hangs on this host",
             "OK",
         )
-        assert fleet.events("RepairStarted", chosen)[0]["reason"] == f"operator {who}: NCCL hangs on this host"
+        assert (
+            fleet.events("RepairStarted", chosen)[0]["detail"]["reason"] == f"operator {who}: NCCL hangs on this host"
+        )
         assert len(fleet.events("DrainPermitGranted")) == 2
 
         # Retired (replaced) and unknown instances are refused in the operator's terms.

@@ -14,7 +14,7 @@ import pytest
 
 from activities.models import EventType
 from contract.aws_status import AwsInstanceStatus, Ec2StatusCheck, ScheduledEvent
-from contract.groups import CapacityGroup
+from contract.groups import AutoRepair, CapacityGroup
 from contract.health import CheckType, HealthState, HeartbeatLossInjection
 from contract.instances import Exclusion
 from contract.liveness import LivenessChange
@@ -31,8 +31,8 @@ from contract.probe import (
 from contract.repair import RepairPhase
 from workflows import health_aws_rules as aws_rules
 from workflows import health_checks as checks
-from workflows.instance_health import MAX_WARNING_KINDS, REPAIR_RETRIES, InstanceHealth
-from workflows.models import HealthCarry, RepairProgress, RepairStance, RepairView
+from workflows.instance_health import MAX_WARNING_KINDS, REPAIR_RETRIES, SHOWN_AS_CARRIED, InstanceHealth
+from workflows.models import RepairProgress, RepairStance, RepairView
 
 START = datetime(2026, 12, 5, 12, 0, tzinfo=UTC)
 INSTANCE, GROUP = "i-0abc", "g"
@@ -118,7 +118,7 @@ def status(health: InstanceHealth, check: CheckType) -> tuple[HealthState, str |
 
 
 def events(health: InstanceHealth, type: EventType) -> list[dict[str, Any]]:
-    return [e.fields for e in health.outbox if e.type is type]
+    return [e.detail for e in health.outbox if e.type is type]
 
 
 def healthy(health: InstanceHealth) -> InstanceHealth:
@@ -329,7 +329,7 @@ def repairing(health: InstanceHealth) -> InstanceHealth:
         workflow_id="repair/i-0abc/1", phase=RepairPhase.WAITING_FOR_PERMIT, reason="r", started_at=START
     )
     health.state.repair_token = "secret"
-    health.state.repair_requested = True
+    health.take_for_repair()
     return health
 
 
@@ -375,7 +375,7 @@ def test_a_failed_repair_is_counted_once_and_its_retry_waits_for_its_time(
     retry = health.state.repair_retry
     retry.to_count, retry.last_counted, retry.failed = None, "repair/i-0abc/1", 1
     retry.next_at = START + timedelta(minutes=2)
-    health.state.repair_requested = False
+    health.release_claim()
     assert not health.repair_due() and health.wake_in(host.now()) == timedelta(minutes=2)
     host.tick(120)
     assert health.repair_due()
@@ -389,7 +389,7 @@ def test_a_discarded_repair_goes_back_to_proving_its_fault(health: InstanceHealt
     assert status(health, CheckType.ACCELERATED_COMPUTE) == (HealthState.OK, None)
     [cleared] = health.state.cleared_findings
     assert (cleared.finding_id, cleared.cleared_by, cleared.reason) == ("f1", "the breaker", "discarded by ops")
-    assert not health.state.repair_requested and not health.retired
+    assert health.state.repair_claim is None and not health.retired
 
 
 def test_a_backoff_after_a_failed_activity_holds_the_repair(health: InstanceHealth, host: FakeHost) -> None:
@@ -408,11 +408,11 @@ def test_an_operator_repair_is_due_on_a_healthy_instance_and_names_who_asked(hea
 
 def test_a_withheld_repair_is_void_once_healthy_again(health: InstanceHealth) -> None:
     signal(health, health.on_finding, finding(kind=KIND_DAEMON, reason="DAEMON_a", code=None))
-    health.state.repair_withheld, health.state.repair_requested = "auto repair DISABLED", True
-    assert health.withheld_for_group
+    health.take_for_repair()
+    assert not health.withhold_unless_allowed(AutoRepair.DISABLED) and health.withheld_for_group
     back = finding("f2", kind=KIND_DAEMON_RECOVERED, reason="DAEMON_a", code=None, impairs=False)
     signal(health, health.on_finding, back)
-    assert health.state.repair_withheld is None and not health.state.repair_requested
+    assert health.state.repair_claim is None and health.withheld_why is None
 
 
 # --- what it shows --------------------------------------------------------------------------------------------------
@@ -426,6 +426,10 @@ def test_the_view_is_the_carried_state(health: InstanceHealth) -> None:
     assert view.instance_id == INSTANCE and view.group == GROUP and view.liveness_workflow_id == "liveness/g"
     assert view.boot_id == "b7" and view.last_heartbeat == START and view.warning_counts == {"0000:53:00/XID_79": 1}
     assert view.healthStatus == health.health_status() and not view.retired
+    # What the view shares with the carried state by name, it shows as carried; never the repair's secret token.
+    shown = set(SHOWN_AS_CARRIED)
+    assert view.model_dump(include=shown) == health.state.model_dump(include=shown)
+    assert "repair_claim" in SHOWN_AS_CARRIED and "repair_token" not in SHOWN_AS_CARRIED
 
 
 # --- what AWS says ----------------------------------------------------------------------------------------------
@@ -486,31 +490,32 @@ def test_one_answer_says_why_an_instance_is_or_is_not_repaired(health: InstanceH
     made = health.repair_decision()
     assert (made.stance, made.until) == (RepairStance.BACKING_OFF, START + timedelta(seconds=30))
     host.tick(30)
-    health.state.repair_requested = True
+    health.take_for_repair()
     assert decision(health) == (RepairStance.STARTING, "XID_79")
     repairing(health)
     assert decision(health) == (RepairStance.REPAIRING, "repair/i-0abc/1 is WaitingForPermit")
     assert health.view().repair_decision == health.repair_decision()
 
 
-def withheld(state: HealthCarry) -> None:
-    state.repair_withheld = "auto repair DISABLED for group g"
+def withheld(health: InstanceHealth) -> None:
+    health.take_for_repair()
+    health.withhold_unless_allowed(AutoRepair.DISABLED)
 
 
-def excluded(state: HealthCarry) -> None:
-    state.excluded = Exclusion(by="ana", reason="RMA", since=START)
+def excluded(health: InstanceHealth) -> None:
+    health.state.excluded = Exclusion(by="ana", reason="RMA", since=START)
 
 
-def exhausted(state: HealthCarry) -> None:
-    state.repair_retry.exhausted = True
+def exhausted(health: InstanceHealth) -> None:
+    health.state.repair_retry.exhausted = True
 
 
-def retry_waiting(state: HealthCarry) -> None:
-    state.repair_retry.next_at = START + timedelta(minutes=5)
+def retry_waiting(health: InstanceHealth) -> None:
+    health.state.repair_retry.next_at = START + timedelta(minutes=5)
 
 
-def dormant(state: HealthCarry) -> None:
-    state.dormant, state.retired_reason = True, "stopped"
+def dormant(health: InstanceHealth) -> None:
+    health.state.dormant, health.state.retired_reason = True, "stopped"
 
 
 @pytest.mark.parametrize(
@@ -525,10 +530,10 @@ def dormant(state: HealthCarry) -> None:
     ids=["withheld", "excluded", "exhausted", "retry-waiting", "dormant"],
 )
 def test_an_impaired_instance_not_being_repaired_says_why(
-    health: InstanceHealth, setup: Callable[[HealthCarry], None], stance: RepairStance
+    health: InstanceHealth, setup: Callable[[InstanceHealth], None], stance: RepairStance
 ) -> None:
     signal(health, health.on_finding, finding())
-    setup(health.state)
+    setup(health)
     assert health.repair_decision().stance is stance
 
 

@@ -470,16 +470,16 @@ async def retired(fleet: Any, client: Client, instance_id: str, *, may_return: b
     [event] = await eventually(
         lambda: asyncio.sleep(0, fleet.events("InstanceRetired")), lambda found: len(found) == 1, within=120
     )
-    assert event["instance_id"] == instance_id and event["may_return"] is may_return
+    assert event["instance_id"] == instance_id and event["detail"]["may_return"] is may_return
     handle = client.get_workflow_handle(health_workflow_id(instance_id), result_type=InstanceHealthView)
     if may_return:
         # Dormant: not a fault, never repaired, and still there for the instance's return.
         view = await handle.query(names.QUERY_HEALTH, result_type=InstanceHealthView)
-        assert not view.retired and view.retired_reason == event["reason"]
+        assert not view.retired and view.retired_reason == event["detail"]["reason"]
         assert view.healthStatus.overallStatus is HealthState.INSUFFICIENT_DATA
     else:
         view = await handle.result()
-        assert view.retired and view.retired_reason == event["reason"]
+        assert view.retired and view.retired_reason == event["detail"]["reason"]
     assert fleet.events("RepairStarted") == [] and fleet.replacements_of(instance_id) == []
     return cast(dict[str, Any], event)
 
@@ -490,7 +490,9 @@ async def test_a_stopped_instance_retires_without_a_repair(client: Client, aws_e
         left = fleet.sim.live_instances()[0]
         fleet.ec2().stop_instances(InstanceIds=[left])
         event = await retired(fleet, client, left, may_return=True)
-        assert event["reason"].startswith(("stopped in EC2: User initiated", "stopping in EC2: User initiated"))
+        assert event["detail"]["reason"].startswith(
+            ("stopped in EC2: User initiated", "stopping in EC2: User initiated")
+        )
 
 
 async def test_an_instance_deregistered_from_ecs_rests_without_a_repair_and_is_watched_again_when_back(
@@ -507,13 +509,13 @@ async def test_an_instance_deregistered_from_ecs_rests_without_a_repair_and_is_w
         ecs.deregister_container_instance(cluster=fleet.sim.cluster, containerInstance=arn, force=True)
         await fleet.sim.blip(left, TIMING.heartbeat_loss_threshold * 6)
         event = await retired(fleet, client, left, may_return=True)
-        assert event["reason"] == (
+        assert event["detail"]["reason"] == (
             f"running in EC2: no longer registered in ECS cluster {fleet.sim.cluster} (deregistered)"
         )
         [back] = await eventually(
             lambda: asyncio.sleep(0, fleet.events("InstanceReturned")), lambda found: len(found) == 1, within=120
         )
-        assert back["instance_id"] == left and back["left_because"] == event["reason"]
+        assert back["instance_id"] == left and back["detail"]["left_because"] == event["detail"]["reason"]
         handle = client.get_workflow_handle(health_workflow_id(left))
         view = await eventually(
             lambda: handle.query(names.QUERY_HEALTH, result_type=InstanceHealthView),

@@ -76,9 +76,9 @@ async def test_by_default_a_replacement_waits_for_capacity_in_its_own_az_and_say
             lambda: asyncio.sleep(0, fleet.events("ReplacementLaunchFailed", faulty)), lambda e: len(e) >= 2
         )
         for event in failed:
-            assert "InsufficientInstanceCapacity" in event["error"]
-            assert event["availability_zone"] == "us-east-1a"
-            assert event["next_try"] == "staying in us-east-1a: allow_other_azs is off"
+            assert "InsufficientInstanceCapacity" in event["detail"]["error"]
+            assert event["detail"]["availability_zone"] == "us-east-1a"
+            assert event["detail"]["next_try"] == "staying in us-east-1a: allow_other_azs is off"
         health = client.get_workflow_handle(health_workflow_id(faulty))
         view = await health.query("health", result_type=InstanceHealthView)
         assert view.repair is not None and "staying in us-east-1a" in (view.repair.error or "")
@@ -103,7 +103,7 @@ async def test_with_allow_other_azs_a_repair_moves_and_the_next_one_avoids_the_a
         fleet.sim.inject_fault(faulty)
 
         assert await fleet.repairs_finished(1, within=180) == [faulty]
-        assert [e["next_try"] for e in fleet.events("ReplacementLaunchFailed", faulty)] == [
+        assert [e["detail"]["next_try"] for e in fleet.events("ReplacementLaunchFailed", faulty)] == [
             "staying in us-east-1a (1 of 2 capacity errors before moving)",
             f"moving to {default_subnets(aws_env)['us-east-1b']} in us-east-1b",
         ]

@@ -150,7 +150,7 @@ async def statuses(events: Path, instance: str, at_least: int) -> list[str]:
         lambda changes: len(changes) >= at_least,
         within=30,
     )
-    return [e["overall_status"] for e in found]
+    return [e["detail"]["overall_status"] for e in found]
 
 
 def disconnected_since(view: InstanceHealthView) -> float:

@@ -4,9 +4,6 @@ one instance of the simulated fleet, and a scrape of /metrics shows the repair, 
 
 from __future__ import annotations
 
-import asyncio
-import re
-import urllib.request
 from datetime import UTC, datetime, timedelta
 
 from temporalio.client import Client
@@ -19,13 +16,11 @@ from contract.repair import RepairPhase
 from simulator.servers import free_port
 from tests.fleet import simulated_fleet
 from tests.harness import eventually, unique
+from tests.prometheus_text import has_series, scrape, total
 from tests.test_health_signals import finding, health_of, heartbeat, monitor_only, start_health
 from worker.health_gauges import INSTANCES, health_gauges
 from worker.settings import Settings
 from worker.telemetry import runtime
-
-SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)$")
-LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 REPAIR_PHASES = [
     RepairPhase.WAITING_FOR_PERMIT,
@@ -37,27 +32,8 @@ REPAIR_PHASES = [
 ]
 
 
-def parse(text: str) -> list[tuple[str, dict[str, str], float]]:
-    samples = []
-    for line in text.splitlines():
-        match = SAMPLE.match(line)
-        if match and not line.startswith("#"):
-            labels = dict(LABEL.findall(match["labels"] or ""))
-            samples.append((match["name"], labels, float(match["value"])))
-    return samples
-
-
-def total(samples: list[tuple[str, dict[str, str], float]], name: str, **labels: str) -> float:
-    """Sum over every series of `name` whose labels include `labels` (other labels, e.g. task_queue, vary)."""
-    return sum(v for n, ls, v in samples if n == name and all(ls.get(k) == want for k, want in labels.items()))
-
-
-async def scrape(port: int) -> str:
-    def get() -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-            return str(response.read().decode())
-
-    return await asyncio.to_thread(get)
+def metrics_url(port: int) -> str:
+    return f"http://127.0.0.1:{port}/metrics"
 
 
 async def test_a_repair_shows_on_the_prometheus_endpoint_with_temporals_metrics(
@@ -82,25 +58,29 @@ async def test_a_repair_shows_on_the_prometheus_endpoint_with_temporals_metrics(
         [completed] = fleet.events("RepairCompleted")
 
         text = await eventually(
-            lambda: scrape(port), lambda t: total(parse(t), "autorepair_drain_permits_released", group=group) >= 1
+            lambda: scrape(metrics_url(port)),
+            lambda t: total(t, "autorepair_drain_permits_released_total", group=group) >= 1,
         )
-        samples = parse(text)
+        samples = text
 
-        assert total(samples, "autorepair_repairs_started", group=group, reason="XID_79") == 1
-        assert total(samples, "autorepair_repairs_completed", group=group, reason="XID_79") == 1
-        assert total(samples, "autorepair_repairs_failed", group=group) == 0
-        assert total(samples, "autorepair_drain_permits_granted", group=group) == 1
-        assert total(samples, "autorepair_drain_permits_released", group=group) == 1
+        assert total(samples, "autorepair_repairs_started_total", group=group, reason="XID_79") == 1
+        assert total(samples, "autorepair_repairs_completed_total", group=group, reason="XID_79") == 1
+        assert total(samples, "autorepair_repairs_failed_total", group=group) == 0
+        assert total(samples, "autorepair_drain_permits_granted_total", group=group) == 1
+        assert total(samples, "autorepair_drain_permits_released_total", group=group) == 1
         # The semaphore's gauges: the permit was held, and is free again.
-        assert any(n == "autorepair_drain_permits_in_use" and ls.get("group") == group for n, ls, _ in samples)
+        assert has_series(samples, "autorepair_drain_permits_in_use", group=group)
         assert total(samples, "autorepair_drain_permits_in_use", group=group) == 0
         assert total(samples, "autorepair_drain_permits_waiting", group=group) == 0
         # Not held: the series is there at 0, so an alert on it has something to read.
-        assert any(n == "autorepair_repairs_held" and ls.get("group") == group for n, ls, _ in samples)
+        assert has_series(samples, "autorepair_repairs_held", group=group)
+        # Nothing DRAINING without a permit once the repair is done.
+        assert has_series(samples, "autorepair_instances_out_of_service", group=group)
+        assert total(samples, "autorepair_instances_out_of_service", group=group) == 0
         assert total(samples, "autorepair_repairs_held", group=group) == 0
-        assert total(samples, "autorepair_health_changes", group=group, status="IMPAIRED") == 1
+        assert total(samples, "autorepair_health_changes_total", group=group, status="IMPAIRED") == 1
         # INITIALIZING -> OK for the three instances and for the replacement.
-        assert total(samples, "autorepair_health_changes", group=group, status="OK") >= 4
+        assert total(samples, "autorepair_health_changes_total", group=group, status="OK") >= 4
         assert total(samples, "autorepair_finding_to_impaired_seconds_count", group=group) == 1
         assert total(samples, "autorepair_repair_duration_seconds_count", group=group, outcome="Completed") == 1
         for phase in REPAIR_PHASES:
@@ -109,16 +89,18 @@ async def test_a_repair_shows_on_the_prometheus_endpoint_with_temporals_metrics(
         # The phases add up to the whole repair, which is the timeline the event carried.
         phases = total(samples, "autorepair_repair_phase_duration_seconds_sum", group=group)
         whole = total(samples, "autorepair_repair_duration_seconds_sum", group=group)
-        timeline = [datetime.fromisoformat(s["started_at"]) for s in completed["timeline"]]
+        timeline = [datetime.fromisoformat(s["started_at"]) for s in completed["detail"]["timeline"]]
         assert abs(phases - whole) < 0.01
         assert abs(whole - (timeline[-1] - timeline[0]).total_seconds()) < 0.01
         # The seconds buckets of activities/metrics.py, not Temporal's millisecond defaults.
-        assert any(n == "autorepair_repair_duration_seconds_bucket" and ls.get("le") == "86400" for n, ls, _ in samples)
+        assert has_series(samples, "autorepair_repair_duration_seconds_bucket", le="86400")
 
         # Temporal's own runtime metrics, on the same endpoint.
-        names = {n for n, _, _ in samples}
+        names = {sample.name for sample in samples}
         assert "temporal_activity_execution_latency_count" in names, sorted(names)
-        assert any(n.startswith("temporal_workflow_completed") for n in names), sorted(names)
+        assert "temporal_workflow_completed_total" in names, sorted(names)
+        # One naming scheme: every counter, ours and Temporal's, ends in _total (worker/telemetry.py).
+        assert "autorepair_repairs_started" not in names and "temporal_workflow_completed" not in names
 
 
 async def test_instances_by_health_status_is_a_gauge_counted_from_visibility(
@@ -145,11 +127,11 @@ async def test_instances_by_health_status_is_a_gauge_counted_from_visibility(
         async with health_gauges(client, [group], meter, interval=timedelta(milliseconds=200)):
             expected = {"OK": 2, "IMPAIRED": 1, "INITIALIZING": 1, "INSUFFICIENT_DATA": 0, "UNMONITORED": 0}
             text = await eventually(
-                lambda: scrape(port),
-                lambda t: {s: total(parse(t), INSTANCES, group=group, health_status=s) for s in expected} == expected,
+                lambda: scrape(metrics_url(port)),
+                lambda t: {s: total(t, INSTANCES, group=group, health_status=s) for s in expected} == expected,
             )
             # Every status has a series, zero included, so an alert on IMPAIRED > 0 has something to read.
-            statuses = {ls["health_status"] for n, ls, _ in parse(text) if n == INSTANCES and ls["group"] == group}
+            statuses = {x.labels["health_status"] for x in text if x.name == INSTANCES and x.labels["group"] == group}
             assert statuses == set(expected)
 
             blind = heartbeat((await health_of(ok[0])).instance_id, group).model_copy(
@@ -158,8 +140,8 @@ async def test_instances_by_health_status_is_a_gauge_counted_from_visibility(
             await ok[0].signal("heartbeat", blind)
             expected = {"OK": 1, "IMPAIRED": 1, "INITIALIZING": 1, "INSUFFICIENT_DATA": 1, "UNMONITORED": 0}
             await eventually(
-                lambda: scrape(port),
-                lambda t: {s: total(parse(t), INSTANCES, group=group, health_status=s) for s in expected} == expected,
+                lambda: scrape(metrics_url(port)),
+                lambda t: {s: total(t, INSTANCES, group=group, health_status=s) for s in expected} == expected,
             )
         for handle in [*ok, impaired, silent]:
             await handle.terminate("test over")
@@ -198,7 +180,7 @@ def test_finding_to_impaired_counts_only_the_change_to_impaired() -> None:
         ]
         fields = {"overall_status": "IMPAIRED", "details": details, "finding": finding}
         return FleetEvent(
-            event_id="e", time=now, type=EventType.HEALTH_CHANGED, group="g", instance_id="i-1", fields=fields
+            event_id="e", time=now, type=EventType.HEALTH_CHANGED, group="g", instance_id="i-1", detail=fields
         )
 
     assert _finding_to_impaired(event(now)) == 2.5

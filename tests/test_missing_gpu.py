@@ -38,12 +38,14 @@ async def test_a_host_showing_fewer_gpus_than_its_type_is_impaired_and_replaced(
 
         await fleet.repairs_finished(1)
         [changed] = [
-            e for e in fleet.events("HealthChanged", short) if e["overall_status"] == HealthState.IMPAIRED.value
+            e
+            for e in fleet.events("HealthChanged", short)
+            if e["detail"]["overall_status"] == HealthState.IMPAIRED.value
         ]
-        [accelerated] = [d for d in changed["details"] if d["type"] == "ACCELERATED_COMPUTE"]
+        [accelerated] = [d for d in changed["detail"]["details"] if d["type"] == "ACCELERATED_COMPUTE"]
         assert (accelerated["status"], accelerated["statusReason"]) == ("IMPAIRED", REASON)
         [started] = fleet.events("RepairStarted", short)
-        assert (started["workflow_id"], started["reason"]) == (repair_workflow_id(short, 1), REASON)
+        assert (started["workflow_id"], started["detail"]["reason"]) == (repair_workflow_id(short, 1), REASON)
         assert_start_before_stop(fleet, short)  # the steps in order, one replacement
         assert fleet.ec2_state(short) == "terminated"
 

@@ -44,12 +44,14 @@ async def test_the_recovery_action_xid_154_states_chooses_a_reboot_over_the_cata
         steps = steps_of(fleet, repair_workflow_id(faulty, 1))
         assert "GpuResetStarted" not in steps and "RebootCompleted" in steps
         [rebooted] = fleet.events("RebootStarted", faulty)
-        assert (rebooted["reason"], rebooted["nvidia_action"]) == ("XID_95", "RESTART_BM")
+        assert (rebooted["detail"]["reason"], rebooted["detail"]["nvidia_action"]) == ("XID_95", "RESTART_BM")
         details = await current_details(client, repair_workflow_id(faulty, 1))
         # Either the verdict was there when the repair started, or it came before the GPU was touched.
         chosen = "first reboot (NVIDIA: RESTART_BM, NVIDIA's recovery action RESTART_BM (XID_154)" in details
-        escalated = [e for e in fleet.events("Escalated", faulty) if e["to_action"] == "reboot"]
-        assert chosen or (len(escalated) == 1 and "NVIDIA now asks for RESTART_BM" in escalated[0]["why"]), details
+        escalated = [e for e in fleet.events("Escalated", faulty) if e["detail"]["to_action"] == "reboot"]
+        assert chosen or (len(escalated) == 1 and "NVIDIA now asks for RESTART_BM" in escalated[0]["detail"]["why"]), (
+            details
+        )
         assert fleet.replacements_of(faulty) == [] and fleet.ec2_state(faulty) == "running"
 
 
@@ -85,8 +87,8 @@ async def test_unrepairable_memory_replaces_at_once_what_the_catalog_would_reboo
         await closed(fleet, repair_workflow_id(faulty, 1))
         assert steps_of(fleet, repair_workflow_id(faulty, 1)) == ESCALATED_AT_ONCE
         [escalated] = fleet.events("Escalated", faulty)
-        assert (escalated["from_action"], escalated["to_action"]) == ("reboot", "replace")
-        assert escalated["why"] == (
+        assert (escalated["detail"]["from_action"], escalated["detail"]["to_action"]) == ("reboot", "replace")
+        assert escalated["detail"]["why"] == (
             "XID_79: NVIDIA's immediate action is REPLACE (NVIDIA's unrepairable_memory (NVML_UNREPAIRABLE_MEMORY) "
             "on GPU 0000:53:00), not a GPU reset or a reboot"
         )

@@ -82,9 +82,16 @@ async def cli_json(settings: Settings, *args: str) -> Any:
     return json.loads(out)
 
 
+async def described_instances(settings: Settings, *args: str) -> list[dict[str, Any]]:
+    """`describe-instances --json`'s instances (shaped like `aws ecs describe-container-instances`), every one
+    described: none in its failures."""
+    answer = await cli_json(settings, "describe-instances", *args)
+    assert answer["failures"] == [], answer
+    return list(answer["containerInstances"])
+
+
 async def describe(fleet: Fleet, instance_id: str) -> dict[str, Any]:
-    [entry] = await cli_json(fleet.settings, "describe-instances", "--instance", instance_id)
-    assert "error" not in entry, entry
+    [entry] = await described_instances(fleet.settings, "--instance", instance_id)
     return dict(entry)
 
 
@@ -105,7 +112,7 @@ async def test_describe_inject_and_history_on_a_simulated_fleet(client: Client, 
 
         # Visibility lists the group's running health workflows (eventually: search attributes are indexed late).
         entries = await eventually(
-            lambda: cli_json(settings, "describe-instances", "--group", group),
+            lambda: described_instances(settings, "--group", group),
             lambda e: len(e) == 3 and all(x["healthStatus"]["overallStatus"] == "OK" for x in e),
         )
         assert sorted(e["ec2InstanceId"] for e in entries) == sorted(instances)
@@ -122,7 +129,7 @@ async def test_describe_inject_and_history_on_a_simulated_fleet(client: Client, 
         # When each was last heard comes from the group's liveness tracker, and moves on while the probes beat.
         first = {e["ec2InstanceId"]: datetime.fromisoformat(e["lastHeard"]) for e in entries}
         later = await eventually(
-            lambda: cli_json(settings, "describe-instances", "--group", group),
+            lambda: described_instances(settings, "--group", group),
             lambda e: all(datetime.fromisoformat(x["lastHeard"]) > first[x["ec2InstanceId"]] for x in e),
         )
         # Receipt times travel in whole seconds, rounded up (never earlier than the receipt): at most a second ahead.
@@ -204,11 +211,11 @@ async def test_group_update_applies_live_is_evented_and_heartbeat_loss_impairs(
         [changed] = await eventually(
             lambda: asyncio.sleep(0, fleet.events("GroupConfigChanged")), lambda e: len(e) == 1
         )
-        assert changed["changes"] == {
+        assert changed["detail"]["changes"] == {
             "auto_repair": {"old": "ENABLED", "new": "DISABLED"},
             "max_draining_percent": {"old": 20, "new": 50},
         }
-        assert changed["requested_by"] and changed["instance_id"] == ""
+        assert changed["detail"]["requested_by"] and changed["instance_id"] == ""
         assert changed["workflow_id"] == f"drain-semaphore/{group}"
 
         # Invalid updates are refused by the update's validator, in one line, and change nothing.
@@ -235,7 +242,7 @@ async def test_group_update_applies_live_is_evented_and_heartbeat_loss_impairs(
         assert "DISABLED" in entry["repairWithheld"]
         # The impaired ones only, by the HealthStatus search attribute (lower case accepted).
         impaired = await eventually(
-            lambda: cli_json(settings, "describe-instances", "--group", group, "--status", "impaired"),
+            lambda: described_instances(settings, "--group", group, "--status", "impaired"),
             lambda entries: [e["ec2InstanceId"] for e in entries] == [faulty],
         )
         assert impaired[0]["healthStatus"]["overallStatus"] == "IMPAIRED"
@@ -256,7 +263,7 @@ async def test_group_update_applies_live_is_evented_and_heartbeat_loss_impairs(
         enabled = await cli_json(settings, "group", "update", "--name", group, "--auto-repair", "ENABLED")
         assert enabled["overrides"]["auto_repair"] == "ENABLED" and enabled["revision"] == 2
         assert sorted(await fleet.repairs_finished(2)) == sorted([faulty, lost])
-        reasons = {e["instance_id"]: e["reason"] for e in fleet.events("RepairStarted")}
+        reasons = {e["instance_id"]: e["detail"]["reason"] for e in fleet.events("RepairStarted")}
         assert reasons[faulty] == "XID_79" and reasons[lost].startswith("Agent disconnected since ")
         assert len(fleet.events("GroupConfigChanged")) == 2
 
@@ -296,7 +303,9 @@ async def test_live_overrides_survive_a_terminated_semaphore_and_reset_drops_the
         described = await cli_json(settings, "group", "describe", "--name", group)
         assert described["overrides"] == {} and described["effective"]["auto_repair"] == "ENABLED"
         assert (await group_config_seen_by_workflows()).max_draining_percent == settings.groups[0].max_draining_percent
-        changes = [e["changes"] for e in read_events(tmp_path / "events.jsonl") if e["type"] == "GroupConfigChanged"]
+        changes = [
+            e["detail"]["changes"] for e in read_events(tmp_path / "events.jsonl") if e["type"] == "GroupConfigChanged"
+        ]
         assert len(changes) == 3
         assert changes[-1]["auto_repair"] == {"old": "DISABLED", "new": "ENABLED"}
         assert set(changes[-1]) == {"auto_repair", "max_draining_percent", "heartbeat_loss_threshold"}

@@ -15,6 +15,7 @@ import pytest
 
 from node_probe import cli
 from node_probe.imds import ImdsError, imds_instance_id
+from operator_cli import classify
 from operator_cli.main import main
 
 LOG = "\n".join(
@@ -36,7 +37,7 @@ LOG = "\n".join(
 
 def classify_args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    cli.add_classify_arguments(parser)
+    classify.add_classify_arguments(parser)
     return parser.parse_args(list(argv))
 
 
@@ -49,7 +50,7 @@ def test_classify_json_prints_every_record_without_deduplication(
 ) -> None:
     log = tmp_path / "kern.log"
     log.write_text(LOG)
-    assert cli.run_classify(classify_args(str(log), "--format", "json")) == 0
+    assert classify.run_classify(classify_args(str(log), "--format", "json")) == 0
     rows = json_lines(capsys.readouterr().out)
     assert [(r["line"], r["kind"], r["code"], r["pci"], r["impairs"], r["reason"]) for r in rows] == [
         (2, "xid", 79, "0000:3b:00", True, "XID_79"),
@@ -69,7 +70,7 @@ def test_classify_json_prints_every_record_without_deduplication(
 def test_classify_nvidia_catalog_policy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     log = tmp_path / "kern.log"
     log.write_text(LOG)
-    assert cli.run_classify(classify_args(str(log), "--format", "json", "--policy", "nvidia-catalog")) == 0
+    assert classify.run_classify(classify_args(str(log), "--format", "json", "--policy", "nvidia-catalog")) == 0
     rows = json_lines(capsys.readouterr().out)
     by_line = {r["line"]: r for r in rows}
     assert by_line[9]["impairs"] is True
@@ -79,7 +80,7 @@ def test_classify_nvidia_catalog_policy(tmp_path: Path, capsys: pytest.CaptureFi
 
 def test_classify_reads_stdin(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr("sys.stdin", io.StringIO(LOG))
-    assert cli.run_classify(argparse.Namespace(file=None, policy="ecs", format="json")) == 0
+    assert classify.run_classify(argparse.Namespace(file=None, policy="ecs", output="jsonl")) == 0
     assert len(json_lines(capsys.readouterr().out)) == 7
 
 
@@ -87,7 +88,7 @@ def test_classify_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys:
     monkeypatch.setenv("COLUMNS", "200")
     log = tmp_path / "kern.log"
     log.write_text(LOG)
-    assert cli.run_classify(classify_args(str(log))) == 0
+    assert classify.run_classify(classify_args(str(log))) == 0
     out = capsys.readouterr().out
     assert "XID_79" in out and "SXID_20034" in out and "7 records, 4 impairing" in out
 
@@ -98,7 +99,7 @@ def test_classify_with_policy_config(tmp_path: Path, capsys: pytest.CaptureFixtu
     overrides = tmp_path / "policy.json"
     overrides.write_text(json.dumps({"add_xids": [13], "remove_xids": [95]}))
     args = classify_args(str(log), "--format", "json", "--policy-config", str(overrides))
-    assert cli.run_classify(args) == 0
+    assert classify.run_classify(args) == 0
     rows = {r["line"]: r for r in json_lines(capsys.readouterr().out)}
     assert (rows[4]["impairs"], rows[4]["rule"]) == (True, "override:add xid13")
     assert (rows[5]["impairs"], rows[5]["rule"]) == (False, "override:remove xid95")
@@ -106,7 +107,7 @@ def test_classify_with_policy_config(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 def test_classify_missing_file_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     missing = tmp_path / "nope.log"
-    assert cli.run_classify(classify_args(str(missing), "--format", "json")) == 2
+    assert classify.run_classify(classify_args(str(missing), "--format", "json")) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err == f"autorepair classify: {missing}: no such file\n"
@@ -117,14 +118,14 @@ def test_classify_bad_policy_config_is_exit_2(tmp_path: Path, capsys: pytest.Cap
     log.write_text(LOG)
     bad = tmp_path / "policy.json"
     bad.write_text('{"add_xids": "lots"}')
-    assert cli.run_classify(classify_args(str(log), "--policy-config", str(bad))) == 2
+    assert classify.run_classify(classify_args(str(log), "--policy-config", str(bad))) == 2
     assert capsys.readouterr().err.startswith(f"autorepair classify: {bad}: invalid policy config")
 
 
 def test_classify_tolerates_invalid_utf8(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     log = tmp_path / "kern.log"
     log.write_bytes(b"\xff\xfe garbage\nNVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus. \xff\n")
-    assert cli.run_classify(classify_args(str(log), "--format", "json")) == 0
+    assert classify.run_classify(classify_args(str(log), "--format", "json")) == 0
     assert [r["code"] for r in json_lines(capsys.readouterr().out)] == [79]
 
 
@@ -136,7 +137,7 @@ def test_classify_collapse_prints_what_the_probe_would_send(tmp_path: Path, caps
     ]
     log = tmp_path / "kern.log"
     log.write_text(LOG + "\n" + "\n".join(storm) + "\n")
-    assert cli.run_classify(classify_args(str(log), "--collapse", "--format", "json")) == 0
+    assert classify.run_classify(classify_args(str(log), "--collapse", "--format", "json")) == 0
     rows = json_lines(capsys.readouterr().out)
     assert [(r["line"], r["kind"], r["code"], r["impairs"], r["count"], r["rollup"]) for r in rows] == [
         (2, "xid", 79, True, 1, False),
@@ -161,7 +162,7 @@ def test_classify_collapse_applies_repeat_rules(tmp_path: Path, capsys: pytest.C
     rules = tmp_path / "policy.json"
     rules.write_text(json.dumps({"repeat": [{"code": 13, "count": 3, "within": 600}]}))
     args = classify_args(str(log), "--collapse", "--format", "json", "--policy-config", str(rules))
-    assert cli.run_classify(args) == 0
+    assert classify.run_classify(args) == 0
     rows = json_lines(capsys.readouterr().out)
     assert [(r["line"], r["impairs"], r["count"], r["rollup"], r["rule"]) for r in rows] == [
         (1, False, 1, False, "ecs:not-in-xid-list"),
@@ -177,7 +178,7 @@ def test_classify_collapse_table(
     monkeypatch.setenv("COLUMNS", "200")
     log = tmp_path / "kern.log"
     log.write_text(LOG)
-    assert cli.run_classify(classify_args(str(log), "--collapse")) == 0
+    assert classify.run_classify(classify_args(str(log), "--collapse")) == 0
     out = capsys.readouterr().out
     assert "5..6" in out and "+1 (roll-up)" in out
     assert "7 findings for 7 records: 6 first of a burst (3 impairing), 1 roll-up" in out

@@ -16,9 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent
 HEAVY = ("temporalio", "boto3", "botocore")
 
 
-def loaded_after(code: str) -> dict[str, bool]:
-    """Which of HEAVY a fresh interpreter has loaded after running `code`."""
-    script = f"{code}\nimport json, sys\nprint(json.dumps({{m: m in sys.modules for m in {HEAVY!r}}}))\n"
+def loaded_after(code: str, modules: tuple[str, ...] = HEAVY) -> dict[str, bool]:
+    """Which of `modules` a fresh interpreter has loaded after running `code`."""
+    script = f"{code}\nimport json, sys\nprint(json.dumps({{m: m in sys.modules for m in {modules!r}}}))\n"
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert result.returncode == 0, result.stderr
     loaded: dict[str, bool] = json.loads(result.stdout.splitlines()[-1])
@@ -58,6 +58,15 @@ def test_the_probe_help_loads_no_temporal_or_aws_client() -> None:
 
 def test_the_probe_and_its_sources_load_no_temporal_or_aws_client() -> None:
     assert loaded_after("import node_probe.probe, node_probe.cli, node_probe.health") == NONE_LOADED
+
+
+def test_prometheus_client_is_loaded_only_by_a_probe_that_serves_metrics() -> None:
+    """--metrics-bind is off by default: a probe that serves no metrics does not carry prometheus_client."""
+    prometheus = ("prometheus_client",)
+    assert loaded_after("import node_probe.probe, node_probe.cli, node_probe.health", prometheus) == {
+        "prometheus_client": False
+    }
+    assert loaded_after("import node_probe.metrics", prometheus) == {"prometheus_client": True}
 
 
 def test_an_operator_command_still_gets_its_temporal_client() -> None:

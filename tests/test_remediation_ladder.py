@@ -102,11 +102,15 @@ async def test_reboot_clears_in_place_and_the_same_gpu_faulting_again_is_replace
         assert all(fleet.ec2_state(other) == "running" for other in others)
         assert node.reboots == 1 and node.boot_id != first_boot
         [started] = fleet.events("RebootStarted", faulty)
-        assert (started["reason"], started["gpu"], started["nvidia_action"]) == ("XID_79", pci, "RESTART_BM")
-        assert started["boot_id_before"] == first_boot
-        assert tags(fleet, faulty)[names.REBOOT_TAG] == started["token"]
+        assert (started["detail"]["reason"], started["detail"]["gpu"], started["detail"]["nvidia_action"]) == (
+            "XID_79",
+            pci,
+            "RESTART_BM",
+        )
+        assert started["detail"]["boot_id_before"] == first_boot
+        assert tags(fleet, faulty)[names.REBOOT_TAG] == started["detail"]["token"]
         [completed] = fleet.events("RepairCompleted", faulty)
-        assert completed["action"] == "reboot" and completed["replacement_instance_id"] is None
+        assert completed["detail"]["action"] == "reboot" and completed["detail"]["replacement_instance_id"] is None
 
         # Its health workflow stays, healthy again, and knows the boot and the fix.
         view = await eventually(
@@ -158,9 +162,12 @@ async def test_reboot_clears_in_place_and_the_same_gpu_faulting_again_is_replace
         second = await closed(fleet, repair_workflow_id(faulty, 2))
         assert steps_of(fleet, repair_workflow_id(faulty, 2)) == ESCALATED_AT_ONCE
         [escalated] = fleet.events("Escalated", faulty)
-        assert (escalated["from_action"], escalated["to_action"]) == ("reboot", "replace")
-        assert escalated["why"].startswith(f"XID_79 on GPU {pci} ")
-        assert f"after its reboot by {repair_workflow_id(faulty, 1)} (escalation_window 86400s)" in escalated["why"]
+        assert (escalated["detail"]["from_action"], escalated["detail"]["to_action"]) == ("reboot", "replace")
+        assert escalated["detail"]["why"].startswith(f"XID_79 on GPU {pci} ")
+        assert (
+            f"after its reboot by {repair_workflow_id(faulty, 1)} (escalation_window 86400s)"
+            in escalated["detail"]["why"]
+        )
         assert second.action is RepairAction.REPLACE and second.replacement_instance_id is not None
         assert fleet.replacements_of(faulty) == [second.replacement_instance_id]
         assert fleet.ec2_state(faulty) == "terminated"
@@ -192,7 +199,7 @@ async def test_an_instance_fixed_in_place_max_fixes_in_place_times_is_replaced_a
         second = await closed(fleet, repair_workflow_id(faulty, 2))
         assert steps_of(fleet, repair_workflow_id(faulty, 2)) == ESCALATED_AT_ONCE
         [escalated] = fleet.events("Escalated", faulty)
-        assert escalated["why"] == (
+        assert escalated["detail"]["why"] == (
             f"XID_79: the instance was fixed in place 1 time within fix_window 604800s, the last by "
             f"{repair_workflow_id(faulty, 1)} (max_fixes_in_place 1)"
         )
@@ -234,15 +241,17 @@ async def test_a_reboot_that_does_not_clear_the_fault_is_replaced(client: Client
 
         # Not back within reboot_timeout: the probe never heartbeat from a new boot.
         [escalated] = fleet.events("Escalated", hangs)
-        assert (escalated["from_action"], escalated["to_action"]) == ("reboot", "replace")
-        assert escalated["why"].startswith("not back within reboot_timeout 12s: still waiting for a heartbeat from a")
+        assert (escalated["detail"]["from_action"], escalated["detail"]["to_action"]) == ("reboot", "replace")
+        assert escalated["detail"]["why"].startswith(
+            "not back within reboot_timeout 12s: still waiting for a heartbeat from a"
+        )
         details = await current_details(client, hangs_repair)
         assert "[done] Reboot the instance" in details and "[done] Terminate the impaired instance" in details
         # Back on a new boot, but the same GPU faulted again: replaced without waiting out the timeout.
         [escalated] = fleet.events("Escalated", persists)
         fault = fleet.sim.node(persists).last_fault
         assert fault is not None
-        assert escalated["why"] == f"faulted again after the reboot: XID_79 on GPU {fault[1]}"
+        assert escalated["detail"]["why"] == f"faulted again after the reboot: XID_79 on GPU {fault[1]}"
 
 
 REFUSED_OUTPUT = (
@@ -290,9 +299,11 @@ async def test_a_gpu_reset_and_a_refused_one_that_falls_back_to_a_reboot(
                 *REBOOTED_IN_PLACE[4:],
             ]
             [escalated] = fleet.events("Escalated", faulty)
-            assert (escalated["from_action"], escalated["to_action"]) == ("gpu-reset", "reboot")
-            assert escalated["why"].startswith(f"reset of GPU {pci} refused (Failed, exit status 255): GPU 00000000")
-            assert "currently in use by another process" in escalated["why"]
+            assert (escalated["detail"]["from_action"], escalated["detail"]["to_action"]) == ("gpu-reset", "reboot")
+            assert escalated["detail"]["why"].startswith(
+                f"reset of GPU {pci} refused (Failed, exit status 255): GPU 00000000"
+            )
+            assert "currently in use by another process" in escalated["detail"]["why"]
             # The reset was sent for the finding's GPU, through SSM; then the reboot, then the fix's gate on the host
             # (DCGM's diagnostic where installed, through SSM too); nothing launched or killed.
             assert proxy.calls("SendCommand") == 2 and proxy.canned_served("GetCommandInvocation") >= 1
@@ -358,12 +369,15 @@ async def test_replace_still_replaces_and_reboot_first_is_set_live(
         await closed(fleet, repair_workflow_id(second, 1))
         assert steps_of(fleet, repair_workflow_id(second, 1)) == ESCALATED_AT_ONCE
         [escalated] = fleet.events("Escalated", second)
-        assert escalated["why"] == "XID_48: NVIDIA's immediate action is WORKFLOW_XID_48, not a GPU reset or a reboot"
+        assert (
+            escalated["detail"]["why"]
+            == "XID_48: NVIDIA's immediate action is WORKFLOW_XID_48, not a GPU reset or a reboot"
+        )
         assert fleet.sim.node(second).reboots == 0
         details = await current_details(client, repair_workflow_id(second, 1))
         assert "Remediation **reboot-first**: replaced at once (NVIDIA: WORKFLOW_XID_48)" in details
         assert "[done] Launch a replacement in the same AZ" in details
         [changed] = fleet.events("GroupConfigChanged")
-        assert changed["changes"]["remediation"] == {"old": "replace", "new": "reboot-first"}
+        assert changed["detail"]["changes"]["remediation"] == {"old": "replace", "new": "reboot-first"}
         view = await fleet.sim.health(second)
         assert view is not None and view.retired and view.last_in_place_fix is None

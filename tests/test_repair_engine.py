@@ -84,10 +84,12 @@ async def test_heartbeat_blip_repairs_nothing_and_sustained_loss_repairs(
         assert len(await fleet.repairs_finished(1, within=300)) == 1
         [started] = fleet.events("RepairStarted")
         assert started["instance_id"] == lost
-        assert started["reason"].startswith("Agent disconnected since ")
+        assert started["detail"]["reason"].startswith("Agent disconnected since ")
         assert_start_before_stop(fleet, lost)
         assert [e for e in fleet.events() if e["instance_id"] == blipped and e["type"] != "HealthChanged"] == []
-        assert [e["overall_status"] for e in fleet.events("HealthChanged") if e["instance_id"] == blipped] == ["OK"]
+        assert [
+            e["detail"]["overall_status"] for e in fleet.events("HealthChanged") if e["instance_id"] == blipped
+        ] == ["OK"]
 
 
 async def test_an_instance_terminated_on_purpose_retires_without_a_repair(
@@ -102,13 +104,15 @@ async def test_an_instance_terminated_on_purpose_retires_without_a_repair(
             lambda: asyncio.sleep(0, fleet.events("InstanceRetired")), lambda found: len(found) == 1, within=120
         )
         assert retired["instance_id"] == left
-        assert retired["reason"].startswith(("terminated in EC2: ", "shutting-down in EC2: ")), retired
+        assert retired["detail"]["reason"].startswith(("terminated in EC2: ", "shutting-down in EC2: ")), retired
         handle = client.get_workflow_handle(health_workflow_id(left), result_type=InstanceHealthView)
         view = await handle.result()
-        assert view.retired and view.retired_reason == retired["reason"]
+        assert view.retired and view.retired_reason == retired["detail"]["reason"]
         assert view.healthStatus.overallStatus is HealthState.OK  # never IMPAIRED, never repaired
         assert fleet.events("RepairStarted") == [] and fleet.replacements_of(left) == []
-        assert [e["overall_status"] for e in fleet.events("HealthChanged") if e["instance_id"] == left] == ["OK"]
+        assert [e["detail"]["overall_status"] for e in fleet.events("HealthChanged") if e["instance_id"] == left] == [
+            "OK"
+        ]
 
 
 async def test_operator_terminating_a_permit_holder_frees_its_permit(
@@ -150,7 +154,7 @@ async def test_permanent_launch_error_fails_the_repair_clearly_and_keeps_the_ins
         fleet.sim.inject_fault(faulty)
 
         [failed] = await eventually(lambda: asyncio.sleep(0, fleet.events("RepairFailed")), lambda e: len(e) == 1)
-        assert "no-such-template" in failed["error"]
+        assert "no-such-template" in failed["detail"]["error"]
         handle = client.get_workflow_handle(repair_workflow_id(faulty))
         # The event comes first; the workflow fails once it has handed its permit back.
         await eventually(handle.describe, lambda d: d.status == WorkflowExecutionStatus.FAILED)

@@ -93,19 +93,21 @@ async def test_failed_repairs_are_retried_with_backoff_exhausted_then_repaired_b
         [exhausted] = await eventually(
             lambda: asyncio.sleep(0, fleet.events("RepairsExhausted")), lambda e: len(e) == 1, within=240
         )
-        assert (exhausted["attempts"], exhausted["max_repair_attempts"]) == (ATTEMPTS, ATTEMPTS)
-        assert exhausted["repair_workflow_id"] == attempts[-1] and exhausted["instance_id"] == faulty
-        assert "no-such-template" in exhausted["error"]
+        assert (exhausted["detail"]["attempts"], exhausted["detail"]["max_repair_attempts"]) == (ATTEMPTS, ATTEMPTS)
+        assert exhausted["detail"]["repair_workflow_id"] == attempts[-1] and exhausted["instance_id"] == faulty
+        assert "no-such-template" in exhausted["detail"]["error"]
 
         # Each attempt ran under its own id for the same reason, drained the instance, failed, and closed as failed.
         started = fleet.events("RepairStarted", faulty)
-        assert {e["reason"] for e in started} == {exhausted["reason"]} and exhausted["reason"].startswith("XID_")
+        assert {e["detail"]["reason"] for e in started} == {exhausted["detail"]["reason"]} and exhausted["detail"][
+            "reason"
+        ].startswith("XID_")
         failed = await eventually(
             lambda: asyncio.sleep(0, fleet.events("RepairFailed", faulty)), lambda e: len(e) == ATTEMPTS
         )
         assert [e["workflow_id"] for e in started] == attempts
         assert [e["workflow_id"] for e in failed] == attempts
-        assert all("no-such-template" in e["error"] for e in failed)
+        assert all("no-such-template" in e["detail"]["error"] for e in failed)
         assert [e["workflow_id"] for e in fleet.events("Draining", faulty)] == attempts
         for workflow_id in attempts:
             handle = client.get_workflow_handle(workflow_id)
@@ -150,7 +152,7 @@ async def test_failed_repairs_are_retried_with_backoff_exhausted_then_repaired_b
         [completed] = fleet.events("RepairCompleted", faulty)
         assert launched["workflow_id"] == terminated["workflow_id"] == completed["workflow_id"] == fourth
         [replacement] = fleet.replacements_of(faulty)
-        assert completed["replacement_instance_id"] == replacement
+        assert completed["detail"]["replacement_instance_id"] == replacement
         assert fleet.ec2_state(faulty) == "terminated" and fleet.ec2_state(replacement) == "running"
         assert len(fleet.events("RepairsExhausted")) == 1
         retired = await health.result()
@@ -193,7 +195,7 @@ async def test_a_repair_an_operator_cancelled_is_not_retried(client: Client, aws
         [cancelled] = await eventually(
             lambda: asyncio.sleep(0, events_of(settings, "RepairFailed", instance)), lambda e: len(e) == 1
         )
-        assert cancelled["error"] == "cancelled by an operator"
+        assert cancelled["detail"]["error"] == "cancelled by an operator"
         # Well past the retry delay and its doubling: a failed repair would have had its next attempt by now.
         await asyncio.sleep(5)
         view = await health_of(health)

@@ -91,18 +91,21 @@ async def test_a_replacement_that_never_registers_is_terminated_and_replaced(
 
         # Start before stop across attempts: the impaired instance is terminated once, after a ready replacement.
         assert fleet.steps(faulty) == REPLACED_ON_SECOND_ATTEMPT
-        first, second = [e["replacement_instance_id"] for e in fleet.events("ReplacementLaunched", faulty)]
+        first, second = [e["detail"]["replacement_instance_id"] for e in fleet.events("ReplacementLaunched", faulty)]
         assert first != second
-        assert [e["attempt"] for e in fleet.events("ReplacementLaunched", faulty)] == [1, 2]
+        assert [e["detail"]["attempt"] for e in fleet.events("ReplacementLaunched", faulty)] == [1, 2]
         [abandoned] = fleet.events("ReplacementAbandoned", faulty)
-        assert abandoned["attempt"] == 1 and abandoned["attempts_left"] == 2
-        assert abandoned["replacement_instance_id"] == first
-        assert abandoned["why"] == "not ACTIVE in ECS within 15s"
-        assert abandoned["error"].startswith("ReplacementNotReady: ") and "NOT_REGISTERED" in abandoned["error"]
+        assert abandoned["detail"]["attempt"] == 1 and abandoned["detail"]["attempts_left"] == 2
+        assert abandoned["detail"]["replacement_instance_id"] == first
+        assert abandoned["detail"]["why"] == "not ACTIVE in ECS within 15s"
+        assert (
+            abandoned["detail"]["error"].startswith("ReplacementNotReady: ")
+            and "NOT_REGISTERED" in abandoned["detail"]["error"]
+        )
         [ready] = fleet.events("ReplacementReady", faulty)
-        assert (ready["replacement_instance_id"], ready["attempt"]) == (second, 2)
+        assert (ready["detail"]["replacement_instance_id"], ready["detail"]["attempt"]) == (second, 2)
         [completed] = fleet.events("RepairCompleted")
-        assert completed["replacement_instance_id"] == second
+        assert completed["detail"]["replacement_instance_id"] == second
         assert len(fleet.events("Terminated")) == 1
 
         # AWS: the impaired instance and the abandoned replacement terminated, nothing else.
@@ -145,8 +148,8 @@ async def test_when_no_replacement_becomes_active_the_repair_fails_and_keeps_the
         [failed] = await eventually(
             lambda: asyncio.sleep(0, fleet.events("RepairFailed")), lambda e: len(e) == 1, within=180
         )
-        assert failed["error"].startswith("no replacement became ACTIVE in ECS in 1 attempt ")
-        assert f"{faulty} is left DRAINING and running, not terminated" in failed["error"]
+        assert failed["detail"]["error"].startswith("no replacement became ACTIVE in ECS in 1 attempt ")
+        assert f"{faulty} is left DRAINING and running, not terminated" in failed["detail"]["error"]
         handle = client.get_workflow_handle(repair_workflow_id(faulty, 1))
         await eventually(handle.describe, lambda d: d.status == WorkflowExecutionStatus.FAILED)
         with pytest.raises(WorkflowFailureError) as caught:
@@ -156,8 +159,10 @@ async def test_when_no_replacement_becomes_active_the_repair_fails_and_keeps_the
 
         [launched] = fleet.events("ReplacementLaunched", faulty)
         [abandoned] = fleet.events("ReplacementAbandoned", faulty)
-        replacement = launched["replacement_instance_id"]
-        assert abandoned["replacement_instance_id"] == replacement and abandoned["attempts_left"] == 0
+        replacement = launched["detail"]["replacement_instance_id"]
+        assert (
+            abandoned["detail"]["replacement_instance_id"] == replacement and abandoned["detail"]["attempts_left"] == 0
+        )
         # Never stop before start: the impaired instance stays, drained but running; its replacement is gone.
         assert fleet.ec2_state(faulty) == "running"
         assert container_status(fleet, faulty) == "DRAINING"

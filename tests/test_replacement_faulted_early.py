@@ -25,7 +25,7 @@ async def replaced(fleet: Fleet, instance_id: str, repairs: int) -> str:
     fleet.sim.inject_fault(instance_id, xid=79)
     await fleet.repairs_finished(repairs, within=150)
     [completed] = fleet.events("RepairCompleted", instance_id)
-    replacement = completed["replacement_instance_id"]
+    replacement = completed["detail"]["replacement_instance_id"]
     assert isinstance(replacement, str)
     await eventually(fleet.sim.snapshot, lambda s: replacement in fleet.sim.live_instances() and s.healthy >= 3)
     return str(replacement)
@@ -48,18 +48,24 @@ async def test_replacements_that_fault_soon_after_taking_over_are_published_and_
 
         third = await replaced(fleet, second, 2)
         [early] = fleet.events("ReplacementFaultedEarly")
-        assert (early["replacement_instance_id"], early["faulted_early"]) == (second, 1)
-        assert (early["replacement_faults_to_hold"], early["replacement_fault_window"]) == (2, "86400s")
-        assert early["reason"] == "XID_79"
+        assert (early["detail"]["replacement_instance_id"], early["detail"]["faulted_early"]) == (second, 1)
+        assert (early["detail"]["replacement_faults_to_hold"], early["detail"]["replacement_fault_window"]) == (
+            2,
+            "86400s",
+        )
+        assert early["detail"]["reason"] == "XID_79"
         assert fleet.events("RepairsHeld") == []  # one is not yet a pattern
 
         # The second replacement in a row to fault: the group's repairs are held, its own repair waits.
         fleet.sim.inject_fault(third, xid=79)
         held = await eventually(lambda: holds(fleet), lambda e: len(e) == 1)
-        assert held[0]["cause"] == "early_replacement_faults"
-        assert sorted(held[0]["instances"]) == sorted([second, third])
-        assert "2 replacements faulted within 24 h of taking over" in held[0]["message"]
-        assert [e["replacement_instance_id"] for e in fleet.events("ReplacementFaultedEarly")] == [second, third]
+        assert held[0]["detail"]["cause"] == "early_replacement_faults"
+        assert sorted(held[0]["detail"]["instances"]) == sorted([second, third])
+        assert "2 replacements faulted within 24 h of taking over" in held[0]["detail"]["message"]
+        assert [e["detail"]["replacement_instance_id"] for e in fleet.events("ReplacementFaultedEarly")] == [
+            second,
+            third,
+        ]
         described = await cli_json(fleet.settings, "group", "describe", "--name", fleet.group)
         assert described["breaker"]["held"]["cause"] == "early_replacement_faults"
         assert described["breaker"]["replacements_faulted_early"] == 2

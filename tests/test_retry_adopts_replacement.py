@@ -38,7 +38,7 @@ async def test_a_retried_repair_adopts_the_replacement_the_failed_attempt_left_s
                 lambda: asyncio.sleep(0, steps_of(fleet, first)), lambda steps: "RepairFailed" in steps, within=120
             )
             [launched] = fleet.events("ReplacementLaunched", faulty)
-            replacement = launched["replacement_instance_id"]
+            replacement = launched["detail"]["replacement_instance_id"]
             assert fleet.ec2_state(replacement) == "running" and fleet.ec2_state(faulty) == "running"
             proxy.heal()
 
@@ -49,7 +49,7 @@ async def test_a_retried_repair_adopts_the_replacement_the_failed_attempt_left_s
             steps = steps_of(fleet, second)
             assert "ReplacementLaunched" not in steps and steps.index("ReplacementReady") < steps.index("Terminated")
             [ready] = [e for e in fleet.events("ReplacementReady", faulty) if e["workflow_id"] == second]
-            assert ready["adopted"] is True and ready["replacement_instance_id"] == replacement
+            assert ready["detail"]["adopted"] is True and ready["detail"]["replacement_instance_id"] == replacement
             assert fleet.ec2_state(faulty) == "terminated" and fleet.ec2_state(replacement) == "running"
             details = await current_details(client, second)
             adopted = f"[done] Launch a replacement in the same AZ — {replacement}, launched by an earlier attempt"

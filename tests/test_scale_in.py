@@ -50,7 +50,7 @@ async def test_a_scale_in_of_four_retires_them_without_repairs_or_a_hold(
         left = {e["instance_id"] for e in retired}
         assert left < set(members)
         for event in retired:
-            assert event["reason"].startswith(("terminated in EC2: ", "shutting-down in EC2: ")), event
+            assert event["detail"]["reason"].startswith(("terminated in EC2: ", "shutting-down in EC2: ")), event
         # Never counted as failures: no repair, and the breaker (which publishes RepairsHeld when it trips) held none.
         assert fleet.events("RepairStarted") == [] and fleet.events("RepairsHeld") == []
         for instance_id in set(members) - left:

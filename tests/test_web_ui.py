@@ -2,20 +2,16 @@
 
 Both tests run a real repair on the simulated fleet, then look at it from outside, the way an operator does: through
 `temporal workflow list --query` (the same visibility queries the Web UI's filters make), and through the Web UI
-itself in headless Chromium.
-
-Every external program runs as an asyncio subprocess: the worker shares the test's event loop, and a blocking
-`subprocess.run` would stall it.
+itself in headless Chromium (docs/pictures/headless.py: every external program runs as an asyncio subprocess, as
+the worker shares the test's event loop). The second also takes the README's pictures of its repair with the capture
+script's own code (docs/pictures/capture.py), so they can always be taken again.
 """
 
 from __future__ import annotations
 
-import asyncio
 import html
 import json
-import os
-import shutil
-import signal
+import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,33 +22,14 @@ from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.contrib.pydantic import pydantic_data_converter
 
 from contract.ids import health_workflow_id, repair_workflow_id, semaphore_workflow_id
+from docs.pictures.capture import HISTORY_WINDOW, RUNBOOK_WINDOW, Captured, FinishedRepair, capture
+from docs.pictures.headless import find_chromium, png_size, run_chromium, run_command
 from simulator.servers import TemporalDevServer, find_binary, free_port
 from tests.fleet import Fleet, simulated_fleet
 from tests.harness import eventually
 
 XID = 79
-CHROMIUM = "/usr/bin/chromium"
-# One Chromium run may not finish rendering the single-page app in time; each run is bounded, and retried.
-CHROMIUM_RUN_TIMEOUT_S = 60.0
-VIRTUAL_TIME_BUDGET_MS = 10_000
-
-
-async def run_command(*argv: str, timeout: float = 60.0) -> tuple[int, str, str]:
-    """Run a program without blocking the event loop; kill its whole process group if it overruns."""
-    proc = await asyncio.create_subprocess_exec(
-        *argv,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        start_new_session=True,
-    )
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout=timeout)
-    except TimeoutError:
-        os.killpg(proc.pid, signal.SIGKILL)
-        await proc.wait()
-        raise AssertionError(f"{argv[0]} did not finish within {timeout}s") from None
-    return proc.returncode or 0, out.decode(errors="replace"), err.decode(errors="replace")
+SVG = "{http://www.w3.org/2000/svg}"
 
 
 async def list_workflows(address: str, namespace: str, query: str) -> list[tuple[str, str]]:
@@ -127,35 +104,10 @@ async def test_search_attribute_filters_find_the_repair_with_the_cli_and_every_w
 
 @pytest.fixture
 def chromium() -> str:
-    found = CHROMIUM if os.access(CHROMIUM, os.X_OK) else shutil.which("chromium")
+    found = find_chromium()
     if found is None:
         pytest.fail("Chromium not found: run the tests through `make test`, which installs Debian's chromium")
     return found
-
-
-def chromium_args(chromium: str, profile: Path) -> list[str]:
-    return [
-        chromium,
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-dev-shm-usage",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        f"--user-data-dir={profile}",
-        # Virtual time runs ahead only while no request is pending: the app's API calls complete before the dump.
-        f"--virtual-time-budget={VIRTUAL_TIME_BUDGET_MS}",
-        "--window-size=1400,1000",
-    ]
-
-
-async def run_chromium(chromium: str, profile: Path, action: str, url: str) -> str:
-    code, out, err = await run_command(*chromium_args(chromium, profile), action, url, timeout=CHROMIUM_RUN_TIMEOUT_S)
-    assert code == 0, f"chromium {action} failed ({code}): {err[-2000:]}"
-    return out
 
 
 class Dom(str):
@@ -181,10 +133,6 @@ class Browser:
         """The page's DOM once the single-page app has fetched the workflow and rendered it, as text: entities
         and the URL-encoded content of the UI's markdown frames decoded."""
         return Dom(unquote(html.unescape(await run_chromium(self._chromium, self._profile(), "--dump-dom", url))))
-
-    async def screenshot(self, url: str, path: Path) -> None:
-        await run_chromium(self._chromium, self._profile(), f"--screenshot={path}", url)
-        assert path.stat().st_size > 10_000, f"blank screenshot of {url}"
 
 
 def contains(*texts: str) -> Callable[[str], bool]:
@@ -225,7 +173,35 @@ async def test_web_ui_shows_the_repair_with_its_summary_and_runbook(
                 within=180,
                 every=1,
             )
-            screenshot = tmp_path / "repair.png"
-            await browser.screenshot(metadata_url, screenshot)
-            await browser.screenshot(f"{run_url}/history?sort=ascending", tmp_path / "history.png")
-            print(f"\nWeb UI page {metadata_url}\nscreenshot {screenshot}")
+            # The README's pictures of this repair, taken as `python -m docs.pictures.capture` takes them.
+            [completed] = fleet.events("RepairCompleted", faulty)
+            repair = FinishedRepair(
+                server.address,
+                server.namespace,
+                server.ui_url,
+                fleet.group,
+                repair_workflow_id(faulty),
+                described.run_id,
+                completed,
+            )
+            captured = await capture(repair, tmp_path / "pictures", chromium, tmp_path)
+            assert_pictures(captured, faulty, completed)
+            print(f"\nWeb UI page {metadata_url}\npictures in {captured.screenshot.parent}")
+
+
+def assert_pictures(captured: Captured, faulty: str, completed: dict[str, Any]) -> None:
+    """Pictures a reader can use: PNGs of the window's size and not blank, the timeline's bars those of the
+    repair's phases, and each command's output about this fleet."""
+    for path, window in ((captured.screenshot, RUNBOOK_WINDOW), (captured.history_page, HISTORY_WINDOW)):
+        data = path.read_bytes()
+        assert png_size(data) == window, path
+        # A rendered page, not a blank one; and small enough to check in.
+        assert 20_000 < len(data) < 3_000_000, (path, len(data))
+    svg = ET.fromstring(captured.timeline.read_text(encoding="utf-8"))
+    bars = [e.get("data-phase") for e in svg.iter(f"{SVG}rect") if "bar" in (e.get("class") or "").split()]
+    phases = [step["phase"] for step in completed["detail"]["timeline"]]
+    assert bars == phases[:-1] and phases[-1] == "Completed", (bars, phases)
+    describe = captured.describe.read_text(encoding="utf-8")
+    assert describe.startswith("$ autorepair describe-instances --group ") and "ACCELERATED_COMPUTE" in describe
+    history = captured.history.read_text(encoding="utf-8")
+    assert history.startswith("$ autorepair history --group ") and faulty in history and "Completed" in history

@@ -240,7 +240,7 @@ async def test_failing_then_slow_receiver_gets_every_event_in_order_and_publish_
     assert receiver.rejected == 0 and receiver.bad_event_id_headers == 0
     # Each event acted on once, the first one's redelivery dropped as a duplicate.
     assert [e["event_id"] for e in receiver.handled] == [e.event_id for e in batch]
-    assert receiver.received[0]["type"] == "RepairStarted" and receiver.received[0]["reason"] == "XID_79"
+    assert receiver.received[0]["type"] == "RepairStarted" and receiver.received[0]["detail"]["reason"] == "XID_79"
     assert view.delivered == len(batch) and view.dead_letters == []
 
 

@@ -1,7 +1,8 @@
 """What AWS says of each group's instances, read by the worker process and told to their health workflows on change.
 
 Per group, every `aws_status_interval` (60 s by default): the container instances of the group's ECS cluster
-(`agentConnected`) and, for the running ones, EC2's status checks and scheduled events (activities/aws_status.py).
+(`agentConnected`) and, for the running ones, EC2's status checks and scheduled events, and which of the group's ECS
+daemon services has no running, healthy task on each (activities/aws_status.py, activities/daemon_tasks.py).
 An instance's health workflow is signalled (`aws_status`) only when this worker's picture of it changed since it
 last told it; a healthy instance never is, so a healthy fleet costs no Temporal action here, only the reads.
 

@@ -1,5 +1,5 @@
-"""`autorepair worker` and `autorepair setup`: start the worker process, or register the search attributes it and
-the operator's tools filter by. operator_cli/main.py wires them into the `autorepair` command."""
+"""`autorepair worker`: start the worker process. operator_cli/main.py wires it into the `autorepair` command
+(`autorepair setup`, which registers the search attributes alone, is an operator command: operator_cli/setup.py)."""
 
 from __future__ import annotations
 
@@ -44,15 +44,4 @@ async def run_worker_command(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
     await run_worker(settings, client, stop)
     log.info("worker stopped")
-    return 0
-
-
-async def run_setup_command(args: argparse.Namespace) -> int:
-    """Register whichever search attributes the namespace lacks, and say which."""
-    from contract.temporal_client import connect
-    from worker.setup import ensure_search_attributes
-
-    settings = Settings()
-    added = await ensure_search_attributes(await connect(settings.temporal))
-    print(f"search attributes added: {', '.join(added)}" if added else "search attributes already registered")
     return 0

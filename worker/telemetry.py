@@ -19,6 +19,9 @@ def runtime(settings: Settings) -> Runtime | None:
         telemetry=TelemetryConfig(
             metrics=PrometheusConfig(
                 bind_address=settings.metrics_bind_address,
+                # Counters end in _total, as the ingest's and the probe's do (and OpenMetrics says): one naming
+                # scheme across the components. Temporal's own counters are renamed with ours.
+                counters_total_suffix=True,
                 histogram_bucket_overrides=HISTOGRAM_BUCKETS,
             )
         )

@@ -22,6 +22,7 @@ from temporalio import workflow
 from temporalio.common import RawValue
 from temporalio.exceptions import ActivityError, ApplicationError, FailureError
 
+from contract import event_types as ev
 from contract import names
 from contract.breaker import (
     FleetHoldQuery,
@@ -44,7 +45,6 @@ from workflows.signal_input import Rejected, Route, dispatch, worth_logging
 with workflow.unsafe.imports_passed_through():
     from activities.breaker_ops import BreakerOps
     from activities.models import (
-        EventType,
         GroupRef,
         RepairsOfGroup,
         WorkflowRun,
@@ -71,6 +71,7 @@ MAX_REPORTS_PENDING = 10_000
 PERMITS_IN_USE = "autorepair_drain_permits_in_use"
 PERMITS_WAITING = "autorepair_drain_permits_waiting"
 REPAIRS_HELD = "autorepair_repairs_held"
+INSTANCES_OUT_OF_SERVICE = "autorepair_instances_out_of_service"
 
 
 @workflow.defn(name=names.SEMAPHORE_WORKFLOW)
@@ -409,14 +410,13 @@ class DrainSemaphoreWorkflow:
                 await publish_group_event(
                     self._state.group,
                     semaphore_workflow_id(self._state.group),
-                    EventType.GROUP_CONFIG_CHANGED,
-                    {
-                        "requested_by": update.requested_by,
-                        "revision": self._state.config.revision,
-                        "changes": {k: {"old": old_values[k], "new": new_values[k]} for k in sorted(new_values)},
-                        "old": old_values,
-                        "new": new_values,
-                    },
+                    ev.GroupConfigChanged(
+                        requested_by=update.requested_by,
+                        revision=self._state.config.revision,
+                        changes={k: ev.ConfigChange(old=old_values[k], new=new_values[k]) for k in sorted(new_values)},
+                        old=old_values,
+                        new=new_values,
+                    ),
                 )
             return self._state.config
 
@@ -510,6 +510,9 @@ class DrainSemaphoreWorkflow:
         meter.create_gauge(REPAIRS_HELD, "1 while the group's breaker or the fleet's holds its repairs").set(
             1 if self._state.holding() else 0, attributes
         )
+        meter.create_gauge(
+            INSTANCES_OUT_OF_SERVICE, "Instances DRAINING without a drain permit, counted against the drain cap"
+        ).set(self._state.out_of_service, attributes)
 
     def _details_markdown(self) -> str:
         state = self._state

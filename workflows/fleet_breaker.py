@@ -15,6 +15,7 @@ from temporalio import workflow
 from temporalio.common import RawValue
 from temporalio.exceptions import ApplicationError
 
+from contract import event_types as ev
 from contract import names
 from contract.breaker import (
     BreakerRule,
@@ -34,7 +35,6 @@ from workflows.signal_input import Rejected, Route, dispatch, worth_logging
 
 with workflow.unsafe.imports_passed_through():
     from activities.breaker_ops import BreakerOps
-    from activities.models import EventType
 
 SIGNALS_PER_RUN = 2_000
 MAX_GROUPS = 1_000
@@ -93,8 +93,7 @@ class FleetBreakerWorkflow:
         await publish_group_event(
             FLEET,
             workflow.info().workflow_id,
-            EventType.REPAIRS_HELD,
-            hold.model_dump(mode="json") | {"groups": sorted(self._sizes)},
+            ev.RepairsHeld.of(hold, groups=sorted(self._sizes)),
         )
 
     async def _tell_groups(self, notice: HoldNotice) -> None:
@@ -132,12 +131,9 @@ class FleetBreakerWorkflow:
             await publish_group_event(
                 FLEET,
                 workflow.info().workflow_id,
-                EventType.REPAIRS_RESUMED,
-                {
-                    "requested_by": request.requested_by,
-                    "discard_held": request.discard_held,
-                    "held": record.held.model_dump(mode="json") if record.held else None,
-                },
+                ev.RepairsResumed(
+                    requested_by=request.requested_by, discard_held=request.discard_held, held=record.held
+                ),
             )
             workflow.set_current_details(self._details_markdown())
             return self.state()

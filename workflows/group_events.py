@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import asyncio
 from datetime import timedelta
-from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError, is_cancelled_exception
 
+from contract.event_types import EventDetail
+
 with workflow.unsafe.imports_passed_through():
     from activities.events import EventActivities
-    from activities.models import EventType, FleetEvent
+    from activities.models import FleetEvent
 
 # publish_event tries each sink once for a second or two and keeps what a sink refuses on the worker's disk, so it
 # fails only when the worker cannot keep the event (a broken disk) or dies. A few quick attempts, then the event is
@@ -23,17 +24,16 @@ PUBLISH_RETRY = RetryPolicy(
 )
 
 
-async def publish_group_event(group: str, workflow_id: str, type: EventType, fields: dict[str, Any]) -> None:
-    event = FleetEvent(
+async def publish_group_event(group: str, workflow_id: str, detail: EventDetail) -> None:
+    event = FleetEvent.of(
+        detail,
         event_id=str(workflow.uuid4()),
         time=workflow.now(),
-        type=type,
         group=group,
         instance_id="",
         workflow_id=workflow_id,
-        fields=fields,
     )
-    await publish(event, f"event {type.value}")
+    await publish(event, f"event {detail.TYPE.value}")
 
 
 async def publish(event: FleetEvent, summary: str) -> None:

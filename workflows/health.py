@@ -173,7 +173,7 @@ class InstanceHealthWorkflow:
                     await repairs.start(health, self._news_beside_steps)
                     retry.succeeded(state)
                 except ActivityError as err:  # never a failed workflow: the impairment stays, tried again later
-                    state.repair_requested = False
+                    health.release_claim()
                     retry.failed(state, health.instance_id, "starting the repair", err)
             workflow.set_current_details(health.details_markdown())
             if health.retired:
@@ -226,7 +226,7 @@ class InstanceHealthWorkflow:
 
     def _wake_summary(self) -> str:
         state = self._health.state
-        if state.retry_at is not None and not state.repair_requested:
+        if state.retry_at is not None and state.repair_claim is None:
             return "try starting the repair again"
         if (retry_text := repairs.wake_summary(state)) is not None:
             return retry_text
@@ -265,8 +265,7 @@ class InstanceHealthWorkflow:
             return group
         if health.withheld_for_group and group.auto_repair is AutoRepair.ENABLED:
             workflow.logger.info("auto repair ENABLED again for group %s", health.group)
-            health.state.repair_withheld = None
-            health.state.repair_requested = False
+            health.release_claim()
         return group
 
     def _time_to_continue(self) -> bool:

@@ -26,6 +26,9 @@ Runbook:
   7. A fix in place (the remediation ladder's reboot or GPU reset) ends every bad period that began before it: a
      status check or an agent the reboot itself took down must stay bad a full grace after the fix to count. A
      scheduled event is not fixed by a reboot: its instance is still replaced.
+  8. A group's ECS daemon service (`daemon_services`) with no RUNNING, or an UNHEALTHY, task on the instance for
+     daemon_task_grace puts it on DAEMON's down list (`ECS_DAEMON_<service>`), as a systemd unit the probe reports
+     down does; its task back takes it off (workflows/health_daemon_rules.py). Steps 4 to 7 apply to it alike.
 """
 
 from __future__ import annotations
@@ -40,13 +43,14 @@ from temporalio.exceptions import ActivityError
 from contract.aws_status import AwsInstanceStatus
 from contract.groups import CapacityGroup
 from workflows import health_aws_rules as rules
+from workflows import health_daemon_rules as daemon_rules
 from workflows.instance_health import InstanceHealth
 from workflows.options import CALL_TIMEOUT
 from workflows.signal_input import Rejected, decode
 
 with workflow.unsafe.imports_passed_through():
     from activities.aws_status import AwsStatusActivities
-    from activities.models import AwsStatusRequest, EventType
+    from activities.models import AwsStatusRequest
 
 # A confirming read that AWS does not answer is not waited on for long: the reader's picture decides then.
 CONFIRM_RETRY = RetryPolicy(initial_interval=timedelta(seconds=2), maximum_attempts=3)
@@ -67,15 +71,20 @@ async def advance(health: InstanceHealth, group: CapacityGroup) -> None:
     """Decide what the pictures mean now: impair (once AWS confirms it), clear, or wait for a grace to end."""
     state, aws = health.state, health.state.aws
     rules.settle(state, workflow.now())
-    if rules.decide(state, group, workflow.now()).impairs_anew(state):
+    if rules.decide(state, group, workflow.now(), _daemons(health)).impairs_anew(state):
         await _confirm(health)
     before = health.status_key()
-    decision = rules.decide(state, group, workflow.now())
+    decision = rules.decide(state, group, workflow.now(), _daemons(health))
     rules.apply_decision(state, decision, workflow.now())
     aws.next_at, aws.next_what = decision.next_at, decision.next_what
-    for fields in rules.events_to_tell(state, group):
-        health.instance_event(EventType.SCHEDULED_EVENT_FOUND, **fields)
+    for found in rules.events_to_tell(state, group):
+        health.instance_event(found)
     health.publish_if_changed(before)
+
+
+def _daemons(health: InstanceHealth) -> bool:
+    """Whether ECS daemon tasks are decided: only once told of, so that the patch marker is asked only then."""
+    return daemon_rules.relevant(health.state.aws) and workflow.patched(daemon_rules.ECS_DAEMON_TASKS)
 
 
 async def _confirm(health: InstanceHealth) -> None:

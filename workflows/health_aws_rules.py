@@ -7,13 +7,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
 
 from contract.aws_status import EC2_IMPAIRED, EC2_INSUFFICIENT_DATA, AwsInstanceStatus, ScheduledEvent
+from contract.event_types import ScheduledEventFound
 from contract.formats import iso
 from contract.groups import CapacityGroup
 from contract.health import CheckType, HealthState
 from contract.repair import FINISHED
+from workflows import health_daemon_rules as daemon_rules
 from workflows.health_checks import impaired as _impaired
 from workflows.health_checks import set_check
 from workflows.models import AwsChecks, HealthCarry
@@ -33,6 +34,7 @@ def apply(aws: AwsChecks, report: AwsInstanceStatus) -> None:
         aws.last = report  # told again (another worker's reader, or one that restarted): nothing new to decide
         return
     aws.last, aws.look = report, True
+    daemon_rules.apply(aws, report)
     checks = (report.system, report.instance)
     if any(c.status == EC2_IMPAIRED for c in checks):
         if aws.status_bad_since is None:
@@ -102,6 +104,7 @@ class Decision:
     event: ScheduledEvent | None = None  # the event EC2_STATUS is impaired for
     agent_reason: str | None = None  # AGENT_CONNECTIVITY is to be IMPAIRED for the ECS agent
     agent_back: bool = False  # the ECS agent is connected again
+    daemons: daemon_rules.DaemonDecision | None = None  # None: daemon tasks not decided (nothing told, or unpatched)
     deadlines: list[tuple[datetime, str]] = field(default_factory=list)
 
     @property
@@ -113,16 +116,22 @@ class Decision:
         return min(self.deadlines)[1] if self.deadlines else ""
 
     def impairs_anew(self, state: HealthCarry) -> bool:
-        return (self.ec2 is HealthState.IMPAIRED and not _impaired(state, CheckType.EC2_STATUS)) or (
-            self.agent_reason is not None and not _impaired(state, CheckType.AGENT_CONNECTIVITY)
+        return (
+            (self.ec2 is HealthState.IMPAIRED and not _impaired(state, CheckType.EC2_STATUS))
+            or (self.agent_reason is not None and not _impaired(state, CheckType.AGENT_CONNECTIVITY))
+            or (self.daemons is not None and bool(self.daemons.down) and not _impaired(state, CheckType.DAEMON))
         )
 
 
-def decide(state: HealthCarry, group: CapacityGroup, now: datetime) -> Decision:
+def decide(state: HealthCarry, group: CapacityGroup, now: datetime, daemons: bool = False) -> Decision:
+    """What the pictures mean now; `daemons`: the ECS daemon tasks too (workflows/health_daemon_rules.py)."""
     aws, decision = state.aws, Decision()
     last = aws.last
     if last is None:
         return decision
+    if daemons:
+        decision.daemons = daemon_rules.decide(state, group, now)
+        decision.deadlines += decision.daemons.deadlines
     checks = {"system": last.system, "instance": last.instance}
     impaired = [name for name, c in checks.items() if c.status == EC2_IMPAIRED]
     if impaired and aws.status_bad_since is not None:
@@ -195,13 +204,17 @@ def apply_decision(state: HealthCarry, decision: Decision, now: datetime) -> Non
         ours = agent is not None and (agent.statusReason or "").startswith(ECS_AGENT_PREFIX)
         if ours and not repairing:  # the probe's own heartbeat loss, if that is the reason now, is not ours to end
             set_check(state, CheckType.AGENT_CONNECTIVITY, HealthState.OK, None, now)
+    if decision.daemons is not None:
+        daemon_rules.apply_decision(state, decision.daemons, now)
 
 
 def _overridden(state: HealthCarry) -> bool:
     aws = state.aws
     ec2_ours = aws.status_impaired_at is not None or aws.event_impaired is not None
-    return (ec2_ours and not _impaired(state, CheckType.EC2_STATUS)) or (
-        aws.agent_impaired_at is not None and not _impaired(state, CheckType.AGENT_CONNECTIVITY)
+    return (
+        (ec2_ours and not _impaired(state, CheckType.EC2_STATUS))
+        or (aws.agent_impaired_at is not None and not _impaired(state, CheckType.AGENT_CONNECTIVITY))
+        or daemon_rules.overridden(state)
     )
 
 
@@ -220,6 +233,7 @@ def _prove_overridden_afresh(state: HealthCarry, now: datetime) -> None:
         if aws.agent_down_since is not None:
             aws.agent_down_since = now
         aws.agent_impaired_at = None
+    daemon_rules.prove_overridden_afresh(state, now)
 
 
 def _after_fix(state: HealthCarry, now: datetime) -> None:
@@ -234,23 +248,24 @@ def _after_fix(state: HealthCarry, now: datetime) -> None:
     if aws.status_impaired_at is not None and aws.event_impaired is None and _impaired(state, CheckType.EC2_STATUS):
         set_check(state, CheckType.EC2_STATUS, HealthState.OK, None, now)
         aws.status_impaired_at = None
+    daemon_rules.after_fix(state, fix.fixed_at, now)
 
 
-def events_to_tell(state: HealthCarry, group: CapacityGroup) -> list[dict[str, Any]]:
-    """Each scheduled event not told yet, once: the fields of its ScheduledEventFound."""
+def events_to_tell(state: HealthCarry, group: CapacityGroup) -> list[ScheduledEventFound]:
+    """Each scheduled event not told yet, once: its ScheduledEventFound."""
     aws, told = state.aws, []
     for event in aws.last.events if aws.last is not None else []:
         if event.key in aws.events_told:
             continue
         aws.events_told = [*aws.events_told, event.key][-MAX_EVENT_KEYS:]
         told.append(
-            {
-                "code": event.code,
-                "event_id": event.event_id,
-                "description": event.description,
-                "deadline": iso(event.not_before),
-                "not_after": iso(event.not_after) if event.not_after else None,
-                "repair_at": iso(event.not_before - group.scheduled_event_lead),
-            }
+            ScheduledEventFound(
+                code=event.code,
+                ec2_event_id=event.event_id,
+                description=event.description,
+                deadline=event.not_before,
+                not_after=event.not_after,
+                repair_at=event.not_before - group.scheduled_event_lead,
+            )
         )
     return told

@@ -46,6 +46,7 @@ class Check:
 # the GPU). AGENT_CONNECTIVITY is last: a heartbeat loss says least of what is wrong.
 CHECKS: tuple[Check, ...] = (
     Check(CheckType.ACCELERATED_COMPUTE, frozenset(), from_start=True, critical=True, clearable=True),
+    # DAEMON: also the group's ECS daemon tasks, told by the AWS reader (workflows/health_daemon_rules.py).
     Check(
         CheckType.DAEMON,
         frozenset({KIND_DAEMON}),

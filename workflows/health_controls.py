@@ -16,14 +16,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
-from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError
 
+from contract import event_types as ev
 from contract.formats import iso
-from contract.health import CheckType, HealthState
+from contract.health import HealthState
 from contract.instances import (
     ClearedFinding,
     Exclusion,
@@ -34,13 +34,13 @@ from contract.instances import (
     InstanceRepairNow,
 )
 from contract.repair import FINISHED, RepairPhase
-from workflows.health_checks import CLEARABLE, clear_impaired, impaired
+from workflows.health_checks import CLEARABLE, impaired
 from workflows.instance_health import InstanceHealth, excluded_text
 from workflows.models import HealthCarry, RepairView
 from workflows.options import CALL_TIMEOUT
 
 with workflow.unsafe.imports_passed_through():
-    from activities.models import EventType, WithdrawRepairRequest
+    from activities.models import WithdrawRepairRequest
     from activities.workflow_ops import WorkflowOps
 
 # How long `repair now` waits for the run loop to start the repair, so that its answer can name it.
@@ -122,23 +122,17 @@ async def exclude(health: InstanceHealth, request: InstanceExclude) -> InstanceC
         state, who = health.state, _who(request.requested_by)
         exclusion = Exclusion(by=who, reason=request.reason, since=workflow.now())
         note, withdrawn = await _take_back_waiting_repair(health, excluded_text(exclusion))
-        state.excluded = exclusion
-        dropped, state.operator_repair = state.operator_repair, None
-        if state.repair_withheld is not None or withdrawn:
-            # Withheld as for a DISABLED group, with the reason; `include` re-arms it.
-            impaired = health.health_status().overallStatus is HealthState.IMPAIRED
-            state.repair_withheld = excluded_text(exclusion) if impaired else None
-            state.repair_requested = impaired
+        dropped = health.on_exclude(exclusion, took_back=withdrawn)
         notes = [note] if note else []
         if dropped:
             notes.append(f"the repair requested earlier ({dropped}) will not start")
-        _publish(
-            health,
-            EventType.INSTANCE_EXCLUDED,
-            request.requested_by,
-            request.reason,
-            repair_workflow_id=_repair_id(state) if note else None,
-            repair=note,
+        health.instance_event(
+            ev.InstanceExcluded(
+                requested_by=_who(request.requested_by),
+                reason=request.reason,
+                repair_workflow_id=_repair_id(state) if note else None,
+                repair=note,
+            )
         )
         return _result(health, "; ".join([f"{health.instance_id} excluded from repair by {who}", *notes]))
 
@@ -151,22 +145,17 @@ async def include(health: InstanceHealth, request: InstanceInclude) -> InstanceC
         exclusion = state.excluded
         if exclusion is None:  # the validator saw it excluded; nothing else changes it while a control runs
             raise _refused(f"{health.instance_id} is not excluded")
-        state.excluded = None
-        # Re-armed as when the group is ENABLED again: the run loop decides anew (and reads the group's switch).
-        re_armed = state.repair_withheld is not None
-        if re_armed:
-            state.repair_withheld = None
-            state.repair_requested = False
+        re_armed = health.on_include()
         impaired = health.health_status().overallStatus is HealthState.IMPAIRED
-        _publish(
-            health,
-            EventType.INSTANCE_INCLUDED,
-            request.requested_by,
-            request.reason,
-            excluded_by=exclusion.by,
-            excluded_reason=exclusion.reason,
-            excluded_since=iso(exclusion.since),
-            repair_re_armed=re_armed and impaired,
+        health.instance_event(
+            ev.InstanceIncluded(
+                requested_by=_who(request.requested_by),
+                reason=request.reason,
+                excluded_by=exclusion.by,
+                excluded_reason=exclusion.reason,
+                excluded_since=exclusion.since,
+                repair_re_armed=re_armed and impaired,
+            )
         )
         message = f"{health.instance_id} included again by {who} (was {excluded_text(exclusion)})"
         if re_armed and impaired:
@@ -180,19 +169,14 @@ async def repair_now(health: InstanceHealth, request: InstanceRepairNow) -> Inst
     async def apply() -> InstanceControlResult:
         state, who = health.state, _who(request.requested_by)
         previous = state.repair
-        # The run loop starts it (where every repair starts), through the drain cap, DISABLED group or not: it is no
-        # automatic repair.
-        state.operator_repair = _cut(f"operator {who}: {request.reason.strip()}", MAX_REASON_BYTES)
-        state.repair_withheld = None
-        state.repair_requested = False
-        # A fresh attempt, whatever failed before: after it, failures count from zero again (health_repairs.py).
-        state.repair_retry = state.repair_retry.afresh()
-        _publish(
-            health,
-            EventType.REPAIR_REQUESTED,
-            request.requested_by,
-            request.reason,
-            overall_status=health.health_status().overallStatus.value,
+        # The run loop starts it (where every repair starts), through the drain cap, DISABLED group or not.
+        health.on_repair_asked(_cut(f"operator {who}: {request.reason.strip()}", MAX_REASON_BYTES))
+        health.instance_event(
+            ev.RepairRequested(
+                requested_by=_who(request.requested_by),
+                reason=request.reason,
+                overall_status=health.health_status().overallStatus,
+            )
         )
         with contextlib.suppress(TimeoutError):  # then it says so: not started yet
             await workflow.wait_condition(
@@ -218,23 +202,15 @@ async def clear(health: InstanceHealth, request: FindingsClear) -> InstanceContr
         if _running(state.repair) and not withdrawn:
             raise _refused(f"{note}; nothing cleared")
         before = health.status_key()
-        # A cleared heartbeat loss is judged afresh by the tracker: still silent a full window from now, lost again.
-        state.recheck_loss = impaired(state, CheckType.AGENT_CONNECTIVITY)
-        cleared = clear_impaired(state, who, request.reason, workflow.now())
-        if not _running(state.repair):
-            # The decision to repair (or to withhold it, or to retry a failed repair) is void with the impairment; a
-            # fresh finding decides anew.
-            state.repair_withheld = None
-            state.repair_requested = False
-            state.repair_retry = state.repair_retry.afresh()
-        _publish(
-            health,
-            EventType.FINDING_CLEARED,
-            request.requested_by,
-            request.reason,
-            cleared=[c.model_dump(mode="json") for c in cleared],
-            repair_workflow_id=_repair_id(state) if note else None,
-            repair=note,
+        cleared = health.on_clear(who, request.reason, repair_running=_running(state.repair))
+        health.instance_event(
+            ev.FindingCleared(
+                requested_by=_who(request.requested_by),
+                reason=request.reason,
+                cleared=list(cleared),
+                repair_workflow_id=_repair_id(state) if note else None,
+                repair=note,
+            )
         )
         health.publish_if_changed(before)
         checks = ", ".join(dict.fromkeys(c.check.value for c in cleared))
@@ -311,10 +287,6 @@ def _who(requested_by: str) -> str:
     return requested_by or "unknown"
 
 
-def _publish(health: InstanceHealth, type: EventType, requested_by: str, reason: str, **fields: Any) -> None:
-    health.instance_event(type, requested_by=_who(requested_by), reason=reason, **fields)
-
-
 def _result(health: InstanceHealth, message: str, cleared: Sequence[ClearedFinding] = ()) -> InstanceControlResult:
     state, repair = health.state, health.state.repair
     return InstanceControlResult(
@@ -324,6 +296,6 @@ def _result(health: InstanceHealth, message: str, cleared: Sequence[ClearedFindi
         excluded=state.excluded,
         repair_workflow_id=repair.workflow_id if repair is not None else None,
         repair_phase=repair.phase if repair is not None else None,
-        repair_withheld=state.repair_withheld,
+        repair_withheld=health.withheld_why,
         cleared=list(cleared),
     )

@@ -85,7 +85,8 @@ def heard(state: HealthCarry, beat: Heartbeat) -> None:
 
 def fixed_in_place(state: HealthCarry, progress: RepairProgress, now: datetime) -> bool:
     """Whether the completed repair of this progress fixed the instance in place; if so, the instance is healthy
-    again and may be repaired anew. False: it was replaced (the caller retires)."""
+    again and may be repaired anew (the caller releases its repair claim). False: it was replaced (the caller
+    retires)."""
     fix = progress.in_place_fix
     if fix is None:
         return False
@@ -99,6 +100,5 @@ def fixed_in_place(state: HealthCarry, progress: RepairProgress, now: datetime) 
             )
     state.findings = [f for f in state.findings if not f.impairs or f.kind in STATE_TRANSITION_KINDS]
     state.nvidia_verdicts = [v for v in state.nvidia_verdicts if v.action == ACTION_REPLACE]
-    state.repair_requested = False
     state.repair_retry = state.repair_retry.afresh()
     return True

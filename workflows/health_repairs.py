@@ -22,26 +22,27 @@ import asyncio
 from temporalio import workflow
 from temporalio.exceptions import ActivityError
 
+from contract import event_types as ev
 from contract.formats import iso
-from contract.groups import AutoRepair, CapacityGroup
+from contract.groups import CapacityGroup
 from contract.ids import repair_attempt_of
 from contract.repair import ENDED_UNREPAIRED, RepairInput, RepairPhase
 from workflows import health_breaker as breaker
 from workflows.group_config import read_group_config
 from workflows.group_events import activity_cause
 from workflows.health_checks import critical
-from workflows.instance_health import InstanceHealth, excluded_text
+from workflows.instance_health import InstanceHealth
 from workflows.models import HealthCarry, RepairView
 from workflows.options import CALL_RETRY, CALL_TIMEOUT
 
 with workflow.unsafe.imports_passed_through():
-    from activities.models import EventType, StartRepairRequest
+    from activities.models import StartRepairRequest
     from activities.workflow_ops import WorkflowOps
 
 
 def wake_summary(state: HealthCarry) -> str | None:
     retry = state.repair_retry
-    if retry.next_at is None or state.repair_requested:
+    if retry.next_at is None or state.repair_claim is not None:
         return None
     return f"repair failed: start attempt {retry.failed + 1} of {retry.max_attempts} at {iso(retry.next_at, 'seconds')}"
 
@@ -64,18 +65,19 @@ async def count_failure(health: InstanceHealth, group: CapacityGroup) -> None:
     retry.reason = repair.reason if repair is not None else None
     if retry.failed < group.max_repair_attempts:
         retry.next_at = workflow.now() + group.repair_retry_wait(retry.failed)
-        state.repair_requested = False  # the run loop starts the next attempt once next_at has come
+        health.release_claim()  # the run loop starts the next attempt once next_at has come
         workflow.logger.warning("%s: %s", health.instance_id, retry.text())
         return
     retry.exhausted, retry.next_at = True, None
     workflow.logger.warning("%s: %s; waiting for an operator", health.instance_id, retry.text())
     health.instance_event(
-        EventType.REPAIRS_EXHAUSTED,
-        attempts=retry.failed,
-        max_repair_attempts=group.max_repair_attempts,
-        error=retry.error,
-        reason=retry.reason,
-        repair_workflow_id=workflow_id,
+        ev.RepairsExhausted(
+            attempts=retry.failed,
+            max_repair_attempts=group.max_repair_attempts,
+            error=retry.error,
+            reason=retry.reason,
+            repair_workflow_id=workflow_id,
+        )
     )
 
 
@@ -85,7 +87,7 @@ async def start(health: InstanceHealth, news_beside_steps: bool) -> None:
     report = health.is_impaired() and not state.impairment_reported
     if news_beside_steps and report:
         # The breaker counts the impairment whatever the group's switch says: both at once, one round trip.
-        state.repair_requested = True
+        health.take_for_repair()
         group, _ = await asyncio.gather(
             read_group_config(health.group),
             breaker.report_impairment(state, health.instance_id, health.group, health.impairment()[0]),
@@ -93,15 +95,10 @@ async def start(health: InstanceHealth, news_beside_steps: bool) -> None:
     else:
         # The switch is read at the moment of the decision, so turning repair off takes effect at once.
         group = await read_group_config(health.group)
-        state.repair_requested = True
+        health.take_for_repair()
         if report:
             await breaker.report_impairment(state, health.instance_id, health.group, health.impairment()[0])
-    if group.auto_repair is AutoRepair.DISABLED and state.operator_repair is None:
-        workflow.logger.info("instance impaired; auto repair DISABLED for group %s, monitoring only", health.group)
-        state.repair_withheld = f"auto repair DISABLED for group {health.group} at {iso(workflow.now())}"
-        return
-    if state.excluded is not None:  # an operator's: watched, never repaired until `include`
-        state.repair_withheld = excluded_text(state.excluded)
+    if not health.withhold_unless_allowed(group.auto_repair):
         return
     retry = state.repair_retry
     reason, finding = health.repair_reason()

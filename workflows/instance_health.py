@@ -9,14 +9,16 @@ starts repairs and runs timers. Which checks there are, and what each does, is t
 from __future__ import annotations
 
 from datetime import datetime, timedelta
-from typing import Any, Protocol
+from typing import Protocol
 
-from activities.models import EventType, FleetEvent
+from activities.models import FleetEvent
+from contract import event_types as ev
 from contract.config import format_seconds
 from contract.formats import iso
+from contract.groups import AutoRepair
 from contract.health import UNMONITORED, CheckType, HealthState, HeartbeatLossInjection
 from contract.ids import health_workflow_id
-from contract.instances import Exclusion
+from contract.instances import ClearedFinding, Exclusion
 from contract.liveness import IgnoreHeartbeats, LivenessChange
 from contract.probe import GpuFinding, Heartbeat
 from contract.repair import FINISHED, RepairPhase
@@ -26,10 +28,12 @@ from workflows import health_ladder as ladder
 from workflows import health_services as services
 from workflows.model_log import Log
 from workflows.models import (
+    ClaimKind,
     ContainerInstanceHealthStatus,
     HealthCarry,
     HealthCheckResult,
     InstanceHealthView,
+    RepairClaim,
     RepairDecision,
     RepairProgress,
     RepairRetry,
@@ -49,6 +53,8 @@ REPAIR_RETRIES = "repair-retries"
 UNMONITORED_STATUS = "unmonitored-status"
 # ACCELERATED_COMPUTE's reason when the host shows fewer GPUs than its type has (EKS: NvidiaDeviceCountMismatch).
 GPU_COUNT_MISMATCH = "GPU_COUNT_MISMATCH"
+# The carried fields the health view shows as they are, by their shared name; the rest of the view is derived.
+SHOWN_AS_CARRIED = tuple(sorted(set(InstanceHealthView.model_fields) & set(HealthCarry.model_fields)))
 
 StatusKey = list[tuple[CheckType, HealthState, str | None]]
 
@@ -127,22 +133,22 @@ class InstanceHealth:
         health = self.health_status()
         _, finding = self.impairment()
         self.instance_event(
-            EventType.HEALTH_CHANGED,
-            overall_status=health.overallStatus.value,
-            details=[d.model_dump(mode="json") for d in health.details],
-            finding=finding.model_dump(mode="json") if finding else None,
+            ev.HealthChanged(
+                overall_status=health.overallStatus,
+                details=[ev.HealthCheck.model_validate(d.model_dump()) for d in health.details],
+                finding=finding,
+            )
         )
 
-    def instance_event(self, type: EventType, **fields: Any) -> None:
+    def instance_event(self, detail: ev.EventDetail) -> None:
         self.outbox.append(
-            FleetEvent(
+            FleetEvent.of(
+                detail,
                 event_id=self._host.new_id(),
                 time=self._host.now(),
-                type=type,
                 group=self.group,
                 instance_id=self.instance_id,
                 workflow_id=health_workflow_id(self.instance_id),
-                fields=fields,
             )
         )
 
@@ -152,7 +158,7 @@ class InstanceHealth:
     def withheld_for_group(self) -> bool:
         """A repair withheld because the group's auto repair is DISABLED, not because the instance is excluded: only
         then is the group looked at again now and then (an excluded instance waits for `include`)."""
-        return self.state.repair_withheld is not None and self.state.excluded is None
+        return self.withheld_why is not None and self.state.excluded is None
 
     def repair_due(self) -> bool:
         """Whether the run loop should start a repair now: the instance wants one (IMPAIRED, an operator asked, or a
@@ -161,22 +167,24 @@ class InstanceHealth:
         wanted = self.is_impaired() or state.operator_repair is not None or state.repair_retry.next_at is not None
         backing_off = state.retry_at is not None and now < state.retry_at
         retry_later = state.repair_retry.next_at is not None and now < state.repair_retry.next_at
-        return wanted and not state.repair_requested and not backing_off and not retry_later
+        return wanted and state.repair_claim is None and not backing_off and not retry_later
 
     def repair_decision(self) -> RepairDecision:
         """Why it is, or is not, being repaired: one answer derived from the carried state, first match wins."""
         state, now = self.state, self._host.now()
-        repair, retry = state.repair, state.repair_retry
+        repair, retry, claim = state.repair, state.repair_retry, state.repair_claim
         if self.retired:
             return RepairDecision(stance=RepairStance.RETIRED, why=state.retired_reason or "replaced")
         if repair is not None and repair.phase not in FINISHED:
-            return RepairDecision(stance=RepairStance.REPAIRING, why=f"{repair.workflow_id} is {repair.phase.value}")
+            why = f"{repair.workflow_id} is {repair.phase.value}"
+            return RepairDecision(stance=RepairStance.REPAIRING, why=why, since=repair.started_at)
         if state.dormant:
             return RepairDecision(stance=RepairStance.DORMANT, why=f"left on purpose: {state.retired_reason}")
         if state.excluded is not None:
-            return RepairDecision(stance=RepairStance.EXCLUDED, why=excluded_text(state.excluded))
-        if state.repair_withheld is not None:
-            return RepairDecision(stance=RepairStance.WITHHELD, why=state.repair_withheld)
+            why, since = excluded_text(state.excluded), state.excluded.since
+            return RepairDecision(stance=RepairStance.EXCLUDED, why=why, since=since)
+        if claim is not None and claim.kind is ClaimKind.WITHHELD:
+            return RepairDecision(stance=RepairStance.WITHHELD, why=claim.why, since=claim.since)
         if retry.exhausted:
             return RepairDecision(stance=RepairStance.EXHAUSTED, why=retry.text() or "")
         if retry.next_at is not None and now < retry.next_at:
@@ -187,8 +195,8 @@ class InstanceHealth:
         if state.retry_at is not None and now < state.retry_at:
             why = state.last_activity_error or reason
             return RepairDecision(stance=RepairStance.BACKING_OFF, why=why, until=state.retry_at)
-        if state.repair_requested:
-            return RepairDecision(stance=RepairStance.STARTING, why=reason)
+        if claim is not None:
+            return RepairDecision(stance=RepairStance.STARTING, why=reason, since=claim.since)
         return RepairDecision(stance=RepairStance.DUE, why=reason)
 
     def repair_reason(self) -> tuple[str, GpuFinding | None]:
@@ -196,20 +204,98 @@ class InstanceHealth:
         reason, finding = self.impairment()
         return self.state.operator_repair or reason, finding
 
+    # --- the repair claim: taken, withheld and released here only ---------------------------------------------------
+
+    @property
+    def withheld_why(self) -> str | None:
+        """Why an IMPAIRED instance is not being repaired (its group DISABLED, or excluded); None: not withheld."""
+        claim = self.state.repair_claim
+        return claim.why if claim is not None and claim.kind is ClaimKind.WITHHELD else None
+
+    def take_for_repair(self) -> None:
+        """The run loop takes this impairment: its repair starts, unless the group's switch says otherwise
+        (withhold_unless_allowed); no other start is due meanwhile."""
+        self.state.repair_claim = RepairClaim(kind=ClaimKind.TAKEN, since=self._host.now())
+
+    def withhold(self, why: str) -> None:
+        """Taken but not repaired, and why: nothing is started until the claim is released."""
+        self.state.repair_claim = RepairClaim(kind=ClaimKind.WITHHELD, why=why, since=self._host.now())
+
+    def release_claim(self) -> None:
+        """The decision to repair (or not) is void: the run loop decides anew, if it is still wanted."""
+        self.state.repair_claim = None
+
+    def withhold_unless_allowed(self, auto_repair: AutoRepair) -> bool:
+        """With the group's switch just read: whether the taken repair may start. Not while the group's auto repair
+        is DISABLED (an operator's repair excepted: it is no automatic one), nor while an operator excludes it."""
+        state = self.state
+        if auto_repair is AutoRepair.DISABLED and state.operator_repair is None:
+            self._host.log.info("instance impaired; auto repair DISABLED for group %s, monitoring only", self.group)
+            self.withhold(f"auto repair DISABLED for group {self.group} at {iso(self._host.now())}")
+            return False
+        if state.excluded is not None:  # an operator's: watched, never repaired until `include`
+            self.withhold(excluded_text(state.excluded))
+            return False
+        return True
+
     def void_withheld_when_healthy(self) -> None:
-        if self.state.repair_withheld is not None and not self.is_impaired():
+        if self.withheld_why is not None and not self.is_impaired():
             # Healthy again while repair was DISABLED: the decision not to repair is void, a new fault decides anew.
-            self.state.repair_withheld = None
-            self.state.repair_requested = False
+            self.release_claim()
 
     def prove_again(self, why: str) -> None:
         """Its held repair was discarded: back to OK until the fault is seen again (a fresh finding, or a heartbeat
         loss that lasts a full threshold from now). The findings stay, listed as cleared by the breaker."""
+        self.clear_impairments("the breaker", why)
+        self.release_claim()
+
+    def clear_impairments(self, who: str, why: str) -> list[ClearedFinding]:
+        """Every clearable impaired check back to OK, its findings listed as cleared by `who`; a cleared heartbeat loss
+        is judged afresh by the tracker (still silent a full window from now: lost again)."""
         state = self.state
         state.recheck_loss = checks.impaired(state, CheckType.AGENT_CONNECTIVITY)
-        checks.clear_impaired(state, "the breaker", why, self._host.now())
-        state.repair_withheld = None
-        state.repair_requested = False
+        return checks.clear_impaired(state, who, why, self._host.now())
+
+    # --- operator controls (workflows/health_controls.py runs them: validation, withdrawal, events) -----------------
+
+    def on_exclude(self, exclusion: Exclusion, took_back: bool) -> str | None:
+        """Excluded from repair; returns the operator repair asked earlier that will not start now, if any. A withheld
+        repair (or one just taken back from the drain queue) stays withheld, for the exclusion, while IMPAIRED."""
+        state = self.state
+        state.excluded = exclusion
+        dropped, state.operator_repair = state.operator_repair, None
+        if self.withheld_why is not None or took_back:
+            # Withheld as for a DISABLED group, with the reason; `include` re-arms it.
+            if self.is_impaired():
+                self.withhold(excluded_text(exclusion))
+            else:
+                self.release_claim()
+        return dropped
+
+    def on_include(self) -> bool:
+        """Included again; whether a withheld repair was re-armed (as when the group is ENABLED again: the run loop
+        decides anew, and reads the group's switch)."""
+        self.state.excluded = None
+        re_armed = self.withheld_why is not None
+        if re_armed:
+            self.release_claim()
+        return re_armed
+
+    def on_repair_asked(self, reason: str) -> None:
+        """An operator's repair: the run loop starts it, DISABLED group or not, as a fresh attempt whatever failed
+        before (after it, failures count from zero again: health_repairs.py)."""
+        self.state.operator_repair = reason
+        self.release_claim()
+        self.state.repair_retry = self.state.repair_retry.afresh()
+
+    def on_clear(self, who: str, why: str, repair_running: bool) -> list[ClearedFinding]:
+        """An operator's verdict that the impairment was false. Unless a repair runs, the decision to repair (or to
+        withhold it, or to retry a failed repair) is void with the impairment: a fresh finding decides anew."""
+        cleared = self.clear_impairments(who, why)
+        if not repair_running:
+            self.release_claim()
+            self.state.repair_retry = self.state.repair_retry.afresh()
+        return cleared
 
     # --- messages -------------------------------------------------------------------------------------------------
 
@@ -308,7 +394,7 @@ class InstanceHealth:
             if state.checks[check].status is HealthState.INITIALIZING:
                 self.set_check(check, HealthState.INSUFFICIENT_DATA, reason, now)
         self._host.log.warning("%s: %s", self.instance_id, reason)
-        self.instance_event(EventType.INSTANCE_UNMONITORED, first_report_timeout=format_seconds(timeout))
+        self.instance_event(ev.InstanceUnmonitored(first_report_timeout=format_seconds(timeout)))
 
     @property
     def gpus_to_read(self) -> bool:
@@ -389,6 +475,8 @@ class InstanceHealth:
         self._count_if_failed(progress)
         if progress.finished and progress.phase is RepairPhase.COMPLETED:
             self.retired = not ladder.fixed_in_place(state, progress, self._host.now())
+            if not self.retired:  # fixed in place: healthy again, and repaired anew on a new fault
+                self.release_claim()
         elif progress.finished and progress.phase is RepairPhase.DISCARDED:
             self.prove_again(progress.error or "held repair discarded")
 
@@ -417,7 +505,7 @@ class InstanceHealth:
         state.repair_retry = state.repair_retry.afresh()  # a failed repair is not retried while away
         self.set_check(CheckType.AGENT_CONNECTIVITY, HealthState.INSUFFICIENT_DATA, f"left on purpose: {why}", now)
         self._host.log.info("%s left on purpose (%s): dormant until heard from again", self.instance_id, why)
-        self.instance_event(EventType.INSTANCE_RETIRED, reason=why, may_return=True)
+        self.instance_event(ev.InstanceRetired(reason=why, may_return=True))
 
     def _wake_if_dormant(self) -> None:
         state = self.state
@@ -425,7 +513,7 @@ class InstanceHealth:
             return
         state.dormant = False
         self._host.log.info("%s is back (it had left on purpose: %s)", self.instance_id, state.retired_reason)
-        self.instance_event(EventType.INSTANCE_RETURNED, left_because=state.retired_reason)
+        self.instance_event(ev.InstanceReturned(left_because=state.retired_reason))
         state.retired_reason = None
 
     def _retire(self, why: str) -> None:
@@ -433,44 +521,22 @@ class InstanceHealth:
         self.retired = True
         self.state.retired_reason = why
         self._host.log.info("%s left on purpose (%s): retired, not repaired", self.instance_id, why)
-        self.instance_event(EventType.INSTANCE_RETIRED, reason=why, may_return=False)
+        self.instance_event(ev.InstanceRetired(reason=why, may_return=False))
 
     # --- what it shows ----------------------------------------------------------------------------------------------
 
     def view(self) -> InstanceHealthView:
+        """The `health` query's answer: the carried fields it shares by name, and what is derived from the model."""
         state = self.state
-        carried = state.model_dump(
-            include={
-                "last_heartbeat",
-                "rejected_signals",
-                "retired_reason",
-                "forged_signals",
-                "dropped_entries",
-                "repair_withheld",
-                "heartbeats_ignored_until",
-                "last_activity_error",
-                "boot_id",
-            }
-        )
         return InstanceHealthView(
-            **carried,
+            **{name: getattr(state, name) for name in SHOWN_AS_CARRIED},
             instance_id=self.instance_id,
             group=self.group,
             healthStatus=self.health_status(),
             recent_findings=state.findings,
-            warning_counts=state.warning_counts,
-            repair=state.repair,
             retired=self.retired,
-            probe_sources=state.probe_sources,
             liveness_workflow_id=self.tracker_id,
-            excluded=state.excluded,
-            cleared_findings=state.cleared_findings,
-            repair_retry=state.repair_retry,
-            last_in_place_fix=state.last_in_place_fix,
-            in_place_fixes=state.in_place_fixes,
-            nvidia_verdicts=state.nvidia_verdicts,
-            gpu_count=state.gpu_count,
-            expected_gpus=state.expected_gpus,
+            repair_withheld=self.withheld_why,
             repair_decision=self.repair_decision(),
         )
 
@@ -484,8 +550,8 @@ class InstanceHealth:
             lines += ["", f"Repair `{state.repair.workflow_id}`: {state.repair.phase.value}"]
         if (retry := state.repair_retry.text()) is not None:
             lines += ["", f"**{retry[0].upper()}{retry[1:]}**"]
-        if state.repair_withheld:
-            lines += ["", f"Not repaired: {state.repair_withheld}"]
+        if self.withheld_why:
+            lines += ["", f"Not repaired: {self.withheld_why}"]
         ignored_until = state.heartbeats_ignored_until
         if ignored_until is not None and self._host.now() < ignored_until:
             lines += ["", f"Game day: heartbeats ignored until {iso(ignored_until)}"]
@@ -510,10 +576,10 @@ class InstanceHealth:
     def wake_in(self, now: datetime) -> timedelta | None:
         """The next wake of the run loop for a failed repair's retry or a backoff; None: none set here."""
         state, waits = self.state, []
-        if state.retry_at is not None and not state.repair_requested:
+        if state.retry_at is not None and state.repair_claim is None:
             waits.append(max(state.retry_at - now, timedelta(0)))
         next_at = state.repair_retry.next_at
-        if next_at is not None and not state.repair_requested:
+        if next_at is not None and state.repair_claim is None:
             waits.append(max(next_at - now, timedelta(0)))
         return min(waits, default=None)
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
+from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from contract.aws_status import AwsInstanceStatus
 from contract.breaker import BreakerHold, BreakerView, FleetBreakerInput
@@ -113,6 +114,23 @@ class AwsChecks(BaseModel):
     next_at: datetime | None = None  # a grace or a lead time ends: the run loop looks again
     next_what: str = ""
     look: bool = False  # a new picture: the run loop looks at once
+    # The group's ECS daemon services AWS says are missing here, each since the first picture that said so, and those
+    # this workflow put on DAEMON's down list (workflows/health_daemon_rules.py).
+    daemons_missing_since: dict[str, datetime] = Field(default_factory=dict)
+    daemons_impaired: list[str] = Field(default_factory=list)
+
+
+class ClaimKind(StrEnum):
+    TAKEN = "Taken"  # its repair is started, or about to be (the run loop reads the group first)
+    WITHHELD = "Withheld"  # IMPAIRED but not repaired: the group's auto repair is DISABLED, or an operator excluded it
+
+
+class RepairClaim(BaseModel):
+    """The run loop's hold on an impairment: while there is one, no other repair is started for it."""
+
+    kind: ClaimKind
+    why: str = ""  # WITHHELD: why, in a phrase (`describe-instances` shows it as repairWithheld)
+    since: datetime | None = None  # workflow time; None only when decoded from a run that did not keep it
 
 
 class HealthCarry(BaseModel):
@@ -125,7 +143,9 @@ class HealthCarry(BaseModel):
     started_at: datetime | None = None
     last_heartbeat: datetime | None = None
     repair: RepairView | None = None
-    repair_requested: bool = False
+    # Whether the run loop has taken this impairment, and since when: its repair started (or about to), or withheld
+    # and why. Set and released only by InstanceHealth (workflows/instance_health.py); None: nothing taken.
+    repair_claim: RepairClaim | None = None
     rejected_signals: int = 0
     # Signals that were well formed but not from who may send them (a repair_progress without our repair's token).
     forged_signals: int = 0
@@ -133,8 +153,6 @@ class HealthCarry(BaseModel):
     dropped_entries: int = 0
     # The token the repair we started puts in its progress (RepairInput.progress_token); never in a query.
     repair_token: str | None = None
-    # Why an IMPAIRED instance is not being repaired (auto repair DISABLED); cleared when the group is re-ENABLED.
-    repair_withheld: str | None = None
     heartbeats_ignored_until: datetime | None = None
     # Why it retired without a repair (it left on purpose), if it did.
     retired_reason: str | None = None
@@ -181,6 +199,22 @@ class HealthCarry(BaseModel):
     repair_retry: RepairRetry = Field(default_factory=RepairRetry)
     aws: AwsChecks = Field(default_factory=AwsChecks)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _claim_from_flags(cls, data: Any) -> Any:
+        """Runs that continued-as-new before the claim carried it as two flags: `repair_requested` (taken) and
+        `repair_withheld` (why not repaired, which implied taken). Their time was not kept: `since` stays unknown."""
+        if not isinstance(data, dict) or not {"repair_requested", "repair_withheld"} & data.keys():
+            return data
+        data = dict(data)
+        requested, withheld = data.pop("repair_requested", False), data.pop("repair_withheld", None)
+        if "repair_claim" not in data:
+            if withheld is not None:
+                data["repair_claim"] = RepairClaim(kind=ClaimKind.WITHHELD, why=withheld)
+            elif requested:
+                data["repair_claim"] = RepairClaim(kind=ClaimKind.TAKEN)
+        return data
+
 
 class HealthRun(HealthInput):
     """A health workflow's input: what started it, and what an earlier run carried over (continue-as-new)."""
@@ -208,6 +242,7 @@ class RepairDecision(BaseModel):
     stance: RepairStance
     why: str = ""
     until: datetime | None = None
+    since: datetime | None = None  # since when it stands so, where the state knows (withheld, starting, excluded, ...)
 
 
 class InstanceHealthView(BaseModel):
@@ -223,7 +258,10 @@ class InstanceHealthView(BaseModel):
     retired_reason: str | None = None
     forged_signals: int = 0
     dropped_entries: int = 0
+    # Derived from repair_claim (its why, when WITHHELD), not carried: kept for the readers of this name
+    # (`describe-instances`' repairWithheld, scripts, the tests).
     repair_withheld: str | None = None
+    repair_claim: RepairClaim | None = None
     heartbeats_ignored_until: datetime | None = None
     probe_sources: list[ProbeSourceHealth] = Field(default_factory=list)
     # The tracker that knows when this instance was last heard (its `last_heard` query); None before the group is read.

@@ -26,6 +26,7 @@ from temporalio import workflow
 from temporalio.common import RawValue
 from temporalio.exceptions import ActivityError, ApplicationError, FailureError, is_cancelled_exception
 
+from contract import event_types as ev
 from contract import names
 from contract.formats import iso
 from contract.ids import semaphore_workflow_id
@@ -47,7 +48,7 @@ from workflows.signal_input import Rejected, decode, worth_logging
 
 with workflow.unsafe.imports_passed_through():
     from activities.fleet import FleetActivities
-    from activities.models import DrainResult, EventType, PermitRequestOrder
+    from activities.models import DrainResult, PermitRequestOrder
     from activities.workflow_ops import WorkflowOps
 
 # A patch id: histories recorded before a step's event and its news to the health workflow went out beside the next
@@ -84,9 +85,9 @@ class InstanceRepairWorkflow:
             record.ladder.choose(input, group, workflow.now())
             record.runbook = repair_runbook.for_group(group)
             record.evidence_step = group.evidence_bucket is not None
-            await repair.event(EventType.REPAIR_STARTED, reason=input.reason)
+            await repair.event(ev.RepairStarted(reason=input.reason))
             await self._acquire_permit()
-            await repair.event(EventType.DRAIN_PERMIT_GRANTED)
+            await repair.event(ev.DrainPermitGranted())
 
             await repair.enter(RepairPhase.DRAINING)
             drained: DrainResult = await workflow.execute_activity_method(
@@ -97,7 +98,7 @@ class InstanceRepairWorkflow:
                 retry_policy=CALL_RETRY,
             )
             record.notes[RepairPhase.DRAINING] = drained.container_instance_arn.rsplit("/", 1)[-1]
-            await repair.event(EventType.DRAINING)
+            await repair.event(ev.Draining())
 
             if await ladder.fix_in_place(repair, group):
                 return await self._completed(*record.ladder.tasks)
@@ -117,7 +118,7 @@ class InstanceRepairWorkflow:
                     start_to_close_timeout=CALL_TIMEOUT,
                     retry_policy=CALL_RETRY,
                 )
-                await repair.event(EventType.TERMINATED, **record.evidence_link())
+                await repair.event(ev.Terminated(evidence=record.evidence))
 
             return await self._completed(stopped, forced)
         except _Withdrawn as withdrawn:
@@ -127,7 +128,7 @@ class InstanceRepairWorkflow:
                 f"repair of {input.instance_id} {record.error}", type="RepairWithdrawn", non_retryable=True
             ) from None
         except _Discarded as discarded:
-            await self._failed(RepairPhase.DISCARDED, f"discarded: {discarded}", EventType.REPAIR_DISCARDED)
+            await self._failed(RepairPhase.DISCARDED, f"discarded: {discarded}", ev.RepairDiscarded)
             # Its instance was never touched; its health workflow puts it back to proving its fault.
             raise ApplicationError(
                 f"repair of {input.instance_id} {record.error}", type="RepairDiscarded", non_retryable=True
@@ -155,23 +156,24 @@ class InstanceRepairWorkflow:
     async def _cancelled(self) -> None:
         await self._failed(RepairPhase.CANCELLED, "cancelled by an operator")
 
-    async def _failed(self, phase: RepairPhase, error: str, type: EventType = EventType.REPAIR_FAILED) -> None:
+    async def _failed(self, phase: RepairPhase, error: str, event: type[ev.RepairFailed] = ev.RepairFailed) -> None:
         record = self._record
         record.error = error
         await self._repair.enter(phase, finished=True)
-        await self._repair.event(type, error=error, reason=record.input.reason, timeline=record.steps())
+        await self._repair.event(event(error=error, reason=record.input.reason, timeline=list(record.timeline)))
 
     async def _completed(self, stopped: int, forced: int) -> RepairResult:
         """Replaced, or fixed in place (its ladder's fix): the instance's health workflow is told which."""
         record = self._record
         await self._repair.enter(RepairPhase.COMPLETED, finished=True)
         await self._repair.event(
-            EventType.REPAIR_COMPLETED,
-            replacement_instance_id=record.replacement,
-            reason=record.input.reason,
-            action=record.ladder.action.value,
-            timeline=record.steps(),
-            **record.evidence_link(),
+            ev.RepairCompleted(
+                replacement_instance_id=record.replacement,
+                reason=record.input.reason,
+                action=record.ladder.action,
+                timeline=list(record.timeline),
+                evidence=record.evidence,
+            )
         )
         return RepairResult(
             instance_id=record.instance_id,
@@ -235,7 +237,7 @@ class InstanceRepairWorkflow:
             # The semaphore is gone (reset by an operator): it holds no permit of ours to release.
             workflow.logger.warning("could not release drain permit: %s", err)
         if self._granted:
-            await self._repair.event(EventType.DRAIN_PERMIT_RELEASED)
+            await self._repair.event(ev.DrainPermitReleased())
 
     @workflow.signal(dynamic=True)
     def on_signal(self, name: str, payloads: Sequence[RawValue]) -> None:

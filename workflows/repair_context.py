@@ -8,13 +8,13 @@ RepairContext: the repair's record to read and write, and these. The workflow (w
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from temporalio import workflow
 from temporalio.exceptions import FailureError
 
 from contract import names
 from contract import search_attributes as sa
+from contract.event_types import EventDetail
 from contract.ids import health_workflow_id
 from contract.repair import RepairPhase
 from workflows import repair_runbook
@@ -24,7 +24,7 @@ from workflows.models import RepairProgress
 from workflows.repair_record import RepairRecord
 
 with workflow.unsafe.imports_passed_through():
-    from activities.models import EventType, FleetEvent, InstanceRef
+    from activities.models import FleetEvent, InstanceRef
 
 
 class RepairContext:
@@ -68,18 +68,17 @@ class RepairContext:
 
         await self._tell(tell)
 
-    async def event(self, type: EventType, **fields: Any) -> None:
-        event = FleetEvent(
+    async def event(self, detail: EventDetail) -> None:
+        event = FleetEvent.of(
+            detail,
             event_id=str(workflow.uuid4()),
             time=workflow.now(),
-            type=type,
             group=self.record.group,
             instance_id=self.record.instance_id,
             workflow_id=workflow.info().workflow_id,
-            fields=fields,
         )
         # The step is done and recorded in this history: a lost event must not fail (or undo) the repair.
-        await self._tell(lambda: publish(event, f"event {type.value}"))
+        await self._tell(lambda: publish(event, f"event {detail.TYPE.value}"))
 
     async def flush(self) -> None:
         """Before the workflow closes: news still queued would never go out."""

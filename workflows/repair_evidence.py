@@ -23,6 +23,7 @@ from temporalio import workflow
 from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, is_cancelled_exception
 
+from contract import event_types as ev
 from contract.config import format_seconds
 from contract.evidence import QUARANTINE_TAG
 from contract.groups import CapacityGroup
@@ -35,7 +36,6 @@ with workflow.unsafe.imports_passed_through():
     from activities.evidence import EvidenceActivities
     from activities.fleet import FleetActivities
     from activities.models import (
-        EventType,
         EvidenceCommandCheck,
         EvidenceFinish,
         EvidenceManifest,
@@ -97,18 +97,19 @@ async def keep_evidence(repair: RepairContext, group: CapacityGroup) -> None:
             raise
         why = describe_error(err)
         record.notes[RepairPhase.COLLECTING_EVIDENCE] = f"**not stored**: {why}"
-        await repair.event(EventType.EVIDENCE_NOT_STORED, reason=input.reason, why=why)
+        await repair.event(ev.EvidenceNotStored(reason=input.reason, why=why))
         return
     record.evidence = manifest.location
     missing = f"; missing: {', '.join(manifest.missing)}" if manifest.missing else ""
     record.notes[RepairPhase.COLLECTING_EVIDENCE] = f"{manifest.location}{missing}"
     await repair.event(
-        EventType.EVIDENCE_STORED,
-        reason=input.reason,
-        evidence=manifest.location,
-        objects=manifest.objects,
-        missing=manifest.missing,
-        complete=manifest.complete,
+        ev.EvidenceStored(
+            reason=input.reason,
+            evidence=manifest.location,
+            objects=manifest.objects,
+            missing=manifest.missing,
+            complete=manifest.complete,
+        )
     )
 
 
@@ -154,8 +155,5 @@ async def quarantine(repair: RepairContext) -> None:
     else:
         record.notes[RepairPhase.QUARANTINING] = f"stopped, tagged {QUARANTINE_TAG}"
     await repair.event(
-        EventType.QUARANTINED,
-        previous_state=result.previous_state,
-        kept=not result.gone,
-        **record.evidence_link(),
+        ev.Quarantined(previous_state=result.previous_state, kept=not result.gone, evidence=record.evidence)
     )

@@ -29,6 +29,7 @@ from datetime import datetime
 from temporalio import workflow
 from temporalio.exceptions import ActivityError
 
+from contract import event_types as ev
 from contract.config import format_seconds
 from contract.groups import CapacityGroup, Remediation
 from contract.repair import InPlaceFix, RepairAction, RepairPhase
@@ -42,7 +43,6 @@ from workflows.repair_verify import look_at, poll_interval, verify_fix
 
 with workflow.unsafe.imports_passed_through():
     from activities.models import (
-        EventType,
         GpuResetCheck,
         GpuResetRequest,
         RebootRequest,
@@ -90,8 +90,8 @@ async def fix_in_place(repair: RepairContext, group: CapacityGroup) -> bool:
     if why is not None:
         await _escalate(repair, ladder.action, RepairAction.REPLACE, why)
         return False
-    done = EventType.GPU_RESET_COMPLETED if ladder.action is RepairAction.GPU_RESET else EventType.REBOOT_COMPLETED
-    await repair.event(done, **record.about(), took_seconds=int((workflow.now() - started).total_seconds()))
+    done = ev.GpuResetCompleted if ladder.action is RepairAction.GPU_RESET else ev.RebootCompleted
+    await repair.event(done(**record.about(), took_seconds=int((workflow.now() - started).total_seconds())))
     if workflow.patched(VERIFY_FIX):
         why = await verify_fix(repair, group, started)
         if why is not None:
@@ -139,7 +139,7 @@ async def _reset_gpu(repair: RepairContext, group: CapacityGroup) -> str | None:
         # No SSM agent on the host, or no permission: a reboot does without either.
         return f"reset of GPU {gpu} could not be sent: {describe_error(err)}"
     record.notes[RepairPhase.RESETTING_GPU] = f"SSM command {sent.command_id}"
-    await repair.event(EventType.GPU_RESET_STARTED, **record.about(), command_id=sent.command_id)
+    await repair.event(ev.GpuResetStarted(**record.about(), command_id=sent.command_id))
     deadline = workflow.now() + group.reboot_timeout
     check = GpuResetCheck(group=record.group, instance_id=instance_id, command_id=sent.command_id)
     while True:
@@ -173,7 +173,7 @@ async def _reboot(repair: RepairContext, old_boot: str | None) -> None:
         retry_policy=CALL_RETRY,
     )
     record.notes[RepairPhase.REBOOTING] = f"from boot {old_boot or 'unknown'}"
-    await repair.event(EventType.REBOOT_STARTED, **record.about(), boot_id_before=old_boot, token=token)
+    await repair.event(ev.RebootStarted(**record.about(), boot_id_before=old_boot, token=token))
 
 
 async def _await_recovery(
@@ -213,4 +213,4 @@ async def _await_recovery(
 
 async def _escalate(repair: RepairContext, frm: RepairAction, to: RepairAction, why: str) -> None:
     repair.record.ladder.escalate(frm, to, why)
-    await repair.event(EventType.ESCALATED, **repair.record.about(), from_action=frm.value, to_action=to.value, why=why)
+    await repair.event(ev.Escalated(**repair.record.about(), from_action=frm, to_action=to, why=why))

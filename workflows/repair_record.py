@@ -8,10 +8,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, TypedDict
 
 from contract.repair import FINISHED, PhaseStep, RepairInput, RepairPhase
 from workflows.repair_ladder import Ladder
+
+
+class FaultAbout(TypedDict):
+    reason: str
+    gpu: str | None
+    nvidia_action: str | None
 
 
 @dataclass
@@ -54,15 +60,12 @@ class RepairRecord:
         self.phase = phase
         self.timeline.append(PhaseStep(phase=phase, started_at=now))
 
-    def evidence_link(self) -> dict[str, str]:
-        return {"evidence": self.evidence} if self.evidence is not None else {}
-
     def steps(self) -> list[dict[str, Any]]:
         # Closing events carry the phase timeline; activities/metrics.py turns it into per-phase durations.
         return [s.model_dump(mode="json") for s in self.timeline]
 
-    def about(self) -> dict[str, str | None]:
-        """What the ladder's events say of the fault they act on."""
+    def about(self) -> FaultAbout:
+        """What the ladder's events say of the fault they act on (contract/event_types.py's LadderStep)."""
         finding = self.input.finding
         return {
             "reason": self.input.reason,

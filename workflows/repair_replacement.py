@@ -11,8 +11,9 @@ it takes, as before. Attempts count replacements that launched and never became 
 
 With the group's `verify_replacement` (on by default) ACTIVE is not enough: the replacement's probe must report with
 its GPU sources OK and the replacement pass the gate a fix must pass (workflows/fix_gate.py) within the same
-`replacement_ready_timeout`; ReplacementReady carries the gate's checks, and a failure abandons it like a replacement
-that never became ACTIVE.
+`replacement_ready_timeout`; with `verify_replacement = "on_host"` also the gate's part on the host (DCGM's diagnostic,
+`gate_command`) through SSM Run Command, within `gate_timeout`. ReplacementReady carries the gate's checks, and a
+failure abandons it like a replacement that never became ACTIVE.
 
 Each step takes the repair's RepairContext (workflows/repair_context.py): its record, its events, its phases.
 """
@@ -20,13 +21,13 @@ Each step takes the repair's RepairContext (workflows/repair_context.py): its re
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError, is_cancelled_exception
 from temporalio.exceptions import TimeoutError as ActivityTimeoutError
 
+from contract import event_types as ev
 from contract.config import format_seconds
 from contract.groups import CapacityGroup
 from contract.repair import RepairPhase
@@ -38,7 +39,7 @@ from workflows.repair_verify import verify_replacement
 
 with workflow.unsafe.imports_passed_through():
     from activities.fleet import FleetActivities
-    from activities.models import DrainResult, EventType, LaunchRequest, ReplacementRef, ReplacementWait
+    from activities.models import DrainResult, LaunchRequest, ReplacementRef, ReplacementWait
 
 LAUNCH_BACKOFF_FIRST = timedelta(seconds=5)
 LAUNCH_BACKOFF_MAX = timedelta(minutes=10)
@@ -87,21 +88,19 @@ async def replace(repair: RepairContext, group: CapacityGroup, drained: DrainRes
         launched_at = workflow.now()
         record.replacement = replacement
         record.notes[RepairPhase.LAUNCHING_REPLACEMENT] = replacement + _of(attempt, limit)
-        await repair.event(EventType.REPLACEMENT_LAUNCHED, replacement_instance_id=replacement, attempt=attempt)
+        await repair.event(ev.ReplacementLaunched(replacement_instance_id=replacement, attempt=attempt))
 
         # Shown from the next step on: which replacement is awaited, and those given up on before it.
         record.notes[RepairPhase.WAITING_FOR_REPLACEMENT] = "; ".join([replacement + _of(attempt, limit), *given_up])
         await repair.enter(RepairPhase.WAITING_FOR_REPLACEMENT)
         failure = await _wait_until_active(repair, group, replacement, attempt, limit)
-        gate: dict[str, Any] = {}
+        gate: list[ev.GateResult] | None = None
         if failure is None and group.verify_replacement and workflow.patched(VERIFY_REPLACEMENT):
             checks, failed = await verify_replacement(repair, group, replacement, launched_at)
-            gate = {"checks": [c.model_dump(mode="json") for c in checks]}
+            gate = [ev.GateResult.model_validate(c.model_dump()) for c in checks]
             failure = None if failed is None else (failed, failed)
         if failure is None:
-            await repair.event(
-                EventType.REPLACEMENT_READY, replacement_instance_id=replacement, attempt=attempt, **gate
-            )
+            await repair.event(ev.ReplacementReady(replacement_instance_id=replacement, attempt=attempt, checks=gate))
             return replacement
         why, error = failure
         await _abandon(repair, replacement, attempt, limit, why, error)
@@ -134,7 +133,7 @@ async def _adopt(repair: RepairContext) -> str | None:
     record.replacement = earlier
     record.notes[RepairPhase.LAUNCHING_REPLACEMENT] = f"{earlier}, launched by an earlier attempt: adopted"
     record.notes[RepairPhase.WAITING_FOR_REPLACEMENT] = f"{earlier} ACTIVE"
-    await repair.event(EventType.REPLACEMENT_READY, replacement_instance_id=earlier, attempt=0, adopted=True)
+    await repair.event(ev.ReplacementReady(replacement_instance_id=earlier, attempt=0, adopted=True))
     return earlier
 
 
@@ -191,11 +190,13 @@ async def _launch(repair: RepairContext, group: CapacityGroup, drained: DrainRes
             record.notes[RepairPhase.LAUNCHING_REPLACEMENT] = f"attempt {tries} failed: {record.error}"
             await repair.notify_health()
             await repair.event(
-                EventType.REPLACEMENT_LAUNCH_FAILED,
-                error=record.error,
-                attempt=tries,
-                retry_in_seconds=int(backoff.total_seconds()),
-                **({"availability_zone": zone, "next_try": next_try} if next_try else {}),
+                ev.ReplacementLaunchFailed(
+                    error=record.error or "",
+                    attempt=tries,
+                    retry_in_seconds=int(backoff.total_seconds()),
+                    availability_zone=zone if next_try else None,
+                    next_try=next_try or None,
+                )
             )
             await workflow.sleep(backoff, summary=f"back off before launch attempt {tries + 1}")
             backoff = min(backoff * 2, LAUNCH_BACKOFF_MAX)
@@ -247,10 +248,7 @@ async def _abandon(repair: RepairContext, replacement: str, attempt: int, limit:
     )
     record.replacement = None
     await repair.event(
-        EventType.REPLACEMENT_ABANDONED,
-        attempt=attempt,
-        replacement_instance_id=replacement,
-        why=why,
-        error=error,
-        attempts_left=limit - attempt,
+        ev.ReplacementAbandoned(
+            attempt=attempt, replacement_instance_id=replacement, why=why, error=error, attempts_left=limit - attempt
+        )
     )

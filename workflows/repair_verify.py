@@ -9,6 +9,7 @@ from datetime import datetime, timedelta
 from temporalio import workflow
 from temporalio.exceptions import ActivityError
 
+from contract import event_types as ev
 from contract.config import format_seconds
 from contract.groups import CapacityGroup
 from contract.repair import RepairPhase
@@ -19,10 +20,12 @@ from workflows.repair_context import RepairContext
 from workflows.repair_ladder import missing
 
 with workflow.unsafe.imports_passed_through():
-    from activities.models import EventType, GateCommandRequest, HostCommandCheck, RecoveryCheck, RecoveryStatus
+    from activities.models import GateCommandRequest, HostCommandCheck, RecoveryCheck, RecoveryStatus
     from activities.remediation import RemediationActivities
 
 MIN_POLL = timedelta(seconds=1)
+# A patch id: histories recorded before a replacement could be gated on the host (verify_replacement "on_host").
+VERIFY_REPLACEMENT_ON_HOST = "verify-replacement-on-host"
 GATE_SUMMARY = ", ".join(row.what for row in GATE_CHECKS)
 
 
@@ -56,30 +59,32 @@ async def verify_fix(repair: RepairContext, group: CapacityGroup, since: datetim
     )
     checks = _gate(look, since)
     if failures(checks) is None and group.gates_on_host:
-        checks.append(await _on_host(repair, group))
+        checks.append(await _on_host(repair, group, record.instance_id))
     failed = failures(checks)
     note = record.notes.get(RepairPhase.AWAITING_RECOVERY, "")
     record.notes[RepairPhase.AWAITING_RECOVERY] = f"{note}; gate {'passed' if failed is None else 'FAILED: ' + failed}"
     await repair.event(
-        EventType.FIX_VERIFIED,
-        **record.about(),
-        passed=failed is None,
-        checks=[c.model_dump(mode="json") for c in checks],
+        ev.FixVerified(
+            **record.about(),
+            passed=failed is None,
+            checks=[ev.GateResult.model_validate(c.model_dump()) for c in checks],
+        )
     )
     return None if failed is None else f"the fix did not pass the gate: {failed}"
 
 
-async def _on_host(repair: RepairContext, group: CapacityGroup) -> GateCheck:
-    """DCGM's diagnostic and the operator's command on the host, through SSM Run Command: passed on exit 0; a command
-    that cannot be sent, fails, or is not done within gate_timeout fails the gate."""
+async def _on_host(repair: RepairContext, group: CapacityGroup, instance_id: str) -> GateCheck:
+    """DCGM's diagnostic and the operator's command on the host (the repaired instance, or its replacement), through
+    SSM Run Command: passed on exit 0; a command that cannot be sent, fails, or is not done within gate_timeout fails
+    the gate."""
     record = repair.record
     asks = [f"dcgmi diag -r {group.gate_diag_level}"] if group.gate_diag_level else []
     asks += ["the group's gate_command"] if group.gate_command else []
     try:
         sent = await workflow.execute_activity_method(
             RemediationActivities.send_gate_command,
-            GateCommandRequest(group=record.group, instance_id=record.instance_id, token=str(workflow.uuid4())),
-            summary=f"run the gate on {record.instance_id}: {' and '.join(asks)} through SSM Run Command",
+            GateCommandRequest(group=record.group, instance_id=instance_id, token=str(workflow.uuid4())),
+            summary=f"run the gate on {instance_id}: {' and '.join(asks)} through SSM Run Command",
             start_to_close_timeout=CALL_TIMEOUT,
             retry_policy=CALL_RETRY,
         )
@@ -88,12 +93,12 @@ async def _on_host(repair: RepairContext, group: CapacityGroup) -> GateCheck:
             raise
         return GateCheck(name="host", passed=False, detail=f"could not be sent: {describe_error(err)}")
     deadline = workflow.now() + group.gate_timeout
-    check = HostCommandCheck(instance_id=record.instance_id, command_id=sent.command_id)
+    check = HostCommandCheck(instance_id=instance_id, command_id=sent.command_id)
     while True:
         status = await workflow.execute_activity_method(
             RemediationActivities.host_command_status,
             check,
-            summary=f"has the gate on {record.instance_id} finished?",
+            summary=f"has the gate on {instance_id} finished?",
             start_to_close_timeout=CALL_TIMEOUT,
             retry_policy=CALL_RETRY,
         )
@@ -108,15 +113,15 @@ async def _on_host(repair: RepairContext, group: CapacityGroup) -> GateCheck:
                 passed=False,
                 detail=f"no answer within gate_timeout {format_seconds(group.gate_timeout)} ({status.status})",
             )
-        await workflow.sleep(poll_interval(group), summary=f"the gate on {record.instance_id}: {status.status}")
+        await workflow.sleep(poll_interval(group), summary=f"the gate on {instance_id}: {status.status}")
 
 
 async def verify_replacement(
     repair: RepairContext, group: CapacityGroup, replacement: str, since: datetime
 ) -> tuple[list[GateCheck], str | None]:
     """Wait, within replacement_ready_timeout of its launch, for the replacement's probe to report with every GPU
-    source OK, then run the gate on it: its checks, and None when it passed, else why it did not (the caller
-    abandons it and launches another)."""
+    source OK, then run the gate on it (with verify_replacement "on_host", the host's part too, within gate_timeout):
+    its checks, and None when it passed, else why it did not (the caller abandons it and launches another)."""
     deadline = since + group.replacement_ready_timeout
     while True:
         look = await look_at(
@@ -125,6 +130,12 @@ async def verify_replacement(
         lacking = missing(look, None, rebooted=False)
         if lacking is None:
             checks = _gate(look, since)
+            if (
+                failures(checks) is None
+                and group.gates_replacement_on_host
+                and workflow.patched(VERIFY_REPLACEMENT_ON_HOST)
+            ):
+                checks.append(await _on_host(repair, group, replacement))
             failed = failures(checks)
             return checks, None if failed is None else f"failed the gate: {failed}"
         if workflow.now() >= deadline:

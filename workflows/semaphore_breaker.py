@@ -11,6 +11,7 @@ from datetime import timedelta
 from temporalio import workflow
 from temporalio.exceptions import FailureError
 
+from contract import event_types as ev
 from contract import names
 from contract.breaker import BreakerView, HoldNotice, ImpairmentReport, in_maintenance, next_maintenance
 from contract.config import format_seconds
@@ -27,7 +28,7 @@ from workflows.side_tasks import SideTasks
 with workflow.unsafe.imports_passed_through():
     from activities.breaker_ops import BreakerOps
     from activities.fleet import FleetActivities
-    from activities.models import EventType, GroupCapacityRequest
+    from activities.models import GroupCapacityRequest
 
 
 class SemaphoreBreaker:
@@ -104,16 +105,15 @@ class SemaphoreBreaker:
         await publish_group_event(
             state.group,
             semaphore_workflow_id(state.group),
-            EventType.REPLACEMENT_FAULTED_EARLY,
-            {
-                "replacement_instance_id": early.instance_id,
-                "took_over_at": early.took_over_at.isoformat(),
-                "faulted_at": early.faulted_at.isoformat(),
-                "reason": early.reason,
-                "faulted_early": counted,
-                "replacement_faults_to_hold": group.replacement_faults_to_hold,
-                "replacement_fault_window": format_seconds(group.replacement_fault_window),
-            },
+            ev.ReplacementFaultedEarly(
+                replacement_instance_id=early.instance_id,
+                took_over_at=early.took_over_at,
+                faulted_at=early.faulted_at,
+                reason=early.reason,
+                faulted_early=counted,
+                replacement_faults_to_hold=group.replacement_faults_to_hold,
+                replacement_fault_window=format_seconds(group.replacement_fault_window),
+            ),
         )
 
     async def _report_to_fleet(self, report: ImpairmentReport) -> None:
@@ -165,8 +165,7 @@ class SemaphoreBreaker:
         await publish_group_event(
             state.group,
             semaphore_workflow_id(state.group),
-            EventType.REPAIRS_HELD,
-            hold.model_dump(mode="json") | {"held_repairs": sorted(w.instance_id for w in state.waiters)[:100]},
+            ev.RepairsHeld.of(hold, held_repairs=sorted(w.instance_id for w in state.waiters)[:100]),
         )
         return True
 
@@ -186,13 +185,7 @@ class SemaphoreBreaker:
         await publish_group_event(
             state.group,
             semaphore_workflow_id(state.group),
-            EventType.REPAIRS_RESUMED,
-            {
-                "requested_by": by,
-                "discard_held": discard_held,
-                "held": record.held.model_dump(mode="json") if record.held else None,
-                "repairs": held[:100],
-            },
+            ev.RepairsResumed(requested_by=by, discard_held=discard_held, held=record.held, repairs=held[:100]),
         )
 
     async def _discard_waiters(self, reason: str) -> None:

@@ -33,6 +33,11 @@ PROBE_ARGS="--kmsg"
 INGEST_CA_PEM=""
 # A package index instead of PyPI (a mirror, or a private index): e.g. https://pypi.example.internal/simple
 INDEX_URL=""
+# The group that may open the container runtime's socket (docker's: root:docker 0660). Where the host has it, the probe
+# joins it (a drop-in beside the unit), so that its CONTAINER_RUNTIME check asks dockerd itself whether it answers,
+# not only systemd whether its unit is active. Membership of the docker group lets a process run any container, so
+# it is as good as root: empty leaves the probe out of it, and docker is judged by its unit alone.
+RUNTIME_SOCKET_GROUP="docker"
 # ----------------------------------------------
 
 PREFIX=/opt/gpu-autorepair
@@ -105,6 +110,7 @@ case "$INGEST_URL" in
 esac
 check_value INGEST_URL "$INGEST_URL"
 check_value STS_REGION "$STS_REGION"
+[[ -z "$RUNTIME_SOCKET_GROUP" ]] || check_value RUNTIME_SOCKET_GROUP "$RUNTIME_SOCKET_GROUP"
 if [[ -z "$GROUP" ]]; then
     GROUP=$(imds tags/instance/gpu-autorepair:group) ||
         fail "GROUP is empty and the instance metadata has no gpu-autorepair:group tag (InstanceMetadataTags=enabled?)"
@@ -165,6 +171,8 @@ cat >"$UNIT_FILE.new" <<'UNIT'
 # /opt/gpu-autorepair (pip install 'gpu-autorepair[probe]') and /etc/autorepair/autorepair.env with
 # AUTOREPAIR_PROBE_GROUP and AUTOREPAIR_PROBE_INGEST (the probe refuses to start without them).
 # GET /healthz on 127.0.0.1:8482 (--health-bind): 503 when no heartbeat went out for 3 heartbeat intervals.
+# GET /metrics (Prometheus) and /healthz on 0.0.0.0:9482 (--metrics-bind): the GPU hosts' security group says who
+# reaches it; AUTOREPAIR_PROBE_METRICS_BIND=off in autorepair.env serves none.
 [Unit]
 Description=gpu-autorepair node probe (NVIDIA Xid faults from the kernel log, heartbeats, to the ingest)
 Documentation=https://github.com/gpu-autorepair/gpu-autorepair/blob/main/deploy/README.md
@@ -184,8 +192,9 @@ Environment=AUTOREPAIR_LOG_FORMAT=json
 # The kernel log source, and any other flag: /dev/kmsg by default; AUTOREPAIR_PROBE_ARGS=--journald in
 # autorepair.env where only the journal keeps the kernel log (the systemd-journal group below lets it read).
 Environment=AUTOREPAIR_PROBE_ARGS=--kmsg
+Environment=AUTOREPAIR_PROBE_METRICS_BIND=0.0.0.0:9482
 EnvironmentFile=-/etc/autorepair/autorepair.env
-ExecStart=/opt/gpu-autorepair/bin/autorepair probe --group ${AUTOREPAIR_PROBE_GROUP} --ingest ${AUTOREPAIR_PROBE_INGEST} --spool-dir /var/lib/autorepair/spool $AUTOREPAIR_PROBE_ARGS
+ExecStart=/opt/gpu-autorepair/bin/autorepair probe --group ${AUTOREPAIR_PROBE_GROUP} --ingest ${AUTOREPAIR_PROBE_INGEST} --spool-dir /var/lib/autorepair/spool --metrics-bind ${AUTOREPAIR_PROBE_METRICS_BIND} $AUTOREPAIR_PROBE_ARGS
 Restart=always
 RestartSec=5
 TimeoutStopSec=20
@@ -199,6 +208,10 @@ AmbientCapabilities=CAP_SYSLOG
 CapabilityBoundingSet=CAP_SYSLOG
 # --journald: `journalctl -k` reads the system journal as a member of its group.
 SupplementaryGroups=systemd-journal
+# The CONTAINER_RUNTIME check asks dockerd on /var/run/docker.sock (root:docker 0660) only as a member of its group:
+# install-probe.sh adds SupplementaryGroups=docker in autorepair-probe.service.d/runtime-socket.conf where the host
+# has that group (a missing group would stop the unit from starting). Without it, docker's unit alone is judged, and
+# the source's status says so; containerd's socket is root's alone, so containerd is always judged by its unit.
 NoNewPrivileges=yes
 # Devices: only the kernel log (read) and the NVIDIA driver's nodes (NVML: /dev/nvidiactl, /dev/nvidia0..N are
 # major "nvidia-frontend"; MIG capabilities are "nvidia-caps"). No PrivateDevices: it would hide them.
@@ -230,6 +243,18 @@ WantedBy=multi-user.target
 UNIT
 chmod 0644 "$UNIT_FILE.new"
 mv -f "$UNIT_FILE.new" "$UNIT_FILE"
+
+DROP_IN="$UNIT_FILE.d/runtime-socket.conf"
+if [[ -n "$RUNTIME_SOCKET_GROUP" ]] && getent group "$RUNTIME_SOCKET_GROUP" >/dev/null; then
+    mkdir -p "$UNIT_FILE.d"
+    printf '[Service]\n# Written by install-probe.sh: the container runtime checked through its socket.\nSupplementaryGroups=%s\n' \
+        "$RUNTIME_SOCKET_GROUP" >"$DROP_IN.new"
+    chmod 0644 "$DROP_IN.new"
+    mv -f "$DROP_IN.new" "$DROP_IN"
+    log "the probe joins group $RUNTIME_SOCKET_GROUP: the container runtime is checked through its socket"
+else
+    rm -f "$DROP_IN"
+fi
 
 systemctl daemon-reload
 systemctl enable autorepair-probe.service

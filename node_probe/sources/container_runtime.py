@@ -9,8 +9,13 @@ default: a host that cannot start containers is no use to ECS); back up is `cont
 shorter than the threshold says nothing. The hysteresis and the episodes are DaemonSource's; only what "up" means
 differs.
 
-A socket the probe may not open (the shipped systemd unit's dynamic user is not in the docker group, and only root
-may open containerd's) is no fault of the runtime: that runtime's unit alone is judged, and the log says so once.
+A socket the probe may not open is no fault of the runtime: that runtime's unit alone is judged, and the log says so
+once. The shipped systemd unit runs the probe as a dynamic user in the docker group where the host has one
+(deploy/systemd/install-probe.sh), so docker's socket (root:docker 0660) is asked; containerd's is root's alone, so
+containerd is judged by its unit there. Each poll the source's status (the heartbeat's `sources`, `autorepair
+describe`) says which way each runtime was checked: "docker: unit and API on /var/run/docker.sock; containerd: unit
+only, may not open /run/containerd/containerd.sock (Permission denied)". A socket refused once is asked again at
+each poll, so access granted later (a restart in the group) is used at once.
 
 Like the daemons, this says nothing about the GPUs (`gpu_source = False`).
 """
@@ -25,9 +30,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
+from contract.health import HealthState
 from contract.probe import KIND_CONTAINER_RUNTIME, KIND_CONTAINER_RUNTIME_RECOVERED
 from node_probe.classify.record import RecordKind
 from node_probe.host import CommandRunner, run_command
+from node_probe.sources.base import Observation, SourceStatus
 from node_probe.sources.daemons import UP_STATES, DaemonSource, DaemonSpec
 
 log = logging.getLogger(__name__)
@@ -178,7 +185,14 @@ class ContainerRuntimeSource(DaemonSource):
         self._runtimes = {spec.unit: spec for spec in runtimes}
         self._api_timeout = api_timeout
         self._unanswered: dict[str, str] = {}  # unit -> why its API did not answer, while it does not
-        self._forbidden: set[str] = set()  # units whose socket the probe may not open (said once)
+        self._forbidden: dict[str, str] = {}  # unit -> why the probe may not open its socket, while it may not
+        self._checked: dict[str, str] = {}  # unit -> how the last poll checked it, for the source's status
+
+    async def poll(self) -> list[Observation]:
+        found = await super().poll()
+        if self._status.is_ok and self._checked:
+            self._status = SourceStatus(HealthState.OK, "; ".join(self._checked.values()))
+        return found
 
     async def _states(self, watched: list[DaemonSpec]) -> list[str] | None:
         states = await super()._states(watched)
@@ -190,6 +204,14 @@ class ContainerRuntimeSource(DaemonSource):
             if state in UP_STATES and spec.unit in self._runtimes
         ]
         answers = await asyncio.gather(*(self._ask_api(runtime) for _, runtime in asks))
+        self._checked = {spec.unit: f"{spec.unit}: unit {state}" for spec, state in zip(watched, states, strict=True)}
+        for _, runtime in asks:
+            forbidden = self._forbidden.get(runtime.unit)
+            self._checked[runtime.unit] = (
+                f"{runtime.unit}: unit and API on {runtime.socket}"
+                if forbidden is None
+                else f"{runtime.unit}: unit only, may not open {runtime.socket} ({forbidden})"
+            )
         for (index, runtime), why in zip(asks, answers, strict=True):
             if why is None:
                 self._unanswered.pop(runtime.unit, None)
@@ -202,12 +224,11 @@ class ContainerRuntimeSource(DaemonSource):
 
     async def _ask_api(self, runtime: RuntimeSpec) -> str | None:
         try:
-            return await _CHECKS[runtime.api](runtime.socket, self._api_timeout)
+            answer = await _CHECKS[runtime.api](runtime.socket, self._api_timeout)
         except PermissionError as exc:
-            # The shipped systemd unit runs the probe as a dynamic user, which may not open docker's or containerd's
-            # socket: that is no fault of the runtime, so only its unit is judged.
+            # A probe outside the socket's group (containerd's is root's alone): no fault of the runtime, so only its
+            # unit is judged.
             if runtime.unit not in self._forbidden:
-                self._forbidden.add(runtime.unit)
                 log.warning(
                     "%s: may not open %s (%s): watching the %s unit only, not its API",
                     self.name,
@@ -215,7 +236,11 @@ class ContainerRuntimeSource(DaemonSource):
                     exc.strerror or exc,
                     runtime.unit,
                 )
+            self._forbidden[runtime.unit] = str(exc.strerror or exc)
             return None
+        if self._forbidden.pop(runtime.unit, None) is not None:
+            log.info("%s: may open %s now: watching the %s API too", self.name, runtime.socket, runtime.unit)
+        return answer
 
     def _describe(self, spec: DaemonSpec, state: str) -> str:
         if state == UNRESPONSIVE:
