@@ -22,6 +22,7 @@ from operator_cli.client import one_line, temporal_settings
 from operator_cli.doctor_aws import (
     auto_scaling_group_exists,
     aws_identity,
+    capacity_provider_exists,
     cluster_exists,
     daemon_services_exist,
     event_bus_exists,
@@ -81,6 +82,7 @@ CHECKS: tuple[Check | GroupCheck, ...] = (
     GroupCheck("ecs cluster", cluster_exists),
     GroupCheck("launch template", launch_template_exists),
     GroupCheck("auto scaling group", auto_scaling_group_exists),
+    GroupCheck("capacity provider", capacity_provider_exists),
     GroupCheck("subnets", subnets_exist),
     GroupCheck("evidence bucket", evidence_bucket_exists),
     GroupCheck("daemon services", daemon_services_exist),

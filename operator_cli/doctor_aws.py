@@ -211,6 +211,53 @@ async def auto_scaling_group_exists(doc: Doctor, group: CapacityGroup) -> Verdic
     )
 
 
+async def capacity_provider_exists(doc: Doctor, group: CapacityGroup) -> Verdict:
+    """A group that replaces through its Auto Scaling group is, in ECS's terms, a capacity provider of its cluster:
+    one of the cluster's capacity providers is ACTIVE and backed by that Auto Scaling group. None is a cluster and
+    an Auto Scaling group that do not belong together (a typo in either), found here rather than at the first
+    replacement, which would join a cluster that never places work on it."""
+    name = group.auto_scaling_group
+    if name is None:
+        return skipped("the group launches from a launch template: no Auto Scaling group to back a capacity provider")
+    if doc.caller_arn is None:
+        return skipped(NO_IDENTITY)
+    try:
+        clusters = (await doc.call(doc.ecs.describe_clusters, clusters=[group.cluster])).get("clusters", [])
+        names = [n for cluster in clusters for n in cluster.get("capacityProviders", [])]
+        providers = (
+            (await doc.call(doc.ecs.describe_capacity_providers, capacityProviders=names)).get("capacityProviders", [])
+            if names
+            else []
+        )
+    except ClientError as err:
+        if (refusal := refused(err, "ecs:DescribeClusters or ecs:DescribeCapacityProviders")) is not None:
+            return refusal
+        raise
+    backing = [
+        p
+        for p in providers
+        if str(p.get("autoScalingGroupProvider", {}).get("autoScalingGroupArn", "")).endswith(
+            f":autoScalingGroupName/{name}"
+        )
+    ]
+    if not backing:
+        listed = ", ".join(names) or "none"
+        return failed(
+            f"no capacity provider of ECS cluster {group.cluster!r} is backed by Auto Scaling group {name!r} "
+            f"(the cluster's: {listed})",
+            f"add one for it to the cluster (aws ecs create-capacity-provider, then put-cluster-capacity-providers), "
+            f"or correct {doc.group_key(group, 'cluster')} or {doc.group_key(group, 'auto_scaling_group')}",
+        )
+    provider = backing[0]
+    if provider.get("status") != "ACTIVE":
+        return failed(
+            f"capacity provider {provider.get('name')!r} for {name!r} is {provider.get('status')}",
+            "create an ACTIVE one for the Auto Scaling group and add it to the cluster",
+        )
+    scaling = provider.get("autoScalingGroupProvider", {}).get("managedScaling", {}).get("status", "DISABLED")
+    return passed(f"capacity provider {provider.get('name')!r} of {group.cluster!r}, managed scaling {scaling}")
+
+
 async def subnets_exist(doc: Doctor, group: CapacityGroup) -> Verdict:
     if not group.subnets:
         return skipped("the group names no subnets")

@@ -159,6 +159,15 @@ def _aws_world(endpoint: str, name: str) -> dict[str, str]:
         DesiredCapacity=0,
         AvailabilityZones=["us-east-1a"],
     )
+    # The Auto Scaling group backs a capacity provider of its group's cluster, as in an ECS fleet run by capacity
+    # providers; the launch template group's cluster has none.
+    asg_arn = _moto("autoscaling", endpoint).describe_auto_scaling_groups(AutoScalingGroupNames=[f"{name}-asg"])[
+        "AutoScalingGroups"
+    ][0]["AutoScalingGroupARN"]
+    ecs.create_capacity_provider(name=f"{name}-cp", autoScalingGroupProvider={"autoScalingGroupArn": asg_arn})
+    ecs.put_cluster_capacity_providers(
+        cluster=f"{name}-asg", capacityProviders=[f"{name}-cp"], defaultCapacityProviderStrategy=[]
+    )
     _moto("events", endpoint).create_event_bus(Name=f"{name}-bus")
     _moto("s3", endpoint).create_bucket(Bucket=f"{name}-evidence")
     iam = _moto("iam", endpoint)
@@ -260,6 +269,8 @@ async def test_a_good_setup_passes_every_check_it_can_make(world: World) -> None
         f"group {asg}: launch template": "SKIP",
         f"group {lt}: auto scaling group": "SKIP",
         f"group {asg}: auto scaling group": "PASS",
+        f"group {lt}: capacity provider": "SKIP",
+        f"group {asg}: capacity provider": "PASS",
         f"group {lt}: subnets": "PASS",
         f"group {asg}: subnets": "SKIP",
         f"group {lt}: evidence bucket": "PASS",
@@ -300,7 +311,7 @@ async def test_a_good_setup_passes_every_check_it_can_make(world: World) -> None
     assert code == exit_codes.OK, err
     lines = out.splitlines()
     assert [line.split()[0] for line in lines[:-1]] == [finding["status"] for finding in findings]
-    assert lines[-1] == "15 passed, 0 failed, 5 skipped"
+    assert lines[-1] == "16 passed, 0 failed, 6 skipped"
 
 
 # --- each seeded failure: its own line, its fix, a non-zero exit ---------------------------------------------------
@@ -323,6 +334,23 @@ async def test_a_missing_cluster(world: World) -> None:
     assert (
         "create the ECS cluster 'no-such-cluster' in us-east-1, or name an existing one in groups[0].cluster"
         in (found["fix"])
+    )
+
+
+async def test_an_auto_scaling_group_that_backs_no_capacity_provider_of_its_cluster(world: World) -> None:
+    lt, asg = world.settings.groups
+    # Both exist, but they do not belong together: the launch template group's cluster has no capacity provider.
+    code, findings = await doctor(world, settings=world.with_group(1, cluster=lt.cluster))
+    found = only_failure(code, findings, f"group {asg.name}: capacity provider")
+    assert found["detail"] == (
+        f"no capacity provider of ECS cluster {lt.cluster!r} is backed by Auto Scaling group "
+        f"{asg.auto_scaling_group!r} (the cluster's: none)"
+    )
+    assert "groups[1].cluster or groups[1].auto_scaling_group" in found["fix"]
+    code, findings = await doctor(world)
+    assert (
+        f"capacity provider '{asg.name.removesuffix('-asg')}-cp'"
+        in by_check(findings)[f"group {asg.name}: capacity provider"]["detail"]
     )
 
 
