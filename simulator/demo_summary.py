@@ -20,6 +20,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from contract.events import upgrade_v1
 from contract.groups import AutoRepair
 from simulator.fleet import FleetSnapshot
 
@@ -62,6 +63,8 @@ class EventLog:
             except json.JSONDecodeError:
                 continue
             if isinstance(event, dict):
+                # An older worker's flat line (schema_version 1) read as today's: benchmarks read older commits' runs.
+                event = upgrade_v1(event)
                 own = event.get("detail") or {}  # the type's own fields (contract/events.py)
                 self.counts[str(event.get("type", "?"))] += 1
                 if event.get("type") == "RepairCompleted" and own.get("action") in ("reboot", "gpu-reset"):
