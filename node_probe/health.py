@@ -25,7 +25,9 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from contract.formats import iso
+from contract.health import HealthState
 from contract.healthz import DEFAULT_PROBE_HEALTH_BIND, OFF, PROBE_METRICS_PORT, Verdict, health_bind, serving_health
+from contract.probe import ProbeSourceHealth
 from node_probe.probe import Probe
 
 log = logging.getLogger(__name__)
@@ -61,6 +63,14 @@ def add_health_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _shown(source: ProbeSourceHealth) -> str:
+    """A source as /healthz shows it: why it is down, or ok (with how it looked, where an OK source says: the
+    container runtime's API or its unit only)."""
+    if source.state is not HealthState.OK:
+        return source.reason or "down"
+    return f"ok: {source.reason}" if source.reason else "ok"
+
+
 def _wall(at: float, now: float) -> str:
     return iso(datetime.now(UTC) - timedelta(seconds=now - at), "seconds")
 
@@ -82,7 +92,7 @@ class ProbeHealth:
             return Verdict("the probe's loop is not running")
         sources = probe.source_health()
         checks: dict[str, Any] = {
-            "sources": {source.name: source.reason or "ok" for source in sources},
+            "sources": {source.name: _shown(source) for source in sources},
             "heartbeat": "none delivered yet"
             if delivery.heartbeat_at is None
             else f"delivered {now - delivery.heartbeat_at:.0f}s ago",
@@ -95,7 +105,7 @@ class ProbeHealth:
         problems: list[str] = []
         if not sources:
             problems.append("no source is configured")
-        elif all(source.reason is not None for source in sources):
+        elif all(source.state is not HealthState.OK for source in sources):
             problems.append("every source is down: " + "; ".join(str(source.reason) for source in sources))
         last = delivery.heartbeat_at if delivery.heartbeat_at is not None else delivery.running_since
         if now - last > self._stale_after:

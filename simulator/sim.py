@@ -30,6 +30,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from contract.formats import parse_bind
+from node_probe.delivery.ingest_reporter import DEFAULT_INGEST_ID
 from simulator.engine_call_log import FollowedCallLog
 from simulator.fleet import SimTiming, SimulatedFleet
 from simulator.host_identity import HostIdentities
@@ -41,7 +42,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CONTROL = "127.0.0.1:8490"
 DEFAULT_STANDIN_ABOVE = 300
-DEFAULT_INGEST_ID = "gpu-autorepair-ingest"  # contract.config.IngestSettings' default id
 
 
 def add_sim_arguments(parser: argparse.ArgumentParser) -> None:

@@ -292,3 +292,41 @@ async def test_healthcheck_says_why_when_nothing_answers() -> None:
     code, said = await healthcheck(url, "--timeout", "2")
     assert code == 1 and said.startswith(f"autorepair healthcheck: {url} unreachable: ")
     assert len(said.strip().splitlines()) == 1
+
+
+def test_a_source_that_is_ok_and_says_how_it_looked_is_not_down() -> None:
+    """The container runtime, OK, says how it checked (its API, or its unit only) in `reason`: /healthz still counts
+    it up, so one source down beside it is not "every source is down"."""
+    from types import SimpleNamespace
+
+    from contract.health import HealthState
+    from contract.probe import ProbeSourceHealth
+    from node_probe.health import ProbeHealth
+
+    sources = [
+        ProbeSourceHealth(name="kernel log", state=HealthState.INSUFFICIENT_DATA, reason="no such file"),
+        ProbeSourceHealth(
+            name="container runtime",
+            state=HealthState.OK,
+            reason="docker: unit and API on /var/run/docker.sock",
+            gpu_source=False,
+        ),
+    ]
+    delivery = SimpleNamespace(
+        running_since=0.0, heartbeat_at=0.0, heartbeat_error=None, findings_failing_since=None, finding_error=None
+    )
+    probe = SimpleNamespace(
+        config=SimpleNamespace(heartbeat_interval=timedelta(seconds=60)),
+        delivery=delivery,
+        source_health=lambda: list(sources),
+        pending=0,
+        gpu_readings=lambda: {},
+    )
+    verdict = ProbeHealth(probe, clock=lambda: 1.0).verdict()  # type: ignore[arg-type]
+    assert verdict.problem is None
+    assert verdict.checks["sources"] == {
+        "kernel log": "no such file",
+        "container runtime": "ok: docker: unit and API on /var/run/docker.sock",
+    }
+    sources.pop()
+    assert ProbeHealth(probe, clock=lambda: 1.0).verdict().problem == "every source is down: no such file"  # type: ignore[arg-type]
