@@ -144,9 +144,16 @@ async def tracked(client: Client, group: str, instances: int) -> LivenessView:
 
 
 async def statuses(events: Path, instance: str, at_least: int) -> list[str]:
-    """The instance's published overall statuses, once `at_least` are there (publishing follows the change)."""
+    """The instance's published overall statuses, once `at_least` are there (publishing follows the change), read as
+    a consumer reads them: once per event_id (delivery is at least once: a publish whose completion a Temporal restart
+    lost is run again, and writes the same event, with the same id, again)."""
+
+    def changes() -> list[dict[str, Any]]:
+        ours = [e for e in read_events(events) if e["instance_id"] == instance]
+        return list({e["event_id"]: e for e in ours}.values())
+
     found = await eventually(
-        lambda: asyncio.sleep(0, [e for e in read_events(events) if e["instance_id"] == instance]),
+        lambda: asyncio.sleep(0, changes()),
         lambda changes: len(changes) >= at_least,
         within=30,
     )
