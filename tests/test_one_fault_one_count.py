@@ -243,9 +243,10 @@ async def test_the_health_workflow_counts_the_fault_once(client: Client, aws_env
             await soon(lambda: all(s.status.is_ok for s in [*everywhere.sources, *no_dcgm.sources]))
             await everywhere.double_bit_error(first)
             await no_dcgm.double_bit_error(other)
-            await soon(lambda: first.stats.delivered == 1 and other.stats.delivered == 1, timeout=30)
+            await soon(lambda: first.stats.delivered >= 1 and other.stats.delivered >= 1, timeout=60)
             await asyncio.sleep(1.0)  # a copy sent on its own would have gone out by now
-            assert first.pending == other.pending == 0
+            for probe in (first, other):
+                assert (probe.stats.delivered, probe.pending) == (1, 0), (probe.stats, probe.pending)
             view = await eventually(lambda: health_of(handles[impaired]), lambda v: bool(v.recent_findings))
             quiet = await eventually(lambda: health_of(handles[warned]), lambda v: bool(v.recent_findings))
     (finding,) = view.recent_findings
