@@ -383,8 +383,8 @@ async def test_the_rate_limit_answers_429_and_the_probe_delivers_everything_once
     stack: Stack, tmp_path: Path
 ) -> None:
     host = stack.launch(group=stack.group)
-    limited = stack.with_ingest(instance_rate=2.0, instance_burst=2)
-    async with running_ingest(stack, limited) as (url, ingest):
+    # A token every 100 s: however slowly this machine answers the three, none comes back in between.
+    async with running_ingest(stack, stack.with_ingest(instance_rate=0.01, instance_burst=2)) as (url, _):
         answers = []
         for pci in ("0000:01:00", "0000:02:00", "0000:03:00"):
             report = finding_about(host.instance_id, stack.group, pci=pci).model_dump_json().encode()
@@ -393,8 +393,10 @@ async def test_the_rate_limit_answers_429_and_the_probe_delivers_everything_once
         assert [a[0] for a in answers] == [202, 202, 429], answers
         assert int(headers["Retry-After"]) >= 1 and refusal["status"] == 429
 
-        # The real probe through the ingest: eight findings at once, four times the burst. Each 429 keeps the finding
-        # spooled; the reporter waits out Retry-After, and everything arrives, in order, nothing dropped.
+    # The real probe through the ingest: eight findings at once, four times the burst, a token every 2 s (longer than
+    # a delivery takes here). Each 429 keeps the finding spooled; the reporter waits out Retry-After, and everything
+    # arrives, in order, nothing dropped.
+    async with running_ingest(stack, stack.with_ingest(instance_rate=0.5, instance_burst=2)) as (url, ingest):
         log = tmp_path / "kern.log"
         log.write_text(
             "".join(
