@@ -20,6 +20,7 @@ from contract.formats import parse_bind
 from contract.healthz import DEFAULT_INGEST_METRICS_BIND, OFF, Verdict, health_bind, serving_health
 from contract.ingest import HEALTH_PATH, METRICS_PATH
 from contract.temporal_client import connect
+from contract.temporal_options import add_temporal_arguments, load_settings
 from ingest.ecs_tasks import AwsTaskLookup, TaskHosts
 from ingest.identity import ProofVerifier
 from ingest.membership import AwsMembershipLookup, GroupMembership
@@ -43,6 +44,7 @@ class IngestConfigError(Exception):
 
 
 def add_ingest_arguments(parser: argparse.ArgumentParser) -> None:
+    add_temporal_arguments(parser)
     parser.add_argument("--bind", default=None, metavar="HOST:PORT", help="listen here (default: ingest.bind)")
     parser.add_argument(
         "--metrics-bind",
@@ -165,7 +167,7 @@ async def running_ingest(
 
 
 async def run_ingest(args: argparse.Namespace) -> int:
-    settings = Settings.load()
+    settings = load_settings(Settings.load, args)
     # Lazy: the ingest starts and answers while Temporal is down (503, so the hosts keep their reports spooled).
     client = await connect(settings.temporal, lazy=True)
     stop = asyncio.Event()

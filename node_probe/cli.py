@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import os
@@ -24,6 +25,8 @@ from pydantic_settings import SettingsConfigDict
 from contract.config import ConfigError, ConfigSources, IngestSettings, TemporalSettings
 from contract.groups import HEARTBEATS_PER_THRESHOLD, MAX_HEARTBEAT_LOSS_THRESHOLD
 from contract.ingest import FINDINGS_PATH
+from contract.probe import GpuFinding
+from contract.temporal_options import add_temporal_arguments, load_settings
 from node_probe.classify.collapse import SentFinding, sent_findings
 from node_probe.classify.kernel_log import parse_lines
 from node_probe.classify.manual import DEFAULT_PCI, manual_findings, pci_address, records_from_text, xid_line
@@ -281,9 +284,8 @@ def add_probe_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="docker and containerd, where installed: unit active and API answering (default: on where systemd is)",
     )
-    # Unset flags fall back to the shared settings (AUTOREPAIR_TEMPORAL__* or the TOML file), TLS and API key too.
-    parser.add_argument("--temporal-address", default=None)
-    parser.add_argument("--namespace", default=None)
+    # With --direct-temporal (contract/temporal_options.py says what each falls back to).
+    add_temporal_arguments(parser)
     parser.add_argument("--task-queue", default=None)
     parser.add_argument(
         "--heartbeat-interval",
@@ -379,16 +381,25 @@ def ingest_reporter(args: argparse.Namespace) -> IngestReporter:
     )
 
 
+def direct_temporal_settings() -> ProbeSettings:
+    """With --direct-temporal, the [temporal] settings over the `temporal` CLI's own (TEMPORAL_*, temporal.toml's
+    profile), as the worker reads them; the ingest's delivery has no Temporal SDK to read them with, nor a need."""
+    settings = ProbeSettings.load()
+    try:
+        temporal = settings.temporal.beneath_environment()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    return settings.model_copy(update={"temporal": temporal})
+
+
 async def build_probe(args: argparse.Namespace) -> Probe:
     ingest = getattr(args, "ingest", None)
     if not ingest and not getattr(args, "direct_temporal", False):
         raise CliError("say where findings go: --ingest URL, or --direct-temporal (trusted lab only)")
-    overrides = {"address": args.temporal_address, "namespace": args.namespace, "task_queue": args.task_queue}
     try:
-        settings = ProbeSettings.load()
+        temporal = load_settings(ProbeSettings.load if ingest else direct_temporal_settings, args).temporal
     except ConfigError as exc:
         raise CliError(f"invalid configuration: {exc}") from exc
-    temporal = settings.temporal.model_copy(update={k: v for k, v in overrides.items() if v})
     try:
         config = ProbeConfig(
             instance_id=await _resolve_instance_id(args.instance_id),
@@ -499,6 +510,8 @@ async def run_probe_report(args: argparse.Namespace) -> int:
     findings = manual_findings(
         records, policy, instance_id=instance_id, group=args.group, source=PROBE_REPORT_SOURCE, now=datetime.now(UTC)
     )
+    answers: list[dict[str, object]] = []
+    code = 0
     async with reporter:
         for finding in findings:
             try:
@@ -511,11 +524,41 @@ async def run_probe_report(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                 )
                 return 3
+            answers.append(_report_answer(finding, status, reason))
             if status != 202:
                 print(f"autorepair probe-report: refused ({status}): {reason}", file=sys.stderr)
-                return 1
-            effect = "impairs ACCELERATED_COMPUTE" if finding.impairs else "a warning"
+                code = 1
+                break
+    _print_answers(answers, getattr(args, "output", "text"))
+    return code
+
+
+def _report_answer(finding: GpuFinding, status: int, reason: str) -> dict[str, object]:
+    accepted = status == 202
+    return {
+        "accepted": accepted,
+        "status": status,
+        "refusal": None if accepted else reason,
+        "reason": finding.reason,
+        "impairs": finding.impairs,
+        "instanceId": finding.instance_id,
+        "group": finding.group,
+        "findingId": finding.finding_id,
+    }
+
+
+def _print_answers(answers: list[dict[str, object]], output: str) -> None:
+    """-o json: one document; jsonl: a line per finding; text and wide: a line per accepted finding (a refusal is
+    stderr's one line)."""
+    if output == "json":
+        print(json.dumps({"findings": answers}, indent=2))
+    elif output == "jsonl":
+        for answer in answers:
+            print(json.dumps(answer))
+    else:
+        for answer in (a for a in answers if a["accepted"]):
+            effect = "impairs ACCELERATED_COMPUTE" if answer["impairs"] else "a warning"
             print(
-                f"accepted: {finding.reason} ({effect}) for {instance_id} in {args.group}, finding {finding.finding_id}"
+                f"accepted: {answer['reason']} ({effect}) for {answer['instanceId']} in {answer['group']}, "
+                f"finding {answer['findingId']}"
             )
-    return 0

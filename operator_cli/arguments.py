@@ -11,6 +11,7 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
+from contract.temporal_options import add_temporal_arguments
 from operator_cli.output import add_output_arguments
 
 # main.py's `command(name, help, run)`: adds a subcommand that runs `run` and returns its parser.
@@ -69,12 +70,4 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     # A short-lived Temporal client: operator_cli/main.py ends the process without finalization (see its _finish).
     parser.set_defaults(hard_exit=True)
     add_output_arguments(parser)
-    # Unset: the shared settings (AUTOREPAIR_TEMPORAL__* or the TOML file), then the `temporal` CLI's own
-    # (TEMPORAL_ADDRESS, TEMPORAL_NAMESPACE, TEMPORAL_API_KEY, TEMPORAL_PROFILE and temporal.toml), TLS included.
-    parser.add_argument(
-        "--address", "--temporal-address", dest="temporal_address", default=None, help="Temporal frontend"
-    )
-    parser.add_argument("-n", "--namespace", default=None)
-    parser.add_argument("--api-key", default=None, help="Temporal Cloud API key")
-    # In place of TEMPORAL_PROFILE: where the profile sits in that order does not change, only which one is read.
-    parser.add_argument("--profile", default=None, metavar="NAME", help="the profile of temporal.toml to read")
+    add_temporal_arguments(parser)

@@ -13,14 +13,14 @@ from collections.abc import Awaitable, Callable, Iterable
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from pydantic import SecretStr
 from temporalio.client import Client, WorkflowExecution, WorkflowUpdateRPCTimeoutOrCancelledError
 from temporalio.service import RPCError, RPCStatusCode
 
 from contract import formats
-from contract.config import TemporalSettings, temporal_profile
+from contract.config import TemporalSettings
 from contract.limits import MAX_NAME
 from contract.temporal_client import connect
+from contract.temporal_options import load_settings
 from operator_cli import exit_codes
 from worker.settings import Settings
 
@@ -78,13 +78,8 @@ def rpc_reason(err: RPCError, query: str) -> str:
 
 
 def temporal_settings(args: argparse.Namespace) -> TemporalSettings:
-    """The shared Temporal settings (over the temporal CLI's, from --profile's profile where given), with the
-    command's --address, --namespace and --api-key where given."""
-    key = SecretStr(args.api_key) if args.api_key else None
-    overrides = {"address": args.temporal_address, "namespace": args.namespace, "api_key": key}
-    with temporal_profile(args.profile):
-        temporal = Settings().temporal
-    return temporal.model_copy(update={k: v for k, v in overrides.items() if v})
+    """The shared Temporal settings as the command's Temporal options (contract/temporal_options.py) adjust them."""
+    return load_settings(Settings.load, args).temporal
 
 
 async def connect_client(temporal: TemporalSettings) -> Client:

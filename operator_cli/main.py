@@ -72,8 +72,9 @@ def _one_line(err: ValidationError) -> str:
 
 
 def _worker(parser: argparse.ArgumentParser) -> Runner:
-    from worker.commands import run_worker_command
+    from worker.commands import add_worker_arguments, run_worker_command
 
+    add_worker_arguments(parser)
     return run_worker_command
 
 
@@ -108,8 +109,10 @@ def _probe(parser: argparse.ArgumentParser) -> Runner:
 
 def _probe_report(parser: argparse.ArgumentParser) -> Runner:
     from node_probe.cli import add_probe_report_arguments, run_probe_report
+    from operator_cli.output import add_output_arguments
 
     add_probe_report_arguments(parser)
+    add_output_arguments(parser, json_flag=False)  # the probe's side reads args.output; the flag is spelled here
     return run_probe_report
 
 

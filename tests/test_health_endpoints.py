@@ -148,12 +148,16 @@ async def test_run_worker_serves_health_on_its_setting(client: Client, aws_env: 
             await task
 
 
-def test_health_bind_address_is_checked_and_off_turns_it_off() -> None:
+def test_health_and_metrics_bind_addresses_are_checked_and_off_turns_them_off() -> None:
     assert Settings().health_bind_address == "127.0.0.1:8481"
     assert Settings(health_bind_address="off").health_bind_address is None
     assert Settings(health_bind_address="[::1]:9000").health_bind_address == "[::1]:9000"
     with pytest.raises(ValueError, match="is not HOST:PORT"):
         Settings(health_bind_address="8481")
+    # The metrics endpoint's bind reads the same way (a bad one was a Rust panic's text at start).
+    assert Settings(metrics_bind_address="off").metrics_bind_address is None
+    with pytest.raises(ValueError, match="is not HOST:PORT"):
+        Settings(metrics_bind_address="9464")
 
 
 async def test_the_ingest_says_503_while_temporal_cannot_be_reached_and_200_when_it_can(client: Client) -> None:
@@ -270,8 +274,13 @@ async def test_autorepair_probe_serves_health_on_health_bind(client: Client, tmp
     argv = ["probe", "--group", "g", "--direct-temporal", "--instance-id", unique("i"), "--kernel-log", str(log)]
     argv += ["--temporal-address", client.service_client.config.target_host, "--task-queue", unique("tq")]
     argv += ["--no-nvml", "--no-dcgm", "--no-daemons", "--no-container-runtime", "--spool-dir", str(tmp_path / "s")]
-    args = build_parser().parse_args([*argv, "--heartbeat-interval", "1", "--health-bind", bind])
-    task = asyncio.create_task(probe_cli.run_probe_command(args))
+    await assert_probe_delivers([*argv, "--heartbeat-interval", "1", "--health-bind", bind], bind)
+    assert build_parser().parse_args([*argv, "--health-bind", "off"]).health_bind is None
+
+
+async def assert_probe_delivers(argv: list[str], bind: str) -> None:
+    """`autorepair probe` with these arguments says healthy on `bind` once it delivered a heartbeat."""
+    task = asyncio.create_task(probe_cli.run_probe_command(build_parser().parse_args(argv)))
     try:
         _, body = await eventually(
             lambda: get(f"http://{bind}/healthz"),
@@ -284,7 +293,6 @@ async def test_autorepair_probe_serves_health_on_health_bind(client: Client, tmp
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-    assert build_parser().parse_args([*argv, "--health-bind", "off"]).health_bind is None
 
 
 async def test_healthcheck_says_why_when_nothing_answers() -> None:

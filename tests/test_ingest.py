@@ -463,6 +463,21 @@ async def test_probe_report_exits_0_when_accepted_and_says_why_in_one_line_when_
         code, out, err = await _probe_report(stack, url, me, "--instance-id", other.instance_id, "--kernel-line", line)
         assert code == 1 and out == ""
         assert err.count("\n") == 1 and err.startswith("autorepair probe-report: refused (403): a host reports only")
+
+        # For scripts: a line per finding, or one document, the refusal's reason in it (and its one line on stderr).
+        code, out, _ = await _probe_report(
+            stack, url, me, "--instance-id", me.instance_id, "--xid", "13", "-o", "jsonl"
+        )
+        [accepted] = [json.loads(line) for line in out.splitlines()]
+        assert code == 0 and accepted["accepted"] and accepted["status"] == 202 and accepted["refusal"] is None
+        assert (accepted["reason"], accepted["impairs"], accepted["instanceId"]) == ("XID_13", False, me.instance_id)
+        args = ("--instance-id", other.instance_id, "--xid", "79", "-o", "json")
+        code, out, err = await _probe_report(stack, url, me, *args)
+        [refused] = json.loads(out)["findings"]
+        assert code == 1 and not refused["accepted"] and refused["status"] == 403
+        assert refused["refusal"].startswith("a host reports only") and err.startswith(
+            "autorepair probe-report: refused"
+        )
     assert not await stack.health_exists(other.instance_id)
 
 

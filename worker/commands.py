@@ -10,9 +10,14 @@ import signal
 
 import structlog
 
+from contract.temporal_options import add_temporal_arguments, load_settings
 from worker.settings import Settings
 
 log = structlog.get_logger(__name__)
+
+
+def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    add_temporal_arguments(parser)
 
 
 async def run_worker_command(args: argparse.Namespace) -> int:
@@ -24,7 +29,7 @@ async def run_worker_command(args: argparse.Namespace) -> int:
     from worker.setup import ensure_search_attributes
     from worker.telemetry import runtime, tracing_interceptors
 
-    settings = Settings()
+    settings = load_settings(Settings.load, args)
     client = await connect(settings.temporal, runtime=runtime(settings), interceptors=tracing_interceptors(settings))
     await ensure_search_attributes(client)
     log.info(

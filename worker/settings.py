@@ -32,7 +32,8 @@ class Settings(ConfigSources):
     # How much the worker takes on at once: the Temporal SDK's Worker options and the AWS calls' threads.
     worker: WorkerTuning = Field(default_factory=WorkerTuning)
     log_format: str = Field(default="auto", pattern="^(auto|json|console)$")
-    metrics_bind_address: str | None = None
+    # Prometheus' /metrics (the SDK's and ours, worker/telemetry.py); unset or "off": none.
+    metrics_bind_address: HealthBind = None
     # GET /healthz for the container's health check (worker/health_endpoint.py); "off": none.
     health_bind_address: HealthBind = DEFAULT_WORKER_HEALTH_BIND
     health_gauge_interval: PositiveDuration = Field(
