@@ -1,4 +1,6 @@
-"""`moto_server`, with one fix: an EC2 resource's tags are read from moto's own per-resource index.
+"""`moto_server`, with two fixes.
+
+An EC2 resource's tags are read from moto's own per-resource index.
 
 Moto 5.2's `TaggedEC2Resource.get_tags` asks `describe_tags` with a resource-id filter, which matches a regex against
 every tag of every resource; DescribeInstances asks it for each instance it renders or filters by tag, so one call
@@ -6,13 +8,22 @@ costs instances x tags. At 1,000 simulated instances one DescribeInstances with 
 for seconds and the engine's calls queued behind it past their timeouts (py-spy of the 1,000-instance demo). The
 answer is the same list, in the same order: `describe_tags` walks the same dict.
 
+DeregisterContainerInstance of a container instance that is not (or no longer) in the cluster answers a
+ClientException, "Container instance not found", as ECS does, not a bare Exception (HTTP 500). ECS lets go of a
+terminated instance by itself, and so does the simulated fleet: a repair that terminated the instance and then
+deregistered it met the 500, botocore's five retries, and a failed activity attempt, in every repair of every demo.
+
     python -m simulator.moto_main -H 127.0.0.1 -p 5000     (moto_server's own flags)
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from moto.ec2.models.core import TaggedEC2Resource
 from moto.ec2.utils import EC2_PREFIX_TO_RESOURCE, get_prefix
+from moto.ecs.exceptions import EcsClientException
+from moto.ecs.models import EC2ContainerServiceBackend
 from moto.server import main
 
 
@@ -25,6 +36,19 @@ def _tags(self: TaggedEC2Resource) -> list[dict[str, str]]:
     return [{"resource_id": resource_id, "key": k, "value": v, "resource_type": kind} for k, v in tags.items()]
 
 
+_deregister = EC2ContainerServiceBackend.deregister_container_instance
+
+
+def _deregister_known(
+    self: EC2ContainerServiceBackend, cluster_str: str, container_instance_str: str, force: bool
+) -> Any:
+    cluster = self._get_cluster(cluster_str)
+    if container_instance_str.split("/")[-1] not in self.container_instances.get(cluster.name, {}):
+        raise EcsClientException("Container instance not found.")
+    return _deregister(self, cluster_str, container_instance_str, force)
+
+
 if __name__ == "__main__":
     TaggedEC2Resource.get_tags = _tags  # type: ignore[method-assign]
+    EC2ContainerServiceBackend.deregister_container_instance = _deregister_known  # type: ignore[method-assign]
     main()

@@ -1,14 +1,21 @@
-"""simulator/moto_main.py reads an EC2 resource's tags from moto's own index: the same answer as moto's, found
-without scanning every tag of every resource."""
+"""simulator/moto_main.py's fixes to moto: an EC2 resource's tags read from moto's own index (the same answer as
+moto's, found without scanning every tag of every resource), and ECS's answer to deregistering a container instance
+that is not there."""
 
 from __future__ import annotations
 
+import json
+
 import boto3
+import pytest
+from botocore.config import Config
+from botocore.exceptions import ClientError
 from moto import mock_aws
 from moto.backends import get_backend
 from moto.ec2.models.core import TaggedEC2Resource
 
 from simulator.moto_main import _tags
+from tests.harness import unique
 
 
 @mock_aws
@@ -28,3 +35,24 @@ def test_the_indexed_tags_are_moto_s_own_answer() -> None:
         assert _tags(instance) == TaggedEC2Resource.get_tags(instance)
     assert [t["key"] for t in _tags(backend.get_instance(tagged[0]["InstanceId"]))] == ["gpu-autorepair:group", "Name"]
     assert _tags(backend.get_instance(plain[0]["InstanceId"])) == []
+
+
+def test_a_container_instance_deregistered_twice_is_not_found_the_second_time(aws_env: str) -> None:
+    """As ECS answers, a ClientException saying "not found", which the engine counts as already done; moto alone
+    answered HTTP 500 (a bare Exception), which botocore retried five times and failed the activity's attempt."""
+    config = Config(retries={"max_attempts": 1, "mode": "standard"})
+    ecs = boto3.client("ecs", endpoint_url=aws_env, region_name="us-east-1", config=config)
+    ec2 = boto3.client("ec2", endpoint_url=aws_env, region_name="us-east-1")
+    cluster = unique("cluster")
+    ecs.create_cluster(clusterName=cluster)
+    [instance] = ec2.run_instances(ImageId="ami-12c6146b", MinCount=1, MaxCount=1)["Instances"]
+    document = json.dumps({"instanceId": instance["InstanceId"], "availabilityZone": "us-east-1a"})
+    registered = ecs.register_container_instance(cluster=cluster, instanceIdentityDocument=document)
+    arn = registered["containerInstance"]["containerInstanceArn"]
+
+    ecs.deregister_container_instance(cluster=cluster, containerInstance=arn, force=True)
+    with pytest.raises(ClientError) as refused:
+        ecs.deregister_container_instance(cluster=cluster, containerInstance=arn, force=True)
+    error = refused.value.response["Error"]
+    assert (error["Code"], refused.value.response["ResponseMetadata"]["HTTPStatusCode"]) == ("ClientException", 400)
+    assert "not found" in error["Message"].lower()
