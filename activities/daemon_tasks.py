@@ -11,18 +11,17 @@ read, and judged on no instance: a typo in the settings must never impair a flee
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from activities.aws import AwsClients
-from activities.ec2 import chunks
+from activities.ecs import Ecs
 from contract.groups import CapacityGroup
 
 log = logging.getLogger(__name__)
 
-DESCRIBE_TASKS_BATCH = 100  # DescribeTasks takes 100 tasks a call
 DAEMON = "DAEMON"
 RUNNING = "RUNNING"
 UNHEALTHY = "UNHEALTHY"
@@ -43,6 +42,7 @@ class Registration:
 class DaemonTaskReads:
     def __init__(self, aws: AwsClients) -> None:
         self._aws = aws
+        self._ecs = Ecs(aws)
 
     async def missing(
         self,
@@ -104,30 +104,14 @@ class DaemonTaskReads:
         return [name for name in group.daemon_services if name in usable]
 
     async def _service_tasks(self, cluster: str, service: str) -> list[Any]:
-        kwargs: dict[str, Any] = {"cluster": cluster, "serviceName": service, "desiredStatus": RUNNING}
-        return await self._described(cluster, await self._listed(cluster, kwargs))
+        return await self._ecs.describe_tasks(
+            cluster, await self._ecs.task_arns(cluster, serviceName=service, desiredStatus=RUNNING)
+        )
 
     async def _running_here(self, cluster: str, container_instance: str) -> list[Any]:
-        kwargs: dict[str, Any] = {"cluster": cluster, "containerInstance": container_instance, "desiredStatus": RUNNING}
-        return await self._described(cluster, await self._listed(cluster, kwargs))
-
-    async def _listed(self, cluster: str, kwargs: dict[str, Any]) -> list[str]:
-        arns: list[str] = []
-        while True:
-            page = await self._aws.call(f"ECS cluster {cluster}", self._aws.ecs.list_tasks, **kwargs)
-            arns += page.get("taskArns", [])
-            if not page.get("nextToken"):
-                return arns
-            kwargs["nextToken"] = page["nextToken"]
-
-    async def _described(self, cluster: str, arns: Sequence[str]) -> list[Any]:
-        tasks: list[Any] = []
-        for chunk in chunks(list(arns), DESCRIBE_TASKS_BATCH):
-            described = await self._aws.call(
-                f"ECS cluster {cluster}", self._aws.ecs.describe_tasks, cluster=cluster, tasks=chunk
-            )
-            tasks += described.get("tasks", [])
-        return tasks
+        return await self._ecs.describe_tasks(
+            cluster, await self._ecs.task_arns(cluster, containerInstance=container_instance, desiredStatus=RUNNING)
+        )
 
 
 def _serves(task: Any, service: str) -> bool:

@@ -1,7 +1,9 @@
-"""The group's ECS cluster as the activities read it: its container instances, and the group a request names.
+"""The group's ECS cluster as the activities read it: its container instances, their tasks, and the group a request
+names.
 
-Shared by the repair's fleet steps (activities/fleet.py) and its in-place fixes (activities/remediation.py), so
-that both find an instance's container instance the same way."""
+Shared by the repair's fleet steps (activities/fleet.py), its in-place fixes (activities/remediation.py) and the
+daemon-task reads (activities/daemon_tasks.py), so that all find an instance's container instance, and list and
+describe tasks, the same way."""
 
 from __future__ import annotations
 
@@ -76,6 +78,27 @@ class Ecs:
             )
             found += resp.get("containerInstances", [])
         return found
+
+    async def task_arns(self, cluster: str, **filters: str) -> list[str]:
+        """The tasks ListTasks names with these filters (containerInstance, serviceName, desiredStatus), every page."""
+        arns: list[str] = []
+        kwargs: dict[str, Any] = {"cluster": cluster, **filters}
+        while True:
+            page = await self._aws.call(f"ECS cluster {cluster}", self._aws.ecs.list_tasks, **kwargs)
+            arns += page.get("taskArns", [])
+            if not page.get("nextToken"):
+                return arns
+            kwargs["nextToken"] = page["nextToken"]
+
+    async def describe_tasks(self, cluster: str, arns: Sequence[str]) -> list[Any]:
+        """Those tasks, ECS_DESCRIBE_BATCH a call; tasks ECS no longer knows come back under `failures`: left out."""
+        tasks: list[Any] = []
+        for chunk in chunks(list(arns), ECS_DESCRIBE_BATCH):
+            resp = await self._aws.call(
+                f"tasks in ECS cluster {cluster}", self._aws.ecs.describe_tasks, cluster=cluster, tasks=chunk
+            )
+            tasks += resp.get("tasks", [])
+        return tasks
 
     async def find_container_instance(self, group: CapacityGroup, instance_id: str) -> ContainerInstanceTypeDef | None:
         """The ACTIVE or DRAINING container instance of an EC2 instance in the group's cluster, if any."""

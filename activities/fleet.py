@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -25,8 +25,8 @@ from temporalio.exceptions import ApplicationError
 
 from activities.aws import AwsClients
 from activities.departures import Departures, departure
-from activities.ec2 import GONE_EC2_STATES, REPLACES_TAG, Ec2, chunks, tags_of
-from activities.ecs import ECS_DESCRIBE_BATCH, INSTANCE_ID, REGISTERED_STATUSES, Ecs, check_instance_id, resolve_group
+from activities.ec2 import GONE_EC2_STATES, REPLACES_TAG, Ec2, tags_of
+from activities.ecs import INSTANCE_ID, REGISTERED_STATUSES, Ecs, check_instance_id, resolve_group
 from activities.fresh_read import FreshRead
 from activities.launch import Launcher
 from activities.models import (
@@ -354,36 +354,8 @@ class FleetActivities:
     async def list_instance_tasks(self, ref: InstanceRef) -> InstanceTasks:
         """Tasks still meant to run on the instance, each with how long ECS gives it to stop."""
         group = self._group(ref.group)
-        ci = await self._ecs.find_container_instance(group, ref.instance_id)
-        if ci is None:
-            return InstanceTasks(tasks=[])  # deregistered: its tasks are gone with it
-        instance = await self._ec2.instance(ref.instance_id)
-        if instance is None or instance.get("State", {}).get("Name") in GONE_EC2_STATES:
-            return InstanceTasks(tasks=[])
-        arn = ci["containerInstanceArn"]
-        task_arns: list[str] = []
-        token: str | None = None
-        while True:
-            kwargs: dict[str, Any] = {"nextToken": token} if token else {}
-            page = await self._aws.call(
-                f"container instance {arn}",
-                self._aws.ecs.list_tasks,
-                cluster=group.cluster,
-                containerInstance=arn,
-                desiredStatus="RUNNING",
-                **kwargs,
-            )
-            task_arns += page.get("taskArns", [])
-            token = page.get("nextToken")
-            if not token:
-                break
-        tasks: list[TaskInfo] = []
-        for task in await self._describe_tasks(group.cluster, task_arns):
-            if task.get("lastStatus") == "STOPPED":
-                continue  # stopped, whatever is still desired of it: nothing left to wait for
-            timeout = await self._stop_timeout(task["taskDefinitionArn"])
-            tasks.append(TaskInfo(task_arn=task["taskArn"], stop_timeout_seconds=timeout))
-        return InstanceTasks(tasks=tasks)
+        arn = await self._serving_container_instance(group, ref.instance_id)
+        return InstanceTasks(tasks=[]) if arn is None else await self._tasks_on(group, arn)
 
     @activity.defn(name="wait_for_tasks_to_stop")
     async def wait_for_tasks_to_stop(self, wait: TasksWait) -> InstanceTasks:
@@ -391,11 +363,25 @@ class FleetActivities:
         or `until`; answer what still runs.
 
         One activity and a heartbeat a minute instead of a timer and an activity per look: both are billed actions,
-        and a drain that waits for its services' replacement tasks can take as long as an instance's boot."""
+        and a drain that waits for its services' replacement tasks can take as long as an instance's boot. A look
+        lists the tasks alone (two calls on the repair's path where it ends the wait); whether the instance is still
+        there is asked every EC2_CHECK_EVERY, and again at once when a listing fails."""
         known = set(wait.known)
-        ref = InstanceRef(group=wait.group, instance_id=wait.instance_id)
+        group = self._group(wait.group)
+        arn: str | None = None
+        checked_at = float("-inf")
         while True:
-            running = await self.list_instance_tasks(ref)
+            fresh = time.monotonic() - checked_at >= EC2_CHECK_EVERY.total_seconds()
+            if fresh:
+                arn = await self._serving_container_instance(group, wait.instance_id)
+                checked_at = time.monotonic()
+            try:
+                running = InstanceTasks(tasks=[]) if arn is None else await self._tasks_on(group, arn)
+            except ApplicationError:
+                if fresh:
+                    raise
+                checked_at = float("-inf")  # deregistered meanwhile, perhaps: ask again before anything else
+                continue
             arns = {task.task_arn for task in running.tasks}
             left = (wait.until - datetime.now(UTC)).total_seconds()
             if not arns or not arns <= known or left <= 0:
@@ -403,13 +389,33 @@ class FleetActivities:
             activity.heartbeat(len(arns))
             await asyncio.sleep(min(wait.poll_seconds, left))
 
+    async def _serving_container_instance(self, group: CapacityGroup, instance_id: str) -> str | None:
+        """The instance's container instance ARN; None once it is deregistered or its EC2 instance is gone (its tasks
+        are gone with it). ECS and EC2 are asked side by side."""
+        ci, instance = await asyncio.gather(
+            self._ecs.find_container_instance(group, instance_id), self._ec2.instance(instance_id)
+        )
+        if ci is None or instance is None or instance.get("State", {}).get("Name") in GONE_EC2_STATES:
+            return None
+        return ci["containerInstanceArn"]
+
+    async def _tasks_on(self, group: CapacityGroup, arn: str) -> InstanceTasks:
+        arns = await self._ecs.task_arns(group.cluster, containerInstance=arn, desiredStatus="RUNNING")
+        tasks: list[TaskInfo] = []
+        for task in await self._ecs.describe_tasks(group.cluster, arns):
+            if task.get("lastStatus") == "STOPPED":
+                continue  # stopped, whatever is still desired of it: nothing left to wait for
+            timeout = await self._stop_timeout(task["taskDefinitionArn"])
+            tasks.append(TaskInfo(task_arn=task["taskArn"], stop_timeout_seconds=timeout))
+        return InstanceTasks(tasks=tasks)
+
     @activity.defn(name="stop_tasks")
     async def stop_tasks(self, request: StopTasksRequest) -> StopTasksResult:
         """Ask ECS to stop each task (SIGTERM, SIGKILL after its stop timeout). Already stopped is success."""
         group = self._group(request.group)
         if not request.task_arns:
             return StopTasksResult(stopped=0)
-        current = {t["taskArn"]: t for t in await self._describe_tasks(group.cluster, request.task_arns)}
+        current = {t["taskArn"]: t for t in await self._ecs.describe_tasks(group.cluster, request.task_arns)}
         stopped = 0
         for arn in request.task_arns:
             task = current.get(arn)
@@ -567,15 +573,6 @@ class FleetActivities:
             if instance_id in statuses:
                 statuses[instance_id].append(ci.get("status", ""))
         return statuses
-
-    async def _describe_tasks(self, cluster: str, task_arns: Sequence[str]) -> list[Any]:
-        tasks: list[Any] = []
-        for chunk in chunks(task_arns, ECS_DESCRIBE_BATCH):
-            resp = await self._aws.call(
-                f"tasks in ECS cluster {cluster}", self._aws.ecs.describe_tasks, cluster=cluster, tasks=chunk
-            )
-            tasks += resp.get("tasks", [])  # tasks ECS no longer knows come back under `failures`
-        return tasks
 
     async def _stop_timeout(self, task_definition_arn: str) -> int:
         """Longest container stop timeout of a task definition; a container without one: agent default."""

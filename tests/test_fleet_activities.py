@@ -16,6 +16,7 @@ from botocore.exceptions import ClientError
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
+from activities import fleet as fleet_module
 from activities.aws import AwsClients
 from activities.ec2 import DETACHED_AT_TAG, REPLACES_TAG
 from activities.errors import aws_errors, is_retryable
@@ -460,6 +461,35 @@ async def test_the_drain_wait_answers_when_tasks_are_gone_at_its_deadline_or_on_
     gone = await wait(datetime.now(UTC) + timedelta(minutes=5), known)
     await stopper
     assert gone.tasks == []
+    assert time.monotonic() - began < 30
+
+
+async def test_the_drain_wait_ends_when_the_instance_is_terminated_under_it(
+    fleet: Fleet, aws_env: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A look lists the tasks alone; whether the instance is still there is asked every EC2_CHECK_EVERY (shortened
+    here), so one terminated meanwhile ends the wait with nothing left to stop, long before its deadline."""
+    monkeypatch.setattr(fleet_module, "EC2_CHECK_EVERY", timedelta(seconds=0.5))
+    freeze_moto_task_lifecycle(aws_env)
+    [instance_id] = fleet.launch()
+    known = sorted(start_tasks(fleet, fleet.register(instance_id)))
+    request = TasksWait(
+        group=fleet.group.name,
+        instance_id=instance_id,
+        until=datetime.now(UTC) + timedelta(minutes=5),
+        known=known,
+        poll_seconds=0.1,
+    )
+
+    async def terminate_soon() -> None:
+        await asyncio.sleep(0.5)
+        await asyncio.to_thread(fleet.aws.ec2.terminate_instances, InstanceIds=[instance_id])
+
+    began = time.monotonic()
+    terminator = asyncio.create_task(terminate_soon())
+    left = await ActivityEnvironment().run(fleet.acts.wait_for_tasks_to_stop, request)
+    await terminator
+    assert left.tasks == []
     assert time.monotonic() - began < 30
 
 
