@@ -150,10 +150,20 @@ def engine_settings(
 
 
 @contextlib.asynccontextmanager
-async def local_fleet(state: Path, *, instances: int, seed: int) -> AsyncIterator[LocalFleet]:
+async def local_fleet(
+    state: Path,
+    *,
+    instances: int,
+    seed: int,
+    aws_latency: bool | None = None,
+    group_settings: dict[str, Any] | None = None,
+) -> AsyncIterator[LocalFleet]:
     """moto and a Temporal dev server on free ports (their files under `state`), the worker in this process, and
-    `instances` simulated instances in a new capacity group; all stopped on the way out."""
+    `instances` simulated instances in a new capacity group; all stopped on the way out. `aws_latency`: the worker
+    reaches moto through the fault proxy, answering as slowly as AWS (True) or at once (False); None: straight.
+    `group_settings`: the group's settings that differ from engine_settings'."""
     from contract.temporal_client import connect
+    from simulator.aws_proxy import FlakyAws
     from simulator.servers import MotoServer, TemporalDevServer, free_port
     from worker.main import run_worker
 
@@ -165,8 +175,17 @@ async def local_fleet(state: Path, *, instances: int, seed: int) -> AsyncIterato
     async with (
         MotoServer(state / "moto", port=free_port()) as moto,
         TemporalDevServer(state / "temporal", port=free_port(), ui_port=free_port()) as temporal,
+        contextlib.AsyncExitStack() as stack,
     ):
-        settings = engine_settings(temporal.address, moto.endpoint_url, events_path, group, timing)
+        engine_endpoint = moto.endpoint_url
+        if aws_latency is not None:
+            proxy = stack.enter_context(FlakyAws(moto.endpoint_url))
+            if aws_latency:
+                proxy.like_aws()
+            engine_endpoint = proxy.url
+        settings = engine_settings(temporal.address, engine_endpoint, events_path, group, timing)
+        if group_settings:
+            settings.groups = [settings.groups[0].model_copy(update=group_settings)]
         client = await connect(settings.temporal)
         sim = SimulatedFleet(
             group=group,
