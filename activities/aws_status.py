@@ -23,6 +23,7 @@ from temporalio.exceptions import ApplicationError
 from activities.aws import AwsClients
 from activities.daemon_tasks import DaemonTaskReads, Registration
 from activities.ec2 import Ec2, chunks
+from activities.ecs import Ecs
 from activities.models import AwsStatusRequest
 from contract.aws_status import (
     EC2_IMPAIRED,
@@ -39,10 +40,8 @@ from contract.groups import CapacityGroup
 if TYPE_CHECKING:
     from mypy_boto3_ec2.type_defs import InstanceStatusSummaryTypeDef, InstanceStatusTypeDef
 
-# API batch limits: DescribeContainerInstances and DescribeInstanceStatus (explicit InstanceIds) take 100 each.
-ECS_DESCRIBE_BATCH = 100
+# API batch limit: DescribeInstanceStatus takes 100 explicit InstanceIds.
 EC2_STATUS_BATCH = 100
-REGISTERED = ("ACTIVE", "DRAINING")
 # An event AWS has finished with stays listed a while, its description prefixed so.
 DONE_EVENT_PREFIXES = ("[Completed]", "[Canceled]", "[Cancelled]")
 # DescribeInstanceStatus fails a whole batch for one id EC2 does not know; it names the ids in its message.
@@ -56,6 +55,7 @@ class AwsStatusReads:
     def __init__(self, aws: AwsClients) -> None:
         self._aws = aws
         self._ec2 = Ec2(aws)
+        self._ecs = Ecs(aws)
         self._daemons = DaemonTaskReads(aws)
 
     async def members(self, group: CapacityGroup, instance_ids: Sequence[str]) -> set[str]:
@@ -89,40 +89,15 @@ class AwsStatusReads:
     async def registrations(self, cluster: str, instance_id: str | None = None) -> dict[str, Registration]:
         """EC2 instance id -> its container instance in the cluster, ACTIVE or DRAINING (the newest registration,
         for one registered twice)."""
-        kwargs: dict[str, Any] = {"cluster": cluster}
-        if instance_id is not None:
-            kwargs["filter"] = f"ec2InstanceId == {instance_id}"  # real ECS narrows the list; moto ignores it
-        arns: list[str] = []
-        while True:
-            page = await self._aws.call(f"ECS cluster {cluster}", self._aws.ecs.list_container_instances, **kwargs)
-            arns += page.get("containerInstanceArns", [])
-            if not page.get("nextToken"):
-                break
-            kwargs["nextToken"] = page["nextToken"]
-        newest: dict[str, tuple[datetime, Registration]] = {}
-        for chunk in chunks(arns, ECS_DESCRIBE_BATCH):
-            described = await self._aws.call(
-                f"ECS cluster {cluster}",
-                self._aws.ecs.describe_container_instances,
-                cluster=cluster,
-                containerInstances=chunk,
+        return {
+            iid: Registration(
+                arn=ci.get("containerInstanceArn", ""),
+                status=ci.get("status", ""),
+                registered_at=ci.get("registeredAt"),
+                agent_connected=bool(ci.get("agentConnected", False)),
             )
-            for ci in described.get("containerInstances", []):
-                iid = ci.get("ec2InstanceId", "")
-                if not iid or ci.get("status") not in REGISTERED or instance_id not in (None, iid):
-                    continue
-                registered = ci.get("registeredAt") or datetime.min.replace(tzinfo=UTC)
-                if iid not in newest or registered >= newest[iid][0]:
-                    newest[iid] = (
-                        registered,
-                        Registration(
-                            arn=ci.get("containerInstanceArn", ""),
-                            status=ci.get("status", ""),
-                            registered_at=ci.get("registeredAt"),
-                            agent_connected=bool(ci.get("agentConnected", False)),
-                        ),
-                    )
-        return {iid: registration for iid, (_, registration) in newest.items()}
+            for iid, ci in (await self._ecs.registrations(cluster, instance_id)).items()
+        }
 
     async def ec2_statuses(self, instance_ids: Sequence[str]) -> dict[str, _Ec2View]:
         """The running ones among `instance_ids`: their two status checks and pending scheduled events."""

@@ -44,6 +44,10 @@ def resolve_group(groups: Callable[[str], CapacityGroup], name: str) -> Capacity
         raise ApplicationError(message, type="UnknownCapacityGroup", non_retryable=True) from err
 
 
+def _registered_at(ci: ContainerInstanceTypeDef) -> datetime:
+    return ci.get("registeredAt") or datetime.min.replace(tzinfo=UTC)
+
+
 class Ecs:
     def __init__(self, aws: AwsClients) -> None:
         self._aws = aws
@@ -103,18 +107,25 @@ class Ecs:
     async def find_container_instance(self, group: CapacityGroup, instance_id: str) -> ContainerInstanceTypeDef | None:
         """The ACTIVE or DRAINING container instance of an EC2 instance in the group's cluster, if any."""
         check_instance_id(instance_id)
+        return (await self.registrations(group.cluster, instance_id)).get(instance_id)
+
+    async def registrations(self, cluster: str, instance_id: str | None = None) -> dict[str, ContainerInstanceTypeDef]:
+        """EC2 instance id -> its ACTIVE or DRAINING container instance in the cluster (every instance's, or only
+        `instance_id`'s, which the caller has checked)."""
         # Real ECS narrows the list with the cluster query; moto ignores `filter` and lists the whole cluster.
         # Matching ec2InstanceId below as well keeps one code path that is right on both.
-        arns = await self.container_instance_arns(group.cluster, query=f"ec2InstanceId == {instance_id}")
-        matches = [
-            ci
-            for ci in await self.describe_container_instances(group.cluster, arns)
-            if ci.get("ec2InstanceId") == instance_id and ci.get("status") in REGISTERED_STATUSES
-        ]
-        if not matches:
-            return None
-        # A re-registered instance (agent state reset) has two; the newest is the live one.
-        return max(matches, key=lambda ci: ci.get("registeredAt") or datetime.min.replace(tzinfo=UTC))
+        query = None if instance_id is None else f"ec2InstanceId == {instance_id}"
+        newest: dict[str, ContainerInstanceTypeDef] = {}
+        for ci in await self.describe_container_instances(
+            cluster, await self.container_instance_arns(cluster, query=query)
+        ):
+            iid = ci.get("ec2InstanceId", "")
+            if not iid or ci.get("status") not in REGISTERED_STATUSES or instance_id not in (None, iid):
+                continue
+            # A re-registered instance (agent state reset) has two; the newest is the live one.
+            if iid not in newest or _registered_at(ci) >= _registered_at(newest[iid]):
+                newest[iid] = ci
+        return newest
 
     async def registered(self, group: CapacityGroup, instance_id: str, to_be: str) -> ContainerInstanceTypeDef:
         """The instance's container instance; not registered is an error no retry fixes."""
