@@ -82,18 +82,7 @@ class DaemonTaskReads:
             cluster=group.cluster,
             services=list(group.daemon_services),
         )
-        usable, refused = set(), []
-        for service in described.get("services", []):
-            name = service.get("serviceName", "")
-            if service.get("status") != "ACTIVE":
-                refused.append(f"{name} is {service.get('status', 'not ACTIVE')}")
-            elif service.get("schedulingStrategy") != DAEMON:
-                refused.append(f"{name} is {service.get('schedulingStrategy', 'REPLICA')}-scheduled, not DAEMON")
-            else:
-                usable.add(name)
-        for failure in described.get("failures", []):
-            name = str(failure.get("arn", "")).rsplit("/", 1)[-1]
-            refused.append(f"{name} not found ({failure.get('reason', 'no reason given')})")
+        usable, refused = judge_daemon_services(described)
         if refused:
             log.warning(
                 "group %s: daemon_services %s in cluster %s: judged on no instance",
@@ -112,6 +101,24 @@ class DaemonTaskReads:
         return await self._ecs.describe_tasks(
             cluster, await self._ecs.task_arns(cluster, containerInstance=container_instance, desiredStatus=RUNNING)
         )
+
+
+def judge_daemon_services(described: Mapping[str, Any]) -> tuple[set[str], list[str]]:
+    """DescribeServices' answer judged for daemon_services (here and by `autorepair doctor`): the names that are
+    ACTIVE and DAEMON-scheduled, and why each other one is not."""
+    usable, refused = set(), []
+    for service in described.get("services", []):
+        name = service.get("serviceName", "")
+        if service.get("status") != "ACTIVE":
+            refused.append(f"{name} is {service.get('status', 'not ACTIVE')}")
+        elif service.get("schedulingStrategy") != DAEMON:
+            refused.append(f"{name} is {service.get('schedulingStrategy', 'REPLICA')}-scheduled, not DAEMON")
+        else:
+            usable.add(name)
+    for failure in described.get("failures", []):
+        name = str(failure.get("arn", "")).rsplit("/", 1)[-1]
+        refused.append(f"{name} not found ({failure.get('reason', 'no reason given')})")
+    return usable, refused
 
 
 def _serves(task: Any, service: str) -> bool:

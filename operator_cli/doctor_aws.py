@@ -9,6 +9,7 @@ from collections.abc import Iterable
 
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
+from activities.daemon_tasks import judge_daemon_services
 from activities.launch import LAUNCH_TEMPLATE_ID
 from contract.groups import CapacityGroup
 from operator_cli.doctor_checks import Doctor, Verdict, error_code, error_message, failed, passed, refused, skipped
@@ -101,17 +102,7 @@ async def daemon_services_exist(doc: Doctor, group: CapacityGroup) -> Verdict:
         if (refusal := refused(err, "ecs:DescribeServices")) is not None:
             return refusal
         raise
-    problems = [
-        f"{service.get('serviceName')} is {service.get('status')}"
-        if service.get("status") != "ACTIVE"
-        else f"{service.get('serviceName')} is {service.get('schedulingStrategy', 'REPLICA')}-scheduled, not DAEMON"
-        for service in described.get("services", [])
-        if service.get("status") != "ACTIVE" or service.get("schedulingStrategy") != "DAEMON"
-    ]
-    problems += [
-        f"no service {str(failure.get('arn', '')).rsplit('/', 1)[-1]!r} ({failure.get('reason', 'not found')})"
-        for failure in described.get("failures", [])
-    ]
+    _, problems = judge_daemon_services(described)
     if problems:
         return failed(
             f"in ECS cluster {group.cluster!r}: {'; '.join(problems)}",

@@ -376,7 +376,7 @@ async def test_a_daemon_service_typo(world: World) -> None:
     group = world.settings.groups[0]
     code, findings = await doctor(world, settings=world.with_group(0, daemon_services=["gpu-probe", "gpu-prbe"]))
     found = only_failure(code, findings, f"group {group.name}: daemon services")
-    assert found["detail"] == f"in ECS cluster {group.cluster!r}: no service 'gpu-prbe' (MISSING)"
+    assert found["detail"] == f"in ECS cluster {group.cluster!r}: gpu-prbe not found (MISSING)"
     assert "groups[0].daemon_services" in found["fix"]
 
 
