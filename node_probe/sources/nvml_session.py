@@ -113,6 +113,19 @@ class NvmlWorker:
                 future.set_result(result)
 
 
+# An NvmlGpu's polled state that a new session takes over from the last (NvmlSessionCalls._carry_over).
+CARRIED_ACROSS_SESSIONS = (
+    "ecc_uncorrected",
+    "retired_pending",
+    "remap_pending",
+    "recovery_action",
+    "verdicts",
+    "warnings",
+    "episodes",
+    "errors_logged",
+)
+
+
 @dataclass(slots=True)
 class NvmlGpu:
     index: int
@@ -173,6 +186,8 @@ class NvmlSessionCalls:
         # Kept across NVML sessions: a kernel-log finding about a GPU that NVML no longer answers for (the usual
         # case when it fell off the bus) still names its UUID.
         self._uuid_by_pci: dict[str, str] = {}
+        # Each GPU's last polled state, by UUID, for the next session to start from (_carry_over).
+        self._polled: dict[str, NvmlGpu] = {}
         self._wanted_events = (
             getattr(nvml, "nvmlEventTypeXidCriticalError", EVENT_XID)
             | getattr(nvml, "nvmlEventTypeDoubleBitEccError", EVENT_DOUBLE_BIT_ECC)
@@ -188,6 +203,8 @@ class NvmlSessionCalls:
             if count == 0:
                 raise NoGpus("nvml: no GPUs found")
             gpus = [self._describe_gpu(index) for index in range(count)]
+            for gpu in gpus:
+                self._carry_over(gpu)
             session = NvmlSession(gpus=gpus, event_set=None, started=time.monotonic())
             session.by_handle = {handle_key(g.handle): g for g in gpus if g.handle is not None}
             session.event_set = self._register_events(gpus)
@@ -198,6 +215,19 @@ class NvmlSessionCalls:
                 log.debug("nvml: shutdown after a failed start: %s", exc)
             raise
         return session
+
+    def _carry_over(self, gpu: NvmlGpu) -> None:
+        """A new session's GPU starts from what the last session last polled of it. NVML started again (after a hung
+        call or a broken session) is not a new boot: a volatile ECC count or a standing flag it had read was told
+        already, and read again as new it went out again, as a fault of its own when it had gone out as another
+        source's copy. A restarted probe tells them again, with the same ids (the health workflow drops those)."""
+        if gpu.uuid is None:
+            return
+        before = self._polled.get(gpu.uuid)
+        if before is not None:
+            for name in CARRIED_ACROSS_SESSIONS:
+                setattr(gpu, name, getattr(before, name))
+        self._polled[gpu.uuid] = gpu
 
     def _describe_gpu(self, index: int) -> NvmlGpu:
         nvml = self.nvml
