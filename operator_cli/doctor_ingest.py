@@ -6,17 +6,15 @@ from __future__ import annotations
 import asyncio
 import ssl
 import urllib.error
-import urllib.request
 from http.client import HTTPException
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from contract.ingest import HEALTH_PATH
 from operator_cli.doctor_checks import Doctor, Verdict, failed, passed, skipped
-from operator_cli.healthcheck import reason
+from operator_cli.healthcheck import get, reason
 
 TIMEOUT_S = 10.0
-_MAX_BODY = 4096
 _LOOPBACK = ("localhost", "127.0.0.1", "::1")
 _UNREACHABLE_FIX = (
     "start `autorepair ingest` there, or give the URL the hosts use (--ingest), and open its port to here"
@@ -37,10 +35,7 @@ def _get(url: str, ca: Path | None) -> Verdict:
     except (OSError, ssl.SSLError) as err:
         return failed(f"cannot read --ingest-ca {ca}: {err}", "give the PEM file of the CA that signed the certificate")
     try:
-        with urllib.request.urlopen(url, timeout=TIMEOUT_S, context=context) as response:
-            status, body = response.status, response.read(_MAX_BODY)
-    except urllib.error.HTTPError as err:
-        status, body = err.code, err.read(_MAX_BODY)
+        status, body = get(url, TIMEOUT_S, context)
     except urllib.error.URLError as err:
         if isinstance(err.reason, ssl.SSLCertVerificationError):
             return failed(

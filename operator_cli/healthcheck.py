@@ -53,6 +53,16 @@ def reason(body: bytes) -> str:
     return text.splitlines()[0] if text else "no reason given"
 
 
+def get(url: str, timeout_s: float, context: ssl.SSLContext | None) -> tuple[int, bytes]:
+    """One GET, blocking: the status and the start of the body, an error status's too. URLError (its reason:
+    refused, a certificate that does not verify), OSError, HTTPException or ValueError when no answer came."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s, context=context) as response:
+            return response.status, response.read(_MAX_BODY)
+    except urllib.error.HTTPError as err:
+        return err.code, err.read(_MAX_BODY)
+
+
 def check(url: str, timeout_s: float, *, insecure: bool = False) -> tuple[bool, str]:
     """(healthy, what to say): healthy only on HTTP 200."""
     context = None
@@ -61,10 +71,7 @@ def check(url: str, timeout_s: float, *, insecure: bool = False) -> tuple[bool, 
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s, context=context) as response:
-            status, body = response.status, response.read(_MAX_BODY)
-    except urllib.error.HTTPError as err:
-        return False, f"{url} answered {err.code}: {reason(err.read(_MAX_BODY))}"
+        status, body = get(url, timeout_s, context)
     except urllib.error.URLError as err:
         return False, f"{url} unreachable: {err.reason}"
     except (OSError, HTTPException, ValueError) as err:  # timeouts, resets, a malformed answer or URL
