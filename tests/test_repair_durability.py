@@ -153,6 +153,11 @@ async def test_worker_killed_while_waiting(case: Wait, temporal: Client, aws_env
 
         assert sorted(await d.fleet.repairs_finished(len(impaired), within=120)) == sorted(impaired)
         await assert_repaired_exactly_once(d, impaired)
+        if case.phase is RepairPhase.STOPPING_TASKS:
+            # Its task that ignores the drain was stopped at its timeout, and the drain went on to the end. (By
+            # event_id: a sink may write an event twice across the kill.)
+            stopped = {e["event_id"]: e["detail"] for e in d.fleet.events("TasksStopped", target)}
+            assert list(stopped.values()) == [{"tasks": 1, "forced": 1}]
 
 
 # --- killed mid-call: draining, launching, terminating, one kill for the three -----------------------------------
