@@ -118,11 +118,15 @@ class ProbeStats:
     copies: int = 0  # records that were another source's copy of a fault (classify/correlate.py)
     delivered: int = 0
     dropped: int = 0  # warnings dropped because the spool was full
-    delivery_failures: int = 0
     heartbeats_sent: int = 0
     heartbeat_failures: int = 0
     findings: Counter[tuple[str, str]] = field(default_factory=Counter)  # made, by (reason, kind)
     failures_by: Counter[str] = field(default_factory=Counter)  # delivery failures, by why (`failure_why`)
+
+    @property
+    def delivery_failures(self) -> int:
+        """Tries to deliver a finding that failed (each is retried)."""
+        return self.failures_by.total()
 
 
 @dataclass(slots=True)
@@ -283,15 +287,12 @@ class Probe:
         """Each configured source's state, by name: "failed" while it restarts after an error it did not expect
         (and until its new run has lasted, see `_consume`), "degraded" while it runs but cannot read (NVML not
         loaded, dcgmi not answering), "ok" while it reads."""
-        states = {}
-        for source in self._sources:
-            if not getattr(source, "configured", True):
-                continue
-            if self._failing(source) is not None:
-                states[source.name] = "failed"
-            else:
-                states[source.name] = "ok" if source.status.is_ok else "degraded"
-        return states
+        return {
+            source.name: "failed"
+            if self._failing(source) is not None
+            else ("ok" if source.status.is_ok else "degraded")
+            for source in self._configured()
+        }
 
     def source_health(self) -> list[ProbeSourceHealth]:
         """Each configured source, as the heartbeat reports it (DCGM without dcgmi installed is not configured, so
@@ -304,10 +305,13 @@ class Probe:
                 reason=reason if reason is not None else source.status.reason,
                 gpu_source=getattr(source, "gpu_source", True),
             )
-            for source in self._sources
-            if getattr(source, "configured", True)
+            for source in self._configured()
             for reason in (self._down_reason(source),)
         ]
+
+    def _configured(self) -> list[RecordSource]:
+        """The sources in use: DCGM without dcgmi installed is not configured, and is neither reported nor counted."""
+        return [source for source in self._sources if getattr(source, "configured", True)]
 
     def gpu_readings(self) -> dict[str, Any] | None:
         """What NVML's last poll read of each GPU that is worth a look but never a repair (clock event reasons, the
@@ -524,7 +528,6 @@ class Probe:
             try:
                 await self._reporter.send_finding(finding, self.config.task_queue)
             except Exception as exc:  # unreachable server, timeouts: all mean "try again later"
-                self.stats.delivery_failures += 1
                 self.stats.failures_by[failure_why(exc)] += 1
                 if self.delivery.findings_failing_since is None:
                     self.delivery.findings_failing_since = time.monotonic()
