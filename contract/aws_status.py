@@ -7,13 +7,12 @@ is sent only when the picture changed, so a healthy fleet costs no Temporal acti
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Final
 
 from pydantic import BaseModel, Field
 
 from contract.groups import MAX_DAEMON_SERVICES, EcsServiceName
-from contract.limits import Id, Name, Text
+from contract.limits import Id, Name, Text, Timestamp
 
 # DescribeInstanceStatus's words for a status check (SystemStatus, InstanceStatus).
 EC2_OK: Final = "ok"
@@ -34,7 +33,7 @@ class Ec2StatusCheck(BaseModel):
     # The names of the check's details that did not pass (e.g. "reachability"), for the status reason.
     failed: list[Name] = Field(default_factory=list, max_length=8)
     # EC2's ImpairedSince of the earliest failed detail, when it gives one.
-    impaired_since: datetime | None = None
+    impaired_since: Timestamp | None = None
 
 
 class ScheduledEvent(BaseModel):
@@ -42,8 +41,8 @@ class ScheduledEvent(BaseModel):
 
     code: Name
     event_id: Name = ""
-    not_before: datetime
-    not_after: datetime | None = None
+    not_before: Timestamp
+    not_after: Timestamp | None = None
     description: Text = ""
 
     @property
@@ -59,14 +58,14 @@ class AwsInstanceStatus(BaseModel):
     group: Id
     # When the reader (or a confirming activity) read it, by its clock: an older picture than the last one a
     # health workflow applied is dropped (two workers' readers may tell the same change in either order).
-    observed_at: datetime
+    observed_at: Timestamp
     system: Ec2StatusCheck = Field(default_factory=Ec2StatusCheck)
     instance: Ec2StatusCheck = Field(default_factory=Ec2StatusCheck)
     events: list[ScheduledEvent] = Field(default_factory=list, max_length=MAX_EVENTS)
     # None: the instance has no container instance in the group's cluster (nothing to say about its agent).
     agent_connected: bool | None = True
     # When the reader first saw it disconnected (ECS gives no time); None when connected or not known.
-    agent_disconnected_since: datetime | None = None
+    agent_disconnected_since: Timestamp | None = None
     # The group's daemon_services with no RUNNING task on the instance, or an UNHEALTHY one; empty when all are there,
     # and for an instance not judged (not ACTIVE for daemon_task_grace yet, no daemon_services, from older readers).
     daemon_tasks_missing: list[EcsServiceName] = Field(default_factory=list, max_length=MAX_DAEMON_SERVICES)

@@ -16,7 +16,7 @@ from typing import Annotated
 from pydantic import BaseModel, Field, model_validator
 
 from contract.config import SettingsSection
-from contract.limits import Id, Name, Text
+from contract.limits import Id, Name, Text, Timestamp
 
 MIN_IMPAIRED_PERCENT, MAX_IMPAIRED_PERCENT = 1, 100
 ImpairedPercent = Annotated[int, Field(ge=MIN_IMPAIRED_PERCENT, le=MAX_IMPAIRED_PERCENT)]
@@ -130,10 +130,10 @@ class ImpairmentReport(BaseModel):
 
     instance_id: Id
     group: Id
-    at: datetime
+    at: Timestamp
     reason: Name = ""
     # Heartbeat loss: when the silence began (the tracker's last receipt), to recognise a monitoring outage.
-    silent_since: datetime | None = None
+    silent_since: Timestamp | None = None
     group_size: int = Field(default=0, ge=0, le=10_000_000)
 
 
@@ -142,7 +142,7 @@ class BreakerHold(BaseModel):
 
     cause: HoldCause
     message: Text
-    tripped_at: datetime
+    tripped_at: Timestamp
     count: int
     threshold: float
     window: timedelta
@@ -150,7 +150,7 @@ class BreakerHold(BaseModel):
 
 
 class ResumeRecord(BaseModel):
-    at: datetime
+    at: Timestamp
     by: Name = ""
     discard_held: bool = False
     held: BreakerHold | None = None  # the hold it ended
@@ -164,13 +164,13 @@ class BreakerView(BaseModel):
     impaired_in_window: int = 0
     threshold: float = 0.0
     window: timedelta = timedelta(minutes=30)
-    counted_since: datetime | None = None
+    counted_since: Timestamp | None = None
     repairs_today: int = 0
     max_repairs_per_day: int | None = None
     # Replacements that faulted within replacement_fault_window of taking over, counted since the last resume.
     replacements_faulted_early: int = 0
     in_maintenance_window: bool = True
-    next_maintenance_window: datetime | None = None
+    next_maintenance_window: Timestamp | None = None
     last_resume: ResumeRecord | None = None
 
 

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import re
-from datetime import datetime, timedelta
+from datetime import timedelta
 from enum import StrEnum
 from typing import Any, Final, Literal
 
 from pydantic import BaseModel, Field
+
+from contract.limits import Timestamp
 
 OUTBOX_WORKFLOW_PREFIX: Final = "event-outbox/"
 # A workflow payload may not exceed 2 MiB (Temporal's blob size limit): what an outbox keeps waiting stays well under,
@@ -84,8 +86,8 @@ class OutboxEntry(BaseModel):
     """One event waiting for its sink: the event's JSON body as the sink takes it, and why it is waiting."""
 
     event_id: str
-    queued_at: datetime
-    time: datetime
+    queued_at: Timestamp
+    time: Timestamp
     detail_type: str
     event: dict[str, Any]
     why: Failure | None = None  # the failed first try; None when it queued behind a backlog without one
@@ -98,7 +100,7 @@ class DeadLetter(BaseModel):
     entry: OutboxEntry
     reason: BuryReason
     error: str
-    at: datetime
+    at: Timestamp
 
 
 class OutboxRun(BaseModel):
@@ -142,8 +144,8 @@ class OutboxView(BaseModel):
     waiting: int
     waiting_bytes: int
     waiting_event_ids: list[str] = Field(default_factory=list)  # the oldest SHOWN_WAITING, oldest first
-    oldest_queued_at: datetime | None = None
-    next_try_at: datetime | None = None
+    oldest_queued_at: Timestamp | None = None
+    next_try_at: Timestamp | None = None
     last_error: Failure | None = None
     delivered: int = 0
     dead_lettered: int = 0

@@ -9,7 +9,7 @@ sent, as null when there is nothing to say.
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from datetime import timedelta
 from enum import StrEnum
 from typing import Any, ClassVar
 
@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, computed_field
 from contract.breaker import BreakerHold, HoldCause
 from contract.health import CheckType, HealthState
 from contract.instances import ClearedFinding
+from contract.limits import Timestamp
 from contract.probe import GpuFinding
 from contract.repair import PhaseStep, RepairAction
 
@@ -88,8 +89,8 @@ class HealthCheck(BaseModel):
     type: CheckType
     status: HealthState
     statusReason: str | None = None
-    lastUpdated: datetime
-    lastStatusChange: datetime
+    lastUpdated: Timestamp
+    lastStatusChange: Timestamp
 
 
 class GateResult(BaseModel):
@@ -176,7 +177,7 @@ class InstanceIncluded(OperatorControl):
     TYPE = EventType.INSTANCE_INCLUDED
     excluded_by: str
     excluded_reason: str
-    excluded_since: datetime
+    excluded_since: Timestamp
     repair_re_armed: bool
 
 
@@ -203,9 +204,9 @@ class ScheduledEventFound(EventDetail):
     code: str
     ec2_event_id: str = Field(description="EC2's id of the scheduled event (instance-event-...)")
     description: str
-    deadline: datetime = Field(description="EC2's NotBefore")
-    not_after: datetime | None = None
-    repair_at: datetime = Field(description="When the repair starts: scheduled_event_lead before the deadline")
+    deadline: Timestamp = Field(description="EC2's NotBefore")
+    not_after: Timestamp | None = None
+    repair_at: Timestamp = Field(description="When the repair starts: scheduled_event_lead before the deadline")
 
 
 class RepairsExhausted(EventDetail):
@@ -430,7 +431,7 @@ class RepairsHeld(EventDetail):
     TYPE = EventType.REPAIRS_HELD
     cause: HoldCause
     message: str
-    tripped_at: datetime
+    tripped_at: Timestamp
     count: int
     threshold: float
     window: timedelta
@@ -450,8 +451,8 @@ class ReplacementFaultedEarly(EventDetail):
 
     TYPE = EventType.REPLACEMENT_FAULTED_EARLY
     replacement_instance_id: str
-    took_over_at: datetime
-    faulted_at: datetime
+    took_over_at: Timestamp
+    faulted_at: Timestamp
     reason: str
     faulted_early: int
     replacement_faults_to_hold: int

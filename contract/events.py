@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from contract.event_types import DETAILS, EventDetail, EventType
 from contract.formats import iso
+from contract.limits import Timestamp
 
 SCHEMA_VERSION: Final = 2
 ENVELOPE_KEYS: Final = (
@@ -63,7 +64,7 @@ class Event(BaseModel):
     schema_version: Literal[2] = SCHEMA_VERSION
     type: EventType
     event_id: str = Field(description="Deterministic per workflow step, so consumers can drop redeliveries")
-    time: datetime
+    time: Timestamp
     group: str
     instance_id: str = ""  # empty for a group's or the fleet's event
     workflow_id: str = ""

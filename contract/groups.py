@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from datetime import timedelta
 from enum import StrEnum
 from typing import Annotated, Literal
 
@@ -19,7 +19,7 @@ from contract.breaker import (
     MinImpaired,
 )
 from contract.config import SettingsSection, format_seconds
-from contract.limits import Name
+from contract.limits import Name, Timestamp
 from contract.liveness import LivenessShards
 
 # The drain cap's percentage: validated by the settings (the field's bounds) and by a live update (problems()).
@@ -346,6 +346,6 @@ class GroupConfigState(BaseModel):
     group: str
     overrides: GroupConfigOverrides = Field(default_factory=GroupConfigOverrides)
     effective: CapacityGroup | None = None
-    updated_at: datetime | None = None
+    updated_at: Timestamp | None = None
     updated_by: Name = ""
     revision: int = 0

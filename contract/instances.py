@@ -9,12 +9,10 @@ keeps under 400 bytes.
 
 from __future__ import annotations
 
-from datetime import datetime
-
 from pydantic import BaseModel, Field
 
 from contract.health import CheckType, HealthState
-from contract.limits import Name, Text, Token
+from contract.limits import Name, Text, Timestamp, Token
 from contract.repair import RepairPhase
 
 
@@ -52,7 +50,7 @@ class FindingsClear(BaseModel):
 class Exclusion(BaseModel):
     by: str
     reason: str
-    since: datetime
+    since: Timestamp
 
 
 class ClearedFinding(BaseModel):
@@ -62,7 +60,7 @@ class ClearedFinding(BaseModel):
     status_reason: str | None = None  # the check's statusReason when it was cleared, e.g. XID_79
     finding_id: str = ""  # the GPU or daemon finding that impaired it; empty for a heartbeat loss
     cleared_by: str
-    cleared_at: datetime
+    cleared_at: Timestamp
     reason: str = ""  # the operator's
 
 
@@ -88,4 +86,4 @@ class RepairWithdrawal(BaseModel):
 
 
 class RepairWithdrawalResult(BaseModel):
-    withdrawn_at: datetime
+    withdrawn_at: Timestamp

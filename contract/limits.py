@@ -8,10 +8,10 @@ real fault.
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Annotated, Final
 
-from pydantic import BeforeValidator, StringConstraints
+from pydantic import AfterValidator, BeforeValidator, StringConstraints
 
 MAX_ID: Final = 256  # instance ids, group names, workflow ids, finding ids
 MAX_NAME: Final = 128  # kinds, reasons, rules, source names, requesters
@@ -30,6 +30,13 @@ def _cut(value: object) -> object:
     return value
 
 
+def _aware(value: datetime) -> datetime:
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+# A time without an offset is read as UTC: compared with the workflow's own (aware) clock it would fail the workflow
+# task, and an event must say its offset.
+Timestamp = Annotated[datetime, AfterValidator(_aware)]
 Id = Annotated[str, StringConstraints(min_length=1, max_length=MAX_ID)]
 OptionalId = Annotated[str, StringConstraints(max_length=MAX_ID)]
 Name = Annotated[str, StringConstraints(max_length=MAX_NAME)]

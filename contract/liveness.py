@@ -13,12 +13,12 @@ The timing rules live here, once, because both sides depend on them:
 from __future__ import annotations
 
 import hashlib
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Annotated, Final
 
 from pydantic import BaseModel, Field
 
-from contract.limits import Id, Name, Text
+from contract.limits import Id, Name, Text, Timestamp
 
 # One shard of a group's tracker holds at most this many instances (its carried state stays far under Temporal's
 # 2 MB payload limit: about 40 bytes each). A larger group sets `liveness_shards`.
@@ -60,7 +60,7 @@ class LivenessReport(BaseModel):
     shard: int = Field(default=0, ge=0, lt=MAX_LIVENESS_SHARDS)
     shards: LivenessShards = 1
     reporter: Name = Field(min_length=1, description="One process: a new id after each restart")
-    at: datetime
+    at: Timestamp
     report_every: timedelta = Field(gt=timedelta(0), le=timedelta(days=1))
     # A relay (the ingest) speaks for many hosts and keeps reporting while they are silent, so its own silence means
     # the pipeline is down. A probe signalling directly (trusted lab) speaks for itself: its silence is its loss.
@@ -74,7 +74,7 @@ class LivenessChange(BaseModel):
 
     instance_id: Id
     lost: bool
-    last_heard: datetime | None = None
+    last_heard: Timestamp | None = None
     threshold: timedelta | None = None
     # Set when the lost instance left on purpose (EC2 says terminated, by someone other than a repair): retire.
     gone: Text | None = None
@@ -104,6 +104,6 @@ class IgnoreHeartbeats(BaseModel):
     """Game day, from the instance's health workflow to its tracker: ignore this instance's receipts until then."""
 
     instance_id: Id
-    until: datetime
+    until: Timestamp
     # The game day's start: the silence counts from here, as if the probe had stopped then.
-    since: datetime | None = None
+    since: Timestamp | None = None

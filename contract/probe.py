@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Final, Literal, get_args
 
 from pydantic import BaseModel, Field
 
 from contract.health import HealthState
-from contract.limits import MAX_COUNT, MAX_PROBE_SOURCES, Id, Name, Text
+from contract.limits import MAX_COUNT, MAX_PROBE_SOURCES, Id, Name, Text, Timestamp
 
 # Every kind of finding the probe sends, defined once: its sources make them (node_probe/classify/record.py) and the
 # health workflow's check table says which check each impairs (workflows/health_checks.py). A new kind goes here.
@@ -112,7 +111,7 @@ class GpuFinding(BaseModel):
     # other findings, and from probes before it.
     context: list[Text] = Field(default_factory=list, max_length=MAX_CONTEXT_LINES)
     count: int = Field(default=1, ge=1, le=MAX_COUNT)
-    observed_at: datetime
+    observed_at: Timestamp
 
 
 class ProbeSourceHealth(BaseModel):
@@ -127,7 +126,7 @@ class ProbeSourceHealth(BaseModel):
 class Heartbeat(BaseModel):
     instance_id: Id
     group: Id
-    sent_at: datetime
+    sent_at: Timestamp
     # INSUFFICIENT_DATA while any GPU source of the probe is down: a fault only it would see could be missed, and
     # not knowing is never a reason to impair.
     gpu_health: HealthState = HealthState.OK

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from datetime import datetime
 from enum import StrEnum
 
 from pydantic import BaseModel, Field
 
-from contract.limits import Id, Name, Text, Token
+from contract.limits import Id, Name, Text, Timestamp, Token
 from contract.probe import GpuFinding
 
 
@@ -56,7 +55,7 @@ class GpuVerdict(BaseModel):
     gpu: Name | None = None  # the GPU's PCI address; None: the finding did not say (the whole instance)
     reason: Name = ""
     finding_id: Id
-    observed_at: datetime
+    observed_at: Timestamp
 
 
 class RepairAction(StrEnum):
@@ -69,7 +68,7 @@ class RepairAction(StrEnum):
 
 class PhaseStep(BaseModel):
     phase: RepairPhase
-    started_at: datetime
+    started_at: Timestamp
 
 
 class InPlaceFix(BaseModel):
@@ -79,10 +78,10 @@ class InPlaceFix(BaseModel):
     action: RepairAction
     reason: Name = ""
     gpu: Name | None = None  # PCI address of the GPU the finding named; None: the instance as a whole
-    fixed_at: datetime
+    fixed_at: Timestamp
     # When the reset or reboot began: a finding the probe observed before it, delivered after the fix (spooled through
     # the outage), is what the fix dealt with, not the fault coming back. None from repairs before it.
-    started_at: datetime | None = None
+    started_at: Timestamp | None = None
 
 
 class RepairInput(BaseModel):

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from datetime import datetime
-
 from pydantic import BaseModel, Field
 
-from contract.limits import Id, OptionalId, Text, Token
+from contract.limits import Id, OptionalId, Text, Timestamp, Token
 
 
 class PermitRequest(BaseModel):
@@ -15,7 +13,7 @@ class PermitRequest(BaseModel):
     holder_workflow_id: Id
     holder_run_id: OptionalId | None = None
     instance_id: OptionalId = ""
-    requested_at: datetime | None = None
+    requested_at: Timestamp | None = None
     # The repair's own secret for this request: the grant must carry it back, and a release must show it.
     token: Token = ""
     # Outside the group's maintenance windows only critical repairs are granted.

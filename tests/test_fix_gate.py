@@ -97,6 +97,17 @@ def test_each_row_of_the_gate(probe: HealthViewExcerpt, failed: str | None) -> N
     assert all(c.detail for c in checks)  # a passed check says what it checked
 
 
+def test_a_finding_sent_without_an_offset_is_read_as_utc_and_gated() -> None:
+    """A host's payload with a naive observed_at: read as UTC where it is decoded, so comparing it with the fix's
+    start (aware) cannot fail the repair's workflow task, and the events that carry it say their offset."""
+    payload = seen("XID_79", impairs=True).model_dump(mode="json")
+    payload["observed_at"] = (SINCE + timedelta(minutes=1)).replace(tzinfo=None).isoformat()
+    probe = HealthViewExcerpt.model_validate({"recent_findings": [payload]})
+    [finding] = probe.recent_findings
+    assert finding.observed_at == SINCE + timedelta(minutes=1) and finding.observed_at.tzinfo is not None
+    assert failures(run_gate(probe, SINCE)) == f"faults: faulted since the fix: XID_79 on {GPU}"
+
+
 async def test_a_reboot_that_leaves_a_gpu_missing_fails_the_gate_and_the_instance_is_replaced(
     client: Client, aws_env: str, tmp_path: Path
 ) -> None:

@@ -18,7 +18,7 @@ from contract.formats import iso
 from contract.groups import CapacityGroup, GroupConfigState
 from contract.health import CheckType, HealthInput, HealthState
 from contract.instances import ClearedFinding, Exclusion
-from contract.limits import Id, OptionalId, Text, Token
+from contract.limits import Id, OptionalId, Text, Timestamp, Token
 from contract.liveness import IgnoreHeartbeats, LivenessInput
 from contract.probe import GpuFinding, ProbeSourceHealth
 from contract.repair import GpuVerdict, InPlaceFix, PhaseStep, RepairAction, RepairPhase
@@ -46,8 +46,8 @@ class HealthCheckResult(BaseModel):
     type: CheckType
     status: HealthState
     statusReason: str | None = None
-    lastUpdated: datetime
-    lastStatusChange: datetime
+    lastUpdated: Timestamp
+    lastStatusChange: Timestamp
 
 
 class ContainerInstanceHealthStatus(BaseModel):
@@ -59,7 +59,7 @@ class RepairView(BaseModel):
     workflow_id: str
     phase: RepairPhase
     reason: str
-    started_at: datetime
+    started_at: Timestamp
     replacement_instance_id: str | None = None
     error: str | None = None
 
@@ -71,7 +71,7 @@ class RepairRetry(BaseModel):
     failed: int = 0  # attempts that failed since the incident began (or an operator's `instance repair`)
     max_attempts: int = 0  # the group's max_repair_attempts when the last one failed
     error: str | None = None  # the last failed attempt's
-    next_at: datetime | None = None  # when the next attempt starts; None: none is waiting to
+    next_at: Timestamp | None = None  # when the next attempt starts; None: none is waiting to
     reason: str | None = None  # the failed attempt's reason, which the next one repeats
     exhausted: bool = False  # every attempt allowed failed: nothing more until `autorepair instance repair`
     # A failed attempt's workflow id, told by its progress and not yet counted by the run loop; the last counted.
@@ -101,17 +101,17 @@ class AwsChecks(BaseModel):
     last: AwsInstanceStatus | None = None  # the newest picture applied, told by the reader or confirmed
     # An EC2 status check went impaired then (insufficient-data in between does not end it; ok does), and the ECS
     # agent was first seen disconnected then: each grace runs from here, whatever reasons come and go meanwhile.
-    status_bad_since: datetime | None = None
-    agent_down_since: datetime | None = None
+    status_bad_since: Timestamp | None = None
+    agent_down_since: Timestamp | None = None
     # What this workflow made IMPAIRED: EC2_STATUS for a status check (when), or for a scheduled event (its key);
     # AGENT_CONNECTIVITY for the ECS agent (when). Set OK by anyone else (a clear, a fix in place): proven afresh.
-    status_impaired_at: datetime | None = None
+    status_impaired_at: Timestamp | None = None
     event_impaired: str | None = None
-    agent_impaired_at: datetime | None = None
+    agent_impaired_at: Timestamp | None = None
     events_told: list[str] = Field(default_factory=list)  # published as ScheduledEventFound (newest kept)
     events_dismissed: list[str] = Field(default_factory=list)  # their impairment cleared: not repaired for again
-    fix_seen: datetime | None = None  # the last fix in place (a reboot, a GPU reset) taken into account
-    next_at: datetime | None = None  # a grace or a lead time ends: the run loop looks again
+    fix_seen: Timestamp | None = None  # the last fix in place (a reboot, a GPU reset) taken into account
+    next_at: Timestamp | None = None  # a grace or a lead time ends: the run loop looks again
     next_what: str = ""
     look: bool = False  # a new picture: the run loop looks at once
     # The group's ECS daemon services AWS says are missing here, each since the first picture that said so, and those
@@ -130,7 +130,7 @@ class RepairClaim(BaseModel):
 
     kind: ClaimKind
     why: str = ""  # WITHHELD: why, in a phrase (`describe-instances` shows it as repairWithheld)
-    since: datetime | None = None  # workflow time; None only when decoded from a run that did not keep it
+    since: Timestamp | None = None  # workflow time; None only when decoded from a run that did not keep it
 
 
 class HealthCarry(BaseModel):
@@ -140,8 +140,8 @@ class HealthCarry(BaseModel):
     findings: list[GpuFinding] = Field(default_factory=list)
     seen_finding_ids: list[str] = Field(default_factory=list)
     warning_counts: dict[str, int] = Field(default_factory=dict, description="'<pci>/<reason>' -> count")
-    started_at: datetime | None = None
-    last_heartbeat: datetime | None = None
+    started_at: Timestamp | None = None
+    last_heartbeat: Timestamp | None = None
     repair: RepairView | None = None
     # Whether the run loop has taken this impairment, and since when: its repair started (or about to), or withheld
     # and why. Set and released only by InstanceHealth (workflows/instance_health.py); None: nothing taken.
@@ -153,7 +153,7 @@ class HealthCarry(BaseModel):
     dropped_entries: int = 0
     # The token the repair we started puts in its progress (RepairInput.progress_token); never in a query.
     repair_token: str | None = None
-    heartbeats_ignored_until: datetime | None = None
+    heartbeats_ignored_until: Timestamp | None = None
     # Why it retired without a repair (it left on purpose), if it did.
     retired_reason: str | None = None
     # A game day not yet passed to the liveness tracker.
@@ -176,7 +176,7 @@ class HealthCarry(BaseModel):
     # An activity that failed (workflows/health_retry.py): how often in a row, what it said, when to try again.
     activity_failures: int = 0
     last_activity_error: Text | None = None
-    retry_at: datetime | None = None
+    retry_at: Timestamp | None = None
     recheck_loss: bool = False
     # The number of the last repair attempt started (its id: repair/<instance>/<n>), and the failed ones retried.
     repair_attempt: int = 0
@@ -241,8 +241,8 @@ class RepairStance(StrEnum):
 class RepairDecision(BaseModel):
     stance: RepairStance
     why: str = ""
-    until: datetime | None = None
-    since: datetime | None = None  # since when it stands so, where the state knows (withheld, starting, excluded, ...)
+    until: Timestamp | None = None
+    since: Timestamp | None = None  # since when it stands so, where the state knows (withheld, starting, excluded, ...)
 
 
 class InstanceHealthView(BaseModel):
@@ -252,7 +252,7 @@ class InstanceHealthView(BaseModel):
     recent_findings: list[GpuFinding]
     warning_counts: dict[str, int]
     repair: RepairView | None
-    last_heartbeat: datetime | None
+    last_heartbeat: Timestamp | None
     rejected_signals: int
     retired: bool
     retired_reason: str | None = None
@@ -262,7 +262,7 @@ class InstanceHealthView(BaseModel):
     # (`describe-instances`' repairWithheld, scripts, the tests).
     repair_withheld: str | None = None
     repair_claim: RepairClaim | None = None
-    heartbeats_ignored_until: datetime | None = None
+    heartbeats_ignored_until: Timestamp | None = None
     probe_sources: list[ProbeSourceHealth] = Field(default_factory=list)
     # The tracker that knows when this instance was last heard (its `last_heard` query); None before the group is read.
     liveness_workflow_id: str | None = None
@@ -294,7 +294,7 @@ class PermitRelease(BaseModel):
 class PermitGrant(BaseModel):
     group: Id
     holder_workflow_id: Id
-    granted_at: datetime
+    granted_at: Timestamp
     token: Token = ""  # the token of the request it answers: a repair takes no grant without its own
     # AZs where the group's launches met capacity errors lately: a repair that may move starts elsewhere.
     avoid_azs: list[str] = Field(default_factory=list)
@@ -304,7 +304,7 @@ class Permit(BaseModel):
     holder_workflow_id: str
     holder_run_id: str | None = None
     instance_id: str = ""
-    since: datetime
+    since: Timestamp
     token: str = ""
     # The Auto Scaling group's new instance this repair claimed as its replacement (claim_replacement).
     replacement_instance_id: str | None = None
@@ -347,7 +347,7 @@ class SemaphoreView(BaseModel):
 class ReporterSeen(BaseModel):
     """A reporter (one ingest or probe process) as the tracker last heard from it, by the tracker's clock."""
 
-    last_at: datetime
+    last_at: Timestamp
     report_every: float  # seconds
     relay: bool = True
 
@@ -360,15 +360,15 @@ class LivenessCarry(BaseModel):
     lost: list[str] = Field(default_factory=list)
     ignored_until: dict[str, int] = Field(default_factory=dict)
     reporters: dict[str, ReporterSeen] = Field(default_factory=dict)
-    last_report_at: datetime | None = None
+    last_report_at: Timestamp | None = None
     # The pipeline went silent (no batch for longer than reporters promised): nothing is declared meanwhile, and
     # after it speaks again nothing before `floor`, a full window later.
-    silent_since: datetime | None = None
-    floor: datetime | None = None
+    silent_since: Timestamp | None = None
+    floor: Timestamp | None = None
     # The last silence noticed (when batches came again, or a timer found the relays overdue): from the last
     # batch before it to the first after it (None while it lasts).
-    last_silence_from: datetime | None = None
-    last_silence_to: datetime | None = None
+    last_silence_from: Timestamp | None = None
+    last_silence_to: Timestamp | None = None
     group: CapacityGroup | None = None
     declared_lost: int = 0
     recovered: int = 0
@@ -390,12 +390,12 @@ class LivenessView(BaseModel):
     window_s: float | None
     grace_s: float | None
     reporters: dict[str, ReporterSeen]
-    last_report_at: datetime | None
-    silent_since: datetime | None
-    floor: datetime | None
+    last_report_at: Timestamp | None
+    silent_since: Timestamp | None
+    floor: Timestamp | None
     declared_lost: int
-    last_silence_from: datetime | None = None
-    last_silence_to: datetime | None = None
+    last_silence_from: Timestamp | None = None
+    last_silence_to: Timestamp | None = None
     recovered: int
     dropped_instances: int
     forgotten: int
