@@ -109,6 +109,23 @@ class Ecs:
         check_instance_id(instance_id)
         return (await self.registrations(group.cluster, instance_id)).get(instance_id)
 
+    async def container_instance(
+        self, group: CapacityGroup, instance_id: str, known_arn: str | None
+    ) -> ContainerInstanceTypeDef | None:
+        """find_container_instance, in one call where the caller knows the ARN: the one it knows, described, while it
+        is still the instance's registration with its agent connected. Otherwise (deregistered, disconnected: its
+        agent may have registered anew) the instance's newest registration is found, as without an ARN."""
+        check_instance_id(instance_id)
+        if known_arn:
+            for ci in await self.describe_container_instances(group.cluster, [known_arn]):
+                if (
+                    ci.get("ec2InstanceId") == instance_id
+                    and ci.get("status") in REGISTERED_STATUSES
+                    and ci.get("agentConnected") is True
+                ):
+                    return ci
+        return await self.find_container_instance(group, instance_id)
+
     async def registrations(self, cluster: str, instance_id: str | None = None) -> dict[str, ContainerInstanceTypeDef]:
         """EC2 instance id -> its ACTIVE or DRAINING container instance in the cluster (every instance's, or only
         `instance_id`'s, which the caller has checked)."""

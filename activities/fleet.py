@@ -40,6 +40,7 @@ from activities.models import (
     InstancesGone,
     InstancesGoneRequest,
     InstanceTasks,
+    KnownInstance,
     LaunchRequest,
     LaunchResult,
     QuarantineResult,
@@ -239,24 +240,17 @@ class FleetActivities:
     @activity.defn(name="launch_replacement")
     async def launch_replacement(self, request: LaunchRequest) -> LaunchResult:
         """Start the replacement before anything is stopped. Idempotent per attempt: the `replaces` tag and the
-        attempt's client token (`launch-token` tag) find the instance a retry of this attempt already launched."""
+        attempt's client token (`launch-token` tag) find the instance a retry of this attempt already launched. The
+        workflow's first try at a token, on its activity's first attempt, cannot have launched one: it launches at
+        once, one serial call on the repair's path."""
         group = self._group(request.group)
         check_instance_id(request.impaired_instance_id)
-        if group.launch_template:
-            # The template is looked up beside the search for this attempt's replacement: one serial call fewer.
-            existing, spec = await asyncio.gather(
-                self._launch.existing(request), self._launch.template(group), return_exceptions=True
-            )
-            if isinstance(existing, BaseException):
-                raise existing
+        if not (request.first_try and activity.info().attempt == 1):
+            existing = await self._launch.existing(request)
             if existing is not None:
                 return LaunchResult(replacement_instance_id=existing, already_existed=True)
-            if isinstance(spec, BaseException):
-                raise spec
-            return await self._launch.from_template(group, request, spec)
-        existing = await self._launch.existing(request)
-        if existing is not None:
-            return LaunchResult(replacement_instance_id=existing, already_existed=True)
+        if group.launch_template:
+            return await self._launch.from_template(group, request)
         if group.auto_scaling_group:
             return await self._launch.in_auto_scaling_group(group, request)
         raise ApplicationError(
@@ -330,7 +324,7 @@ class FleetActivities:
                     non_retryable=True,
                 )
         # Not found by the lookup (EC2 lags, or it is long gone): TerminateInstances decides, NotFound is success.
-        return await self.terminate_instance(InstanceRef(group=ref.group, instance_id=ref.instance_id))
+        return await self.terminate_instance(KnownInstance(group=ref.group, instance_id=ref.instance_id))
 
     @activity.defn(name="check_replacement")
     async def check_replacement(self, ref: ReplacementRef) -> ReplacementCheck:
@@ -351,11 +345,30 @@ class FleetActivities:
         return ReplacementCheck(serving=True)
 
     @activity.defn(name="list_instance_tasks")
-    async def list_instance_tasks(self, ref: InstanceRef) -> InstanceTasks:
-        """Tasks still meant to run on the instance, each with how long ECS gives it to stop."""
+    async def list_instance_tasks(self, ref: KnownInstance) -> InstanceTasks:
+        """Tasks still meant to run on the instance, each with how long ECS gives it to stop.
+
+        With the container instance known, its tasks are listed beside the look at it (one serial call where none is
+        left); a look that finds another registration lists that one's instead."""
         group = self._group(ref.group)
-        arn = await self._serving_container_instance(group, ref.instance_id)
-        return InstanceTasks(tasks=[]) if arn is None else await self._tasks_on(group, arn)
+        known = ref.container_instance_arn
+        if not known:
+            serving = await self._serving_container_instance(group, ref.instance_id, None)
+            return InstanceTasks(tasks=[]) if serving is None else await self._tasks_on(group, serving)
+        looked, listed = await asyncio.gather(
+            self._serving_container_instance(group, ref.instance_id, known),
+            self._task_arns_on(group, known),
+            return_exceptions=True,
+        )
+        if isinstance(looked, BaseException):
+            raise looked
+        if looked is None:
+            return InstanceTasks(tasks=[])
+        if looked != known:
+            return await self._tasks_on(group, looked)
+        if isinstance(listed, BaseException):
+            raise listed
+        return await self._described_tasks(group, listed)
 
     @activity.defn(name="wait_for_tasks_to_stop")
     async def wait_for_tasks_to_stop(self, wait: TasksWait) -> InstanceTasks:
@@ -373,7 +386,7 @@ class FleetActivities:
         while True:
             fresh = time.monotonic() - checked_at >= EC2_CHECK_EVERY.total_seconds()
             if fresh:
-                arn = await self._serving_container_instance(group, wait.instance_id)
+                arn = await self._serving_container_instance(group, wait.instance_id, wait.container_instance_arn)
                 checked_at = time.monotonic()
             try:
                 running = InstanceTasks(tasks=[]) if arn is None else await self._tasks_on(group, arn)
@@ -389,18 +402,25 @@ class FleetActivities:
             activity.heartbeat(len(arns))
             await asyncio.sleep(min(wait.poll_seconds, left))
 
-    async def _serving_container_instance(self, group: CapacityGroup, instance_id: str) -> str | None:
+    async def _serving_container_instance(
+        self, group: CapacityGroup, instance_id: str, known_arn: str | None
+    ) -> str | None:
         """The instance's container instance ARN; None once it is deregistered or its EC2 instance is gone (its tasks
         are gone with it). ECS and EC2 are asked side by side."""
         ci, instance = await asyncio.gather(
-            self._ecs.find_container_instance(group, instance_id), self._ec2.instance(instance_id)
+            self._ecs.container_instance(group, instance_id, known_arn), self._ec2.instance(instance_id)
         )
         if ci is None or instance is None or instance.get("State", {}).get("Name") in GONE_EC2_STATES:
             return None
         return ci["containerInstanceArn"]
 
     async def _tasks_on(self, group: CapacityGroup, arn: str) -> InstanceTasks:
-        arns = await self._ecs.task_arns(group.cluster, containerInstance=arn, desiredStatus="RUNNING")
+        return await self._described_tasks(group, await self._task_arns_on(group, arn))
+
+    async def _task_arns_on(self, group: CapacityGroup, arn: str) -> list[str]:
+        return await self._ecs.task_arns(group.cluster, containerInstance=arn, desiredStatus="RUNNING")
+
+    async def _described_tasks(self, group: CapacityGroup, arns: list[str]) -> InstanceTasks:
         tasks: list[TaskInfo] = []
         for task in await self._ecs.describe_tasks(group.cluster, arns):
             if task.get("lastStatus") == "STOPPED":
@@ -438,7 +458,7 @@ class FleetActivities:
         return StopTasksResult(stopped=stopped)
 
     @activity.defn(name="terminate_instance")
-    async def terminate_instance(self, ref: InstanceRef) -> TerminateResult:
+    async def terminate_instance(self, ref: KnownInstance) -> TerminateResult:
         """Terminate the EC2 instance, then deregister it from ECS. Already gone is success.
 
         In that order: a termination refused (an IAM policy, say) leaves the instance DRAINING in ECS, where the next
@@ -448,18 +468,22 @@ class FleetActivities:
         check_instance_id(ref.instance_id)
         # Its container instance is looked up beside the termination (a read), and deregistered only after it.
         result, ci = await asyncio.gather(
-            self._terminate(ref.instance_id), self._ecs.find_container_instance(group, ref.instance_id)
+            self._terminate(ref.instance_id),
+            self._ecs.container_instance(group, ref.instance_id, ref.container_instance_arn),
         )
         # ECS lets go of a terminated instance by itself, in time: at once here, so the cluster counts it out now.
         await self._deregister_found(group, ci)
         return result
 
     async def _terminate(self, instance_id: str) -> TerminateResult:
-        instance = await self._ec2.instance(instance_id)
-        state = (instance or {}).get("State", {}).get("Name")
-        if state in GONE_EC2_STATES:
-            # A retry after the termination went through (the deregistration after it failed): not terminated twice.
-            return TerminateResult(previous_state=state, already_terminated=True)
+        if activity.info().attempt > 1:
+            # A retry: an earlier attempt may have terminated it (and lost its answer): not asked again.
+            instance = await self._ec2.instance(instance_id)
+            state = (instance or {}).get("State", {}).get("Name")
+            if state in GONE_EC2_STATES:
+                return TerminateResult(previous_state=state, already_terminated=True)
+        # A first attempt is not looked up first (one serial call fewer): TerminateInstances on an instance already
+        # shutting down or terminated changes nothing and answers its previous state, which says so.
         try:
             resp = await self._aws.call(
                 f"EC2 instance {instance_id}", self._aws.ec2.terminate_instances, InstanceIds=[instance_id]

@@ -31,7 +31,7 @@ ClaimReplacement = Callable[[CapacityGroup, str, list[str]], Awaitable[str | Non
 
 class Launcher:
     """Launches one replacement for an impaired instance; FleetActivities.launch_replacement has already checked
-    that none exists yet (the `replaces` tag)."""
+    that none exists yet (the `replaces` tag), where one could."""
 
     def __init__(self, aws: AwsClients, ec2: Ec2, claim: ClaimReplacement) -> None:
         self._aws = aws
@@ -62,60 +62,65 @@ class Launcher:
             return None
         return min(instances, key=lambda i: (i["LaunchTime"], i["InstanceId"]))["InstanceId"]
 
-    async def template(self, group: CapacityGroup) -> LaunchTemplateSpecificationTypeDef:
-        """The group's launch template, looked up: a missing one is a configuration error that no retry fixes, and
-        DescribeLaunchTemplates names it plainly (moto also answers RunInstances with a 500 for it)."""
-        template = group.launch_template or ""
-        version = group.launch_template_version
-        by_id = LAUNCH_TEMPLATE_ID.match(template) is not None
-        resource = _template_resource(group)
-        describe = self._aws.ec2.describe_launch_templates
-        found = await (
-            self._aws.call(resource, describe, LaunchTemplateIds=[template])
-            if by_id
-            else self._aws.call(resource, describe, LaunchTemplateNames=[template])
-        )
-        if not found.get("LaunchTemplates"):
-            raise ApplicationError(
-                f"ec2:DescribeLaunchTemplates on {resource} failed: no such launch template",
-                type="InvalidLaunchTemplateId.NotFound" if by_id else "InvalidLaunchTemplateName.NotFoundException",
-                non_retryable=True,
-            )
-        if by_id:
-            return {"LaunchTemplateId": template, "Version": version}
-        return {"LaunchTemplateName": template, "Version": version}
-
-    async def from_template(
-        self, group: CapacityGroup, request: LaunchRequest, spec: LaunchTemplateSpecificationTypeDef
-    ) -> LaunchResult:
+    async def from_template(self, group: CapacityGroup, request: LaunchRequest) -> LaunchResult:
         kwargs: dict[str, Any] = {}
         # Same subnet (hence AZ) as the impaired instance: its tasks' placement constraints stay valid.
         if request.subnet_id:
             kwargs["SubnetId"] = request.subnet_id
         elif request.availability_zone:
             kwargs["Placement"] = {"AvailabilityZone": request.availability_zone}
-        resp = await self._aws.call(
-            _template_resource(group),
-            self._aws.ec2.run_instances,
-            LaunchTemplate=spec,
-            MinCount=1,
-            MaxCount=1,
-            # AWS returns the first launch for a repeated token; the `replaces` tag covers moto (ignores it).
-            ClientToken=request.client_token,
-            TagSpecifications=[
-                {
-                    "ResourceType": "instance",
-                    "Tags": [
-                        {"Key": GROUP_TAG, "Value": group.name},
-                        {"Key": REPLACES_TAG, "Value": request.impaired_instance_id},
-                        {"Key": LAUNCH_TOKEN_TAG, "Value": request.client_token},
-                        {"Key": "Name", "Value": f"{group.name} (replaces {request.impaired_instance_id})"},
-                    ],
-                }
-            ],
-            **kwargs,
-        )
+        try:
+            resp = await self._aws.call(
+                _template_resource(group),
+                self._aws.ec2.run_instances,
+                LaunchTemplate=_template_spec(group),
+                MinCount=1,
+                MaxCount=1,
+                # AWS returns the first launch for a repeated token; the `replaces` tag covers moto (ignores it).
+                ClientToken=request.client_token,
+                TagSpecifications=[
+                    {
+                        "ResourceType": "instance",
+                        "Tags": [
+                            {"Key": GROUP_TAG, "Value": group.name},
+                            {"Key": REPLACES_TAG, "Value": request.impaired_instance_id},
+                            {"Key": LAUNCH_TOKEN_TAG, "Value": request.client_token},
+                            {"Key": "Name", "Value": f"{group.name} (replaces {request.impaired_instance_id})"},
+                        ],
+                    }
+                ],
+                **kwargs,
+            )
+        except Exception:
+            # Whatever the launch's error (moto's is not even an AWS error), a missing template says it best.
+            await self._check_template(group)
+            raise
         return LaunchResult(replacement_instance_id=resp["Instances"][0]["InstanceId"])
+
+    async def _check_template(self, group: CapacityGroup) -> None:
+        """After a failed launch: a missing template is a configuration error that no retry fixes, and
+        DescribeLaunchTemplates names it plainly (moto answers RunInstances with a 500 for it). Looked up only then:
+        on the way to a launch it would be one more serial call."""
+        template = group.launch_template or ""
+        by_id = LAUNCH_TEMPLATE_ID.match(template) is not None
+        resource = _template_resource(group)
+        describe = self._aws.ec2.describe_launch_templates
+        try:
+            found = await (
+                self._aws.call(resource, describe, LaunchTemplateIds=[template])
+                if by_id
+                else self._aws.call(resource, describe, LaunchTemplateNames=[template])
+            )
+        except ApplicationError as err:
+            if (err.type or "").startswith("InvalidLaunchTemplate"):
+                raise  # AWS's own answer for a missing one: as plain, and permanent
+            return  # the launch's own error says more than this one
+        if not found.get("LaunchTemplates"):
+            raise ApplicationError(
+                f"ec2:DescribeLaunchTemplates on {resource} failed: no such launch template",
+                type="InvalidLaunchTemplateId.NotFound" if by_id else "InvalidLaunchTemplateName.NotFoundException",
+                non_retryable=True,
+            )
 
     async def in_auto_scaling_group(self, group: CapacityGroup, request: LaunchRequest) -> LaunchResult:
         """Detach-and-replace: detach without decrementing desired capacity; the group launches a new one."""
@@ -200,6 +205,13 @@ class Launcher:
         activities = resp.get("Activities", [])
         start = activities[0].get("StartTime") if activities else None
         return start.astimezone(UTC) if start is not None else None
+
+
+def _template_spec(group: CapacityGroup) -> LaunchTemplateSpecificationTypeDef:
+    template, version = group.launch_template or "", group.launch_template_version
+    if LAUNCH_TEMPLATE_ID.match(template):
+        return {"LaunchTemplateId": template, "Version": version}
+    return {"LaunchTemplateName": template, "Version": version}
 
 
 def _template_resource(group: CapacityGroup) -> str:

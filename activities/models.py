@@ -107,6 +107,14 @@ class InstanceRef(BaseModel):
     instance_id: str
 
 
+class KnownInstance(InstanceRef):
+    """An instance and, where the workflow knows it (set_draining's answer, the replacement's wait's), its container
+    instance: described by ARN, one call on the repair's path, instead of found by a list and a describe. An ARN that
+    is no longer the instance's connected registration (its agent registered anew, say) is found again."""
+
+    container_instance_arn: str | None = None
+
+
 class DrainResult(BaseModel):
     container_instance_arn: str
     availability_zone: str | None = None
@@ -121,6 +129,9 @@ class LaunchRequest(BaseModel):
     # Same token on every retry of one replacement attempt (a new one per attempt): a retried launch returns the
     # instance that attempt already launched, never one an earlier attempt gave up on.
     client_token: str = Field(min_length=1, max_length=64)
+    # The workflow's first try with this token: no launch can have used it yet, so the first attempt of the activity
+    # launches without looking for one first. False (a retry, or a payload of an older workflow): it looks.
+    first_try: bool = False
 
 
 class SubnetZonesRequest(BaseModel):
@@ -156,7 +167,7 @@ class InstanceTasks(BaseModel):
     tasks: list[TaskInfo]
 
 
-class TasksWait(InstanceRef):
+class TasksWait(KnownInstance):
     """Wait while the instance's tasks stop, looking every `poll_seconds`: answered at `until` (the next stop timeout),
     or at once when no task is left or one starts that the workflow has not seen (its stop timeout is its own)."""
 
@@ -322,9 +333,8 @@ class HealthViewExcerpt(BaseModel):
     expected_gpus: int | None = None
 
 
-class RecoveryCheck(BaseModel):
-    group: str
-    instance_id: str
+class RecoveryCheck(KnownInstance):
+    """Look at an instance as it comes back (its container instance by ARN where the repair knows it)."""
 
 
 class RecoveryStatus(BaseModel):

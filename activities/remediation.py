@@ -15,6 +15,7 @@ looks between named timers:
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -158,16 +159,10 @@ class RemediationActivities:
     async def recovery_status(self, check: RecoveryCheck) -> RecoveryStatus:
         """The probe's view (through the health workflow) and ECS's agentConnected, in one look."""
         group = self._group(check.group)
-        probe: HealthViewExcerpt | None = None
-        probe_error = ""
-        handle = self._client.get_workflow_handle(health_workflow_id(check.instance_id))
-        try:
-            probe = await handle.query(names.QUERY_HEALTH, result_type=HealthViewExcerpt, rpc_timeout=QUERY_TIMEOUT)
-        except RPCError as err:
-            if err.status not in (RPCStatusCode.NOT_FOUND, RPCStatusCode.DEADLINE_EXCEEDED):
-                raise
-            probe_error = f"health workflow did not answer: {err.message}"[:WHY_MAX]
-        ci = await self._ecs.find_container_instance(group, check.instance_id)
+        (probe, probe_error), ci = await asyncio.gather(
+            self._probe_view(check.instance_id),
+            self._ecs.container_instance(group, check.instance_id, check.container_instance_arn),
+        )
         return RecoveryStatus(
             probe=probe,
             probe_error=probe_error,
@@ -184,6 +179,17 @@ class RemediationActivities:
         return ActivateResult(container_instance_arn=ci["containerInstanceArn"], already_active=not changed)
 
     # --- lookups ------------------------------------------------------------------------------------------
+
+    async def _probe_view(self, instance_id: str) -> tuple[HealthViewExcerpt | None, str]:
+        """The probe's view through the instance's health workflow, or why it did not answer."""
+        handle = self._client.get_workflow_handle(health_workflow_id(instance_id))
+        try:
+            view = await handle.query(names.QUERY_HEALTH, result_type=HealthViewExcerpt, rpc_timeout=QUERY_TIMEOUT)
+        except RPCError as err:
+            if err.status not in (RPCStatusCode.NOT_FOUND, RPCStatusCode.DEADLINE_EXCEEDED):
+                raise
+            return None, f"health workflow did not answer: {err.message}"[:WHY_MAX]
+        return view, ""
 
     def _group(self, name: str) -> CapacityGroup:
         return resolve_group(self._groups, name)

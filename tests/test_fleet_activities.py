@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -25,6 +27,7 @@ from activities.models import (
     GroupCapacityRequest,
     GroupConfigRequest,
     InstanceRef,
+    KnownInstance,
     LaunchRequest,
     StopTasksRequest,
     TasksWait,
@@ -240,6 +243,7 @@ async def test_launch_replacement_by_template_id_into_the_subnet(aws: AwsClients
     assert replacement["Tags"] and {"Key": "aws:ec2launchtemplate:id", "Value": template_id} in replacement["Tags"]
 
 
+@pytest.mark.parametrize("first_try", [True, False])
 @pytest.mark.parametrize(
     ("template", "code"),
     [
@@ -248,11 +252,13 @@ async def test_launch_replacement_by_template_id_into_the_subnet(aws: AwsClients
     ],
 )
 async def test_launch_from_missing_template_is_permanent_with_clear_message(
-    aws: AwsClients, template: str, code: str
+    aws: AwsClients, template: str, code: str, first_try: bool
 ) -> None:
     fleet = Fleet(aws, CapacityGroup(name=unique("group"), cluster=unique("cluster"), launch_template=template))
     [impaired] = fleet.launch()
-    request = LaunchRequest(group=fleet.group.name, impaired_instance_id=impaired, client_token="t-1")
+    request = LaunchRequest(
+        group=fleet.group.name, impaired_instance_id=impaired, client_token="t-1", first_try=first_try
+    )
 
     with pytest.raises(ApplicationError) as exc:
         await run(fleet.acts.launch_replacement, request)
@@ -261,6 +267,30 @@ async def test_launch_from_missing_template_is_permanent_with_clear_message(
     assert "ec2:DescribeLaunchTemplates" in message and template in message and fleet.group.name in message
     assert "\n" not in message
     assert fleet.replacements_of(impaired) == []
+
+
+async def test_the_first_try_launches_at_once_and_a_retry_looks_first(fleet: Fleet) -> None:
+    """The workflow's first try at a token, on the activity's first attempt, cannot have launched anything: one call
+    (RunInstances). A retry of it (the activity's next attempt: the worker may have died after the launch) looks for
+    the instance first and hands it back instead of launching a second."""
+    [impaired] = fleet.launch()
+    request = LaunchRequest(group=fleet.group.name, impaired_instance_id=impaired, client_token="t-1", first_try=True)
+
+    with api_calls(fleet.aws) as called:
+        first = await run(fleet.acts.launch_replacement, request)
+    assert called == ["RunInstances"]
+    assert not first.already_existed
+
+    retry = ActivityEnvironment()
+    retry.info = dataclasses.replace(retry.info, attempt=2)
+    with api_calls(fleet.aws) as called:
+        again = await retry.run(fleet.acts.launch_replacement, request)
+    assert called == ["DescribeInstances"]
+    assert again.already_existed and again.replacement_instance_id == first.replacement_instance_id
+    next_try = await run(fleet.acts.launch_replacement, request.model_copy(update={"first_try": False}))
+    assert next_try.already_existed and next_try.replacement_instance_id == first.replacement_instance_id
+    [only] = fleet.replacements_of(impaired)
+    assert only["InstanceId"] == first.replacement_instance_id
 
 
 async def test_a_retried_launch_finds_its_replacement_even_once_the_template_is_gone(aws: AwsClients) -> None:
@@ -408,7 +438,7 @@ async def test_list_tasks_stop_timeouts_and_stop_tasks_twice(fleet: Fleet) -> No
     [instance_id] = fleet.launch()
     arn = fleet.register(instance_id)
     expected = start_tasks(fleet, arn)
-    ref = InstanceRef(group=fleet.group.name, instance_id=instance_id)
+    ref = KnownInstance(group=fleet.group.name, instance_id=instance_id)
 
     listed = await run(fleet.acts.list_instance_tasks, ref)
     assert {t.task_arn: t.stop_timeout_seconds for t in listed.tasks} == expected
@@ -507,8 +537,8 @@ async def test_list_tasks_of_deregistered_or_terminated_instance_is_empty(fleet:
     start_tasks(fleet, fleet.register(terminated))
     fleet.aws.ec2.terminate_instances(InstanceIds=[terminated])
 
-    for instance_id in (deregistered, terminated):
-        ref = InstanceRef(group=fleet.group.name, instance_id=instance_id)
+    for instance_id, known in ((deregistered, arn), (terminated, None)):
+        ref = KnownInstance(group=fleet.group.name, instance_id=instance_id, container_instance_arn=known)
         assert (await run(fleet.acts.list_instance_tasks, ref)).tasks == []
 
 
@@ -518,7 +548,7 @@ async def test_list_tasks_of_deregistered_or_terminated_instance_is_empty(fleet:
 async def test_terminate_twice(fleet: Fleet) -> None:
     [instance_id] = fleet.launch()
     arn = fleet.register(instance_id)
-    ref = InstanceRef(group=fleet.group.name, instance_id=instance_id)
+    ref = KnownInstance(group=fleet.group.name, instance_id=instance_id)
 
     first = await run(fleet.acts.terminate_instance, ref)
     second = await run(fleet.acts.terminate_instance, ref)
@@ -529,13 +559,79 @@ async def test_terminate_twice(fleet: Fleet) -> None:
 
 
 async def test_terminate_unknown_instance_is_already_terminated(fleet: Fleet) -> None:
-    ref = InstanceRef(group=fleet.group.name, instance_id="i-0123456789abcdef0")
+    ref = KnownInstance(group=fleet.group.name, instance_id="i-0123456789abcdef0")
     result = await run(fleet.acts.terminate_instance, ref)
     assert result.already_terminated and result.previous_state is None
 
 
+@contextmanager
+def api_calls(aws: AwsClients) -> Iterator[list[str]]:
+    """The EC2 and ECS operations called meanwhile, by name (botocore's retries of one call count once)."""
+    called: list[str] = []
+
+    def record(model: Any, **_: Any) -> None:
+        called.append(model.name)
+
+    clients = (aws.ec2, aws.ecs)
+    for client in clients:
+        client.meta.events.register("before-call", record)
+    try:
+        yield called
+    finally:
+        for client in clients:
+            client.meta.events.unregister("before-call", record)
+
+
+async def test_a_known_container_instance_is_described_not_looked_for(fleet: Fleet) -> None:
+    """The repair passes on the container instance set_draining found: its tasks are listed beside one look at it,
+    and the termination deregisters it without finding it again (and without looking at EC2 first)."""
+    [instance_id] = fleet.launch()
+    arn = fleet.register(instance_id)
+    expected = start_tasks(fleet, arn)
+    ref = KnownInstance(group=fleet.group.name, instance_id=instance_id, container_instance_arn=arn)
+
+    with api_calls(fleet.aws) as called:
+        listed = await run(fleet.acts.list_instance_tasks, ref)
+    assert {t.task_arn: t.stop_timeout_seconds for t in listed.tasks} == expected
+    assert "ListContainerInstances" not in called
+    assert called.count("DescribeContainerInstances") == called.count("ListTasks") == 1
+
+    with api_calls(fleet.aws) as called:
+        terminated = await run(fleet.acts.terminate_instance, ref)
+    assert (terminated.previous_state, terminated.already_terminated) == ("running", False)
+    assert sorted(called) == ["DeregisterContainerInstance", "DescribeContainerInstances", "TerminateInstances"]
+    assert arn not in fleet.aws.ecs.list_container_instances(cluster=fleet.group.cluster)["containerInstanceArns"]
+    # Asked again by a later step (a first attempt): EC2 answers that it was already terminated.
+    assert (await run(fleet.acts.terminate_instance, ref)).already_terminated
+    # A retry of the activity (its answer may have been lost) looks first and does not ask EC2 again.
+    retry = ActivityEnvironment()
+    retry.info = dataclasses.replace(retry.info, attempt=2)
+    with api_calls(fleet.aws) as called:
+        again = await retry.run(fleet.acts.terminate_instance, ref)
+    assert again.already_terminated and "TerminateInstances" not in called and "DescribeInstances" in called
+
+
+async def test_a_known_container_instance_no_longer_registered_is_found_again(fleet: Fleet) -> None:
+    """The ARN the repair knows was deregistered and the instance registered anew: the tasks listed and the
+    registration deregistered are the new one's."""
+    [instance_id] = fleet.launch()
+    old = fleet.register(instance_id)
+    fleet.aws.ecs.deregister_container_instance(cluster=fleet.group.cluster, containerInstance=old, force=True)
+    new = fleet.register(instance_id)
+    expected = start_tasks(fleet, new)
+    ref = KnownInstance(group=fleet.group.name, instance_id=instance_id, container_instance_arn=old)
+
+    with api_calls(fleet.aws) as called:
+        listed = await run(fleet.acts.list_instance_tasks, ref)
+    assert {t.task_arn: t.stop_timeout_seconds for t in listed.tasks} == expected
+    assert "ListContainerInstances" in called
+
+    await run(fleet.acts.terminate_instance, ref)
+    assert new not in fleet.aws.ecs.list_container_instances(cluster=fleet.group.cluster)["containerInstanceArns"]
+
+
 async def test_malformed_instance_id_is_permanent(fleet: Fleet) -> None:
-    ref = InstanceRef(group=fleet.group.name, instance_id="i-1 or ec2InstanceId exists")
+    ref = KnownInstance(group=fleet.group.name, instance_id="i-1 or ec2InstanceId exists")
     with pytest.raises(ApplicationError) as exc:
         await run(fleet.acts.terminate_instance, ref)
     permanent(exc, "InvalidInstanceId")

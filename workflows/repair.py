@@ -97,6 +97,7 @@ class InstanceRepairWorkflow:
                 start_to_close_timeout=CALL_TIMEOUT,
                 retry_policy=CALL_RETRY,
             )
+            record.container_instance_arn = drained.container_instance_arn
             record.notes[RepairPhase.DRAINING] = drained.container_instance_arn.rsplit("/", 1)[-1]
             await repair.event(ev.Draining())
 
@@ -113,7 +114,7 @@ class InstanceRepairWorkflow:
                 await repair.enter(RepairPhase.TERMINATING)
                 await workflow.execute_activity_method(
                     FleetActivities.terminate_instance,
-                    repair.instance,
+                    repair.known_instance(),
                     summary=f"terminate impaired instance {input.instance_id}",
                     start_to_close_timeout=CALL_TIMEOUT,
                     retry_policy=CALL_RETRY,

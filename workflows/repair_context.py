@@ -24,7 +24,7 @@ from workflows.models import RepairProgress
 from workflows.repair_record import RepairRecord
 
 with workflow.unsafe.imports_passed_through():
-    from activities.models import FleetEvent, InstanceRef
+    from activities.models import FleetEvent, InstanceRef, KnownInstance
 
 
 class RepairContext:
@@ -34,6 +34,13 @@ class RepairContext:
         # Set by the workflow's run(): histories from before the patch told each step's news in front of the next.
         self.news_beside_steps = False
         self._news = InOrder()
+
+    def known_instance(self) -> KnownInstance:
+        """The impaired instance with its container instance, once set_draining found it."""
+        record = self.record
+        return KnownInstance(
+            group=record.group, instance_id=record.instance_id, container_instance_arn=record.container_instance_arn
+        )
 
     async def enter(self, phase: RepairPhase, finished: bool = False) -> None:
         self.record.enter(phase, workflow.now())

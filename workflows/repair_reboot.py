@@ -67,7 +67,7 @@ async def fix_in_place(repair: RepairContext, group: CapacityGroup) -> bool:
 
     # What the host knows of its fault goes before a reset or a reboot clears it.
     await evidence.keep_evidence(repair, group)
-    before = await look_at(repair, repair.record.instance_id, "look at the instance before touching it")
+    before = await look_at(repair, "look at the instance before touching it")
     change = ladder.reconsider(record.input.finding, before.probe.nvidia_verdicts if before.probe else [], group)
     if change is not None:
         await _escalate(repair, *change)
@@ -191,9 +191,7 @@ async def _await_recovery(
     deadline = started + group.reboot_timeout
     rebooted = record.ladder.action is RepairAction.REBOOT
     while True:
-        look = await look_at(
-            repair, repair.record.instance_id, f"is {record.instance_id} back: new boot, GPUs OK, ECS agent connected?"
-        )
+        look = await look_at(repair, f"is {record.instance_id} back: new boot, GPUs OK, ECS agent connected?")
         fault = new_fault(look.probe, known, started)
         if fault is not None:
             return f"faulted again after the {record.ladder.action.value}: {fault}"

@@ -31,6 +31,10 @@ class RepairRecord:
     notes: dict[RepairPhase, str] = field(default_factory=dict)  # each step's outcome, shown beside it
     runbook: list[tuple[RepairPhase, str]] = field(default_factory=list)  # the steps, for this repair's group
     replacement: str | None = None
+    # The container instances the repair found (set_draining's, the replacement's wait's): its later looks at each
+    # describe it by ARN instead of finding it again (activities/models.py, KnownInstance).
+    container_instance_arn: str | None = None
+    replacement_container_instance_arn: str | None = None
     error: str | None = None
     ladder: Ladder = field(default_factory=Ladder)
     evidence_step: bool = False  # the group keeps evidence: the ladder's runbook shows the step too

@@ -156,6 +156,7 @@ async def _launch(repair: RepairContext, group: CapacityGroup, drained: DrainRes
             availability_zone=zones.here.availability_zone,
             subnet_id=zones.here.subnet_id,
             client_token=f"{token}-z{zones.moves}" if zones.moves else token,
+            first_try=tries == 1,
         )
         summary = f"launch replacement for {instance_id} in {zones.here.availability_zone}"
         if attempt > 1:
@@ -216,7 +217,7 @@ async def _wait_until_active(
     timeout = group.replacement_ready_timeout
     wait = ReplacementWait(group=repair.record.group, instance_id=replacement, ready_by=workflow.now() + timeout)
     try:
-        await workflow.execute_activity_method(
+        active = await workflow.execute_activity_method(
             FleetActivities.await_container_instance_active,
             wait,
             summary=f"wait for replacement {replacement} to be ACTIVE in ECS" + _of(attempt, limit),
@@ -224,6 +225,7 @@ async def _wait_until_active(
             heartbeat_timeout=ready_heartbeat_timeout(timeout),
             retry_policy=READY_RETRY,
         )
+        repair.record.replacement_container_instance_arn = active.container_instance_arn
         return None
     except ActivityError as err:
         cause = err.cause
@@ -246,7 +248,7 @@ async def _abandon(repair: RepairContext, replacement: str, attempt: int, limit:
         start_to_close_timeout=CALL_TIMEOUT,
         retry_policy=CALL_RETRY,
     )
-    record.replacement = None
+    record.replacement = record.replacement_container_instance_arn = None
     await repair.event(
         ev.ReplacementAbandoned(
             attempt=attempt, replacement_instance_id=replacement, why=why, error=error, attempts_left=limit - attempt

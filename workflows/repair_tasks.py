@@ -82,6 +82,7 @@ async def _wait_for_tasks(repair: RepairContext, group: CapacityGroup) -> tuple[
             TasksWait(
                 group=repair.record.group,
                 instance_id=instance_id,
+                container_instance_arn=repair.record.container_instance_arn,
                 until=until,
                 known=[t.task_arn for t in running.tasks],
                 poll_seconds=group.task_poll_interval.total_seconds(),
@@ -104,7 +105,7 @@ def drain_heartbeat_timeout(poll: timedelta) -> timedelta:
 async def _list_tasks(repair: RepairContext) -> InstanceTasks:
     return await workflow.execute_activity_method(
         FleetActivities.list_instance_tasks,
-        repair.instance,
+        repair.known_instance(),
         summary=f"list tasks still running on {repair.record.instance_id}",
         start_to_close_timeout=CALL_TIMEOUT,
         retry_policy=CALL_RETRY,

@@ -34,10 +34,17 @@ def poll_interval(group: CapacityGroup) -> timedelta:
     return max(group.heartbeat_interval, MIN_POLL)
 
 
-async def look_at(repair: RepairContext, instance_id: str, summary: str) -> RecoveryStatus:
+async def look_at(repair: RepairContext, summary: str, replacement: str | None = None) -> RecoveryStatus:
+    """One look at the impaired instance, or at its replacement."""
+    record = repair.record
+    instance_id, arn = (
+        (record.instance_id, record.container_instance_arn)
+        if replacement is None
+        else (replacement, record.replacement_container_instance_arn)
+    )
     return await workflow.execute_activity_method(
         RemediationActivities.recovery_status,
-        RecoveryCheck(group=repair.record.group, instance_id=instance_id),
+        RecoveryCheck(group=record.group, instance_id=instance_id, container_instance_arn=arn),
         summary=summary,
         start_to_close_timeout=CALL_TIMEOUT,
         retry_policy=CALL_RETRY,
@@ -54,9 +61,7 @@ async def verify_fix(repair: RepairContext, group: CapacityGroup, since: datetim
     """The fix in place's gate on one look at the instance, then on the host itself where the group asks for it;
     None: passed, else why it failed."""
     record = repair.record
-    look = await look_at(
-        repair, record.instance_id, f"verify the fix of {record.instance_id} before work returns: {GATE_SUMMARY}"
-    )
+    look = await look_at(repair, f"verify the fix of {record.instance_id} before work returns: {GATE_SUMMARY}")
     checks = _gate(look, since)
     if failures(checks) is None and group.gates_on_host:
         checks.append(await _on_host(repair, group, record.instance_id))
@@ -125,7 +130,7 @@ async def verify_replacement(
     deadline = since + group.replacement_ready_timeout
     while True:
         look = await look_at(
-            repair, replacement, f"verify replacement {replacement} before work moves to it: {GATE_SUMMARY}"
+            repair, f"verify replacement {replacement} before work moves to it: {GATE_SUMMARY}", replacement
         )
         lacking = missing(look, None, rebooted=False)
         if lacking is None:
