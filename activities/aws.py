@@ -28,6 +28,7 @@ import boto3
 from botocore.config import Config
 
 from activities.errors import aws_errors
+from contract.aws_session import new_session
 from contract.config import AwsSettings
 
 if TYPE_CHECKING:
@@ -98,8 +99,7 @@ class AwsClients:
     def __init__(
         self, settings: AwsSettings, session: boto3.session.Session | None = None, *, threads: int | None = None
     ) -> None:
-        # A session of our own: boto3's default session is module-global and not safe to share across threads.
-        session = session or boto3.session.Session(region_name=settings.region)
+        session = session or new_session(settings.region)
         self.calls = AwsCalls(threads=threads or DEFAULT_CALL_THREADS, per_api=settings.max_concurrent_calls_per_api)
         config = Config(
             region_name=settings.region,

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, ParamValidationError
 
 from activities.errors import application_error
 from activities.webhook import WebhookClient
+from contract.aws_session import new_session
 from contract.config import AwsSettings, EventSettings
 from contract.event_outbox import Failure, OutboxEntry, Sink, SinkTarget
 
@@ -48,8 +48,7 @@ def append_line(path: Path, data: bytes) -> None:
 
 def events_client(target: SinkTarget, timeout: float) -> EventBridgeClient:
     """A client that tries once and waits `timeout` at most per connection step: the outbox is the retry."""
-    # A session of our own: boto3's default session is module-global and not safe to share across threads.
-    session = boto3.session.Session(region_name=target.region)
+    session = new_session(target.region)
     config = Config(
         region_name=target.region,
         connect_timeout=timeout,

@@ -14,12 +14,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 from cachetools import TTLCache
 
 from contract import names
+from contract.aws_session import new_session
 from contract.config import AwsSettings
 from contract.groups import CapacityGroup
 from ingest.tag_reads import TagReads
@@ -58,7 +58,7 @@ class AwsMembershipLookup:
     """The two blocking boto3 questions; run in a thread by GroupMembership."""
 
     def __init__(self, settings: AwsSettings) -> None:
-        session = boto3.session.Session(region_name=settings.region)
+        session = new_session(settings.region)
         config = Config(
             region_name=settings.region,
             retries={"mode": "standard", "max_attempts": settings.max_attempts},

@@ -17,6 +17,7 @@ from botocore.exceptions import ClientError
 from pydantic import BaseModel
 from temporalio.client import Client
 
+from contract.aws_session import new_session
 from contract.config import TemporalSettings, dotted_key
 from contract.groups import CapacityGroup
 from worker.settings import Settings
@@ -110,8 +111,7 @@ class Doctor:
 
     @functools.cached_property
     def _session(self) -> boto3.session.Session:
-        # A session of its own: boto3's default one is module-global, and the calls run on several threads.
-        return boto3.session.Session(region_name=self.settings.aws.region)
+        return new_session(self.settings.aws.region)
 
     @functools.cached_property
     def _config(self) -> Config:
