@@ -1,4 +1,4 @@
-"""`moto_server`, with two fixes.
+"""`moto_server`, with two fixes, and two lookups of its own made once.
 
 An EC2 resource's tags are read from moto's own per-resource index.
 
@@ -13,13 +13,22 @@ ClientException, "Container instance not found", as ECS does, not a bare Excepti
 terminated instance by itself, and so does the simulated fleet: a repair that terminated the instance and then
 deregistered it met the 500, botocore's five retries, and a failed activity attempt, in every repair of every demo.
 
+Two lookups moto makes on every request are made once: the list of its service packages (a directory walk: an
+`isdir` per service, about 12 % of moto's CPU in `make test` by py-spy) and the action methods of a response class
+(`inspect.getmembers`, about 4 %). Neither changes while the server runs. The request log (werkzeug's, a line per
+call) is off: the tests and the demo send it to /dev/null, after formatting it.
+
     python -m simulator.moto_main -H 127.0.0.1 -p 5000     (moto_server's own flags)
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from typing import Any
 
+import moto.backends
+import moto.core.responses
 from moto.ec2.models.core import TaggedEC2Resource
 from moto.ec2.utils import EC2_PREFIX_TO_RESOURCE, get_prefix
 from moto.ecs.exceptions import EcsClientException
@@ -48,7 +57,18 @@ def _deregister_known(
     return _deregister(self, cluster_str, container_instance_str, force)
 
 
+_modules = moto.backends.list_of_moto_modules
+
+
+@functools.cache
+def _moto_modules() -> tuple[str, ...]:
+    return tuple(_modules())
+
+
 if __name__ == "__main__":
+    moto.backends.list_of_moto_modules = _moto_modules
+    moto.core.responses.method_names_from_class = functools.cache(moto.core.responses.method_names_from_class)
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
     TaggedEC2Resource.get_tags = _tags  # type: ignore[method-assign]
     EC2ContainerServiceBackend.deregister_container_instance = _deregister_known  # type: ignore[method-assign]
     main()
