@@ -35,7 +35,6 @@ if TYPE_CHECKING:
     from mypy_boto3_autoscaling import AutoScalingClient
     from mypy_boto3_ec2 import EC2Client
     from mypy_boto3_ecs import ECSClient
-    from mypy_boto3_events import EventBridgeClient
     from mypy_boto3_s3 import S3Client
     from mypy_boto3_ssm import SSMClient
 
@@ -108,20 +107,33 @@ class AwsClients:
             # A connection per thread: botocore's default pool of 10 would open and discard the rest on every call.
             max_pool_connections=self.calls.threads,
         )
-        endpoint = settings.endpoint_url
         self.settings = settings
-        self.ecs: ECSClient = session.client("ecs", endpoint_url=endpoint, config=config)
-        self.ec2: EC2Client = session.client("ec2", endpoint_url=endpoint, config=config)
-        self.events: EventBridgeClient = session.client("events", endpoint_url=endpoint, config=config)
-        self.autoscaling: AutoScalingClient = session.client("autoscaling", endpoint_url=endpoint, config=config)
-        # Run Command: the remediation ladder's GPU reset (activities/remediation.py).
-        self.ssm: SSMClient = session.client("ssm", endpoint_url=endpoint, config=config)
-        # The evidence of a repair (activities/evidence.py). Signature v4: a presigned URL the host PUTs to names one
-        # key. Path-style at a custom endpoint (moto), whose host name has no bucket subdomains.
-        s3_config = config.merge(
-            Config(signature_version="s3v4", s3={"addressing_style": "path" if endpoint else "virtual"})
-        )
-        self.s3: S3Client = session.client("s3", endpoint_url=endpoint, config=s3_config)
+        self._session = session
+        self._config = config
+        self.ecs: ECSClient = self._client("ecs")
+        self.ec2: EC2Client = self._client("ec2")
+
+    # Made on first use (each costs tens of milliseconds of CPU to build): a worker whose groups never detach from an
+    # Auto Scaling group, reset a GPU or keep evidence never builds those clients.
+    @functools.cached_property
+    def autoscaling(self) -> AutoScalingClient:
+        return self._client("autoscaling")
+
+    @functools.cached_property
+    def ssm(self) -> SSMClient:
+        """Run Command: the remediation ladder's GPU reset (activities/remediation.py) and the gate on the host."""
+        return self._client("ssm")
+
+    @functools.cached_property
+    def s3(self) -> S3Client:
+        """The evidence of a repair (activities/evidence.py). Signature v4: a presigned URL the host PUTs to names one
+        key. Path-style at a custom endpoint (moto), whose host name has no bucket subdomains."""
+        path_style = self.settings.endpoint_url is not None
+        addressing = Config(signature_version="s3v4", s3={"addressing_style": "path" if path_style else "virtual"})
+        return self._client("s3", self._config.merge(addressing))
+
+    def _client(self, service: Any, config: Config | None = None) -> Any:
+        return self._session.client(service, endpoint_url=self.settings.endpoint_url, config=config or self._config)
 
     async def call(self, resource: str, method: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         """Run one call of these clients (`method`, e.g. `self.ec2.describe_instances`) in their threads, within the

@@ -34,15 +34,16 @@ def aws(aws_env: str) -> AwsClients:
 
 
 @pytest.fixture
-def bus(aws: AwsClients, aws_env: str) -> tuple[str, str, Any, str]:
+def bus(aws_env: str) -> tuple[str, str, Any, str]:
     """A new bus whose events from a new source land in an SQS queue: (bus, source, sqs client, queue url)."""
     name, source = unique("bus"), unique("gpu-autorepair")
-    aws.events.create_event_bus(Name=name)
+    events = boto3.client("events", region_name="us-east-1", endpoint_url=aws_env)
+    events.create_event_bus(Name=name)
     sqs = boto3.client("sqs", region_name="us-east-1", endpoint_url=aws_env)
     queue_url = sqs.create_queue(QueueName=unique("events"))["QueueUrl"]
     queue_arn = sqs.get_queue_attributes(QueueUrl=queue_url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
-    aws.events.put_rule(Name="all", EventBusName=name, EventPattern=json.dumps({"source": [source]}))
-    aws.events.put_targets(Rule="all", EventBusName=name, Targets=[{"Id": "queue", "Arn": queue_arn}])
+    events.put_rule(Name="all", EventBusName=name, EventPattern=json.dumps({"source": [source]}))
+    events.put_targets(Rule="all", EventBusName=name, Targets=[{"Id": "queue", "Arn": queue_arn}])
     return name, source, sqs, queue_url
 
 
