@@ -46,12 +46,37 @@ WORKFLOWS = [
 # model (and per enum, so `is` comparisons hold), so a model built in a workflow is an instance of the class an
 # activity's input expects (and the sandbox loads less).
 # structlog and rich format the replay-aware workflow logger's records; they import lazily, which the sandbox blocks.
+# The plain models (workflows/ modules with no Temporal in them, and the signal decoding they raise Rejected from) are
+# passed through too: the sandbox imports every module it does not pass through again for each workflow run, and
+# those imports were about a tenth of a test worker's CPU (py-spy of `make test`), paid by every health workflow a
+# fleet starts or continues as new. They take the time from their callers (`now`) and keep no module state, so the
+# sandbox has nothing to guard in them. Everything they import is passed through as well: a class loaded both
+# inside and outside the sandbox would be two classes.
+PLAIN_MODELS = (
+    "workflows.breaker",
+    "workflows.fix_gate",
+    "workflows.health_aws_rules",
+    "workflows.health_checks",
+    "workflows.health_daemon_rules",
+    "workflows.health_ladder",
+    "workflows.health_services",
+    "workflows.holder_watch",
+    "workflows.instance_health",
+    "workflows.liveness_book",
+    "workflows.model_log",
+    "workflows.models",
+    "workflows.outbox_book",
+    "workflows.repair_ladder",
+    "workflows.repair_record",
+    "workflows.repair_runbook",
+    "workflows.semaphore_state",
+    "workflows.side_tasks",
+    "workflows.signal_input",
+)
 SANDBOX = SandboxedWorkflowRunner(
     restrictions=SandboxRestrictions.default.with_passthrough_modules(
-        # workflows.breaker: its book is carried state (a model in workflows.models), so one class for both.
         "contract",
-        "workflows.models",
-        "workflows.breaker",
+        *PLAIN_MODELS,
         "activities",
         "pydantic",
         "structlog",
