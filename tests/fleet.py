@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Collection
 from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, ClassVar
@@ -27,7 +27,10 @@ from tests.harness import eventually, make_settings, running_worker, unique
 from worker.settings import Settings
 from workflows.models import SemaphoreView
 
-TIMING = SimTiming.compressed()
+# The simulated world looks at the group once a second, not twice: each look describes the whole group in moto (three
+# calls), about an eighth of the test processes' own CPU in `make test` by py-spy, besides moto's to answer them; a
+# second is still far below the boot delay and the loss threshold the tests wait on.
+TIMING = SimTiming.compressed().model_copy(update={"watch_interval": timedelta(seconds=1)})
 
 START_BEFORE_STOP = [
     "RepairStarted",
@@ -52,6 +55,7 @@ class Fleet:
 
     # The bound on the test's own queries (None: the client's default).
     query_timeout: ClassVar[timedelta | None] = None
+    _ec2: Any = field(default=None, init=False, repr=False)
 
     @property
     def group(self) -> str:
@@ -80,8 +84,11 @@ class Fleet:
         return await handle.query("state", result_type=SemaphoreView, rpc_timeout=self.query_timeout)
 
     def ec2(self) -> Any:
-        # moto itself, never the engine's endpoint: the test's own look must not be faulted nor counted.
-        return boto3.client("ec2", endpoint_url=self.moto_endpoint, region_name="us-east-1")
+        # moto itself, never the engine's endpoint: the test's own look must not be faulted nor counted. One client
+        # for the test: building one costs tens of milliseconds of CPU, and tests look in polls.
+        if self._ec2 is None:
+            self._ec2 = boto3.client("ec2", endpoint_url=self.moto_endpoint, region_name="us-east-1")
+        return self._ec2
 
     def replacements_of(self, instance_id: str) -> list[str]:
         pages = self.ec2().describe_instances(

@@ -8,6 +8,7 @@ generous bound; nothing asserts how fast anything happens.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
@@ -70,10 +71,12 @@ async def make_fleet(aws_env: str, tmp_path: Path) -> AsyncIterator[Callable[...
         await fleet.close()
 
 
+@functools.cache  # one client a module: building one costs tens of milliseconds of CPU
 def _ecs(endpoint: str) -> Any:
     return boto3.client("ecs", region_name="us-east-1", endpoint_url=endpoint)
 
 
+@functools.cache
 def _ec2(endpoint: str) -> Any:
     return boto3.client("ec2", region_name="us-east-1", endpoint_url=endpoint)
 

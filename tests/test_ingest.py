@@ -13,7 +13,7 @@ import sys
 import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -64,13 +64,17 @@ class Stack:
     moto: str
     settings: Settings
     role_arn: str
+    _clients: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
 
     @property
     def group(self) -> str:
         return self.settings.groups[0].name
 
     def aws(self, service: str) -> Any:
-        return boto3.client(service, endpoint_url=self.moto, region_name="us-east-1")
+        # One client per service for the test: building one costs tens of milliseconds of CPU.
+        if service not in self._clients:
+            self._clients[service] = boto3.client(service, endpoint_url=self.moto, region_name="us-east-1")
+        return self._clients[service]
 
     def launch(self, *, group: str | None = None) -> Host:
         """An EC2 instance (tagged with `group` unless None) and its instance-profile credentials: an assumed
