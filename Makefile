@@ -6,9 +6,10 @@ BIN := $(VENV)/bin
 export PATH := $(abspath $(BIN)):$(PATH)
 STAMP := $(VENV)/.installed
 # Test files side by side, each on one worker with its own Temporal dev server and moto (session fixtures): most
-# tests wait on servers and timers, not the CPU, so four fit two cores (2026-12-06, this tree, nothing else running:
-# -n 3 17 min 47 s, -n 4 16 min 09 s, both all passed). `make test PYTEST_ARGS=` runs them in turn.
-PYTEST_ARGS ?= -n 4 --dist loadfile --durations=15
+# tests wait on servers and timers, not the CPU, so five fit two cores (2026-12-07, `024cf24`, nothing else running,
+# all passed each time: -n 4 13 min 22 s, -n 5 11 min 24 s, -n 6 12 min 37 s; on 2026-12-06 -n 3 17 min 47 s).
+# `make test PYTEST_ARGS=` runs them in turn.
+PYTEST_ARGS ?= -n 5 --dist loadfile --durations=15
 
 # The Web UI browser test drives Debian's chromium headless; installed here when missing (root, or sudo).
 CHROMIUM ?= /usr/bin/chromium
