@@ -6,8 +6,8 @@ BIN := $(VENV)/bin
 export PATH := $(abspath $(BIN)):$(PATH)
 STAMP := $(VENV)/.installed
 # Test files side by side, each on one worker with its own Temporal dev server and moto (session fixtures): most
-# tests wait on servers and timers, not the CPU, so five fit two cores (2026-12-07, `024cf24`, nothing else running,
-# all passed each time: -n 4 13 min 22 s, -n 5 11 min 24 s, -n 6 12 min 37 s; on 2026-12-06 -n 3 17 min 47 s).
+# tests wait on servers and timers, not the CPU, so five fit two cores (2026-12-07, `024cf24`, nothing else running:
+# -n 4 13 min 22 s, -n 5 11 min 24 s, -n 6 12 min 37 s; on 2026-12-06 -n 3 17 min 47 s).
 # `make test PYTEST_ARGS=` runs them in turn.
 PYTEST_ARGS ?= -n 5 --dist loadfile --durations=15
 
