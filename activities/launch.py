@@ -102,7 +102,7 @@ class Launcher:
         DescribeLaunchTemplates names it plainly (moto answers RunInstances with a 500 for it). Looked up only then:
         on the way to a launch it would be one more serial call."""
         template = group.launch_template or ""
-        by_id = LAUNCH_TEMPLATE_ID.match(template) is not None
+        by_id = "LaunchTemplateId" in _template_spec(group)
         resource = _template_resource(group)
         describe = self._aws.ec2.describe_launch_templates
         try:

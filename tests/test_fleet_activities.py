@@ -53,6 +53,13 @@ async def run(fn: Callable[[Any], Awaitable[T]], arg: Any) -> T:
     return await ActivityEnvironment().run(fn, arg)
 
 
+async def retried(fn: Callable[[Any], Awaitable[T]], arg: Any) -> T:
+    """`run`, as the activity's second attempt (an earlier one's answer lost with its worker)."""
+    env = ActivityEnvironment()
+    env.info = dataclasses.replace(env.info, attempt=2)
+    return await env.run(fn, arg)
+
+
 @pytest.fixture(scope="module")
 def aws(aws_env: str) -> AwsClients:
     return AwsClients(AwsSettings(endpoint_url=aws_env, max_attempts=2))
@@ -281,10 +288,8 @@ async def test_the_first_try_launches_at_once_and_a_retry_looks_first(fleet: Fle
     assert called == ["RunInstances"]
     assert not first.already_existed
 
-    retry = ActivityEnvironment()
-    retry.info = dataclasses.replace(retry.info, attempt=2)
     with api_calls(fleet.aws) as called:
-        again = await retry.run(fleet.acts.launch_replacement, request)
+        again = await retried(fleet.acts.launch_replacement, request)
     assert called == ["DescribeInstances"]
     assert again.already_existed and again.replacement_instance_id == first.replacement_instance_id
     next_try = await run(fleet.acts.launch_replacement, request.model_copy(update={"first_try": False}))
@@ -604,10 +609,8 @@ async def test_a_known_container_instance_is_described_not_looked_for(fleet: Fle
     # Asked again by a later step (a first attempt): EC2 answers that it was already terminated.
     assert (await run(fleet.acts.terminate_instance, ref)).already_terminated
     # A retry of the activity (its answer may have been lost) looks first and does not ask EC2 again.
-    retry = ActivityEnvironment()
-    retry.info = dataclasses.replace(retry.info, attempt=2)
     with api_calls(fleet.aws) as called:
-        again = await retry.run(fleet.acts.terminate_instance, ref)
+        again = await retried(fleet.acts.terminate_instance, ref)
     assert again.already_terminated and "TerminateInstances" not in called and "DescribeInstances" in called
 
 
