@@ -186,6 +186,9 @@ class SimulatedFleet:
         # Fault injection: replacements, numbered in the order the fleet sees them launched (1 is the first), whose
         # ECS agent never registers (a bad AMI, an agent that cannot reach ECS). They run in EC2, never in the cluster.
         self.unregistered_replacements: set[int] = set()
+        # And those (numbered the same way) whose host has a GPU fault, this Xid, before it boots: ACTIVE in ECS,
+        # not fit to take work. Set by the fleet, not by a test racing the boot delay.
+        self.faulted_replacements: dict[int, int] = {}
         self._replacements_seen = 0
         self._never_registers: set[str] = set()
         self._reboots: set[asyncio.Task[None]] = set()
@@ -431,6 +434,8 @@ class SimulatedFleet:
                     log.info("fleet-sim: new instance %s in %s will never register in ECS", instance_id, az)
                 else:
                     log.info("fleet-sim: new instance %s in %s, booting", instance_id, az)
+                if self._replacements_seen in self.faulted_replacements:
+                    self.inject_fault(instance_id, xid=self.faulted_replacements[self._replacements_seen])
             if state in _GONE_STATES and not node.terminated:
                 gone.append(node)
             elif (
