@@ -56,9 +56,9 @@ from workflows.repair import RUNBOOK
 # ends it); the others' tasks all leave when drained. The tests pick the instances whose plan fits their phase.
 LONG_STOP = 15
 WORKLOAD = SimWorkload(stop_timeouts_s=(LONG_STOP,), stubborn_fraction=0.5)
-# One look every 30 s: a kill in STOPPING_TASKS meets the wait's one call, whose heartbeat timeout (a minute) hands it
-# to the restarted worker.
-GROUP = {"task_poll_interval": timedelta(seconds=30)}
+# One look every 10 s: a kill in STOPPING_TASKS meets the wait's one call (a look at 10 s, another at the LONG_STOP
+# timeout), whose heartbeat timeout (two looks: 20 s) hands it to the restarted worker.
+GROUP = {"task_poll_interval": timedelta(seconds=10)}
 STARTED = "PENDING_ACTIVITY_STATE_STARTED"
 OUTAGE = SimTiming.compressed().heartbeat_loss_threshold + timedelta(seconds=2)
 
