@@ -60,6 +60,11 @@ class InFlight:
             self.now[key] -= 1
             self.total -= 1
 
+    def kinds(self) -> int:
+        """How many keys have a call running now."""
+        with self._lock:
+            return len(+self.now)
+
     def slow(self, key: str, release: threading.Event | float) -> Callable[[], str]:
         """A blocking call that holds its thread until `release` is set (or for that many seconds)."""
 
@@ -301,10 +306,16 @@ async def test_aws_calls_reach_aws_at_most_per_api_at_once(aws_env: str) -> None
     """The real path: activities. `AwsClients.call` on its' boto3 clients, against moto behind a proxy that holds
     each answer 0.3 s and counts the requests it is serving at once, per API."""
     at_aws = InFlight()
+    both_apis = threading.Event()
 
     def held(request: AwsRequest, body: bytes) -> bytes:  # on the proxy's threads, one per request
         at_aws.enter(request.action)
         try:
+            # Answers wait (a bounded while) until both APIs have a call at AWS: on a loaded machine the first ECS
+            # call can come after every EC2 one is done. With one limit for all APIs both never would.
+            if at_aws.kinds() == 2:
+                both_apis.set()
+            both_apis.wait(10)
             time.sleep(0.3)
             return body
         finally:
