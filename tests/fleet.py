@@ -30,13 +30,7 @@ from workflows.models import SemaphoreView
 # The simulated world looks at the group once a second, not twice: each look describes the whole group in moto (three
 # calls), about an eighth of the test processes' own CPU in `make test` by py-spy, besides moto's to answer them; a
 # second is still far below the boot delay and the loss threshold the tests wait on.
-# Probes heartbeat every 2 s, not every second: a probe that signals Temporal itself tells its group's liveness
-# tracker of itself every 1.5 intervals (it assumes the smallest threshold, 3 intervals), which was nearly all an idle
-# fleet cost (6 instances: 14% of a core in the dev server, moto and the test process; 9% at 2 s). Two intervals and
-# the 3 s blip still fit the 6 s loss threshold.
-TIMING = SimTiming.compressed().model_copy(
-    update={"watch_interval": timedelta(seconds=1), "heartbeat_interval": timedelta(seconds=2)}
-)
+TIMING = SimTiming.compressed().model_copy(update={"watch_interval": timedelta(seconds=1)})
 
 START_BEFORE_STOP = [
     "RepairStarted",
