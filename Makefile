@@ -6,11 +6,10 @@ BIN := $(VENV)/bin
 export PATH := $(abspath $(BIN)):$(PATH)
 STAMP := $(VENV)/.installed
 # Test files side by side, each on one worker with its own Temporal dev server and moto (session fixtures): most
-# tests wait on servers and timers, so five fit two cores; more only add contention (2026-12-07, longest files
-# first, nothing else running: -n 5 10 min 46-50 s, -n 6 11 min 38 s; the whole run takes about 1,150 s of CPU).
-# The longest files start first (tests/file_order.py): xdist's own reorder, by number of tests, left the long
-# end-to-end files to run alone at the end. `make test PYTEST_ARGS=` runs them in turn.
-PYTEST_ARGS ?= -n 5 --dist loadfile --no-loadscope-reorder --durations=15
+# tests wait on servers and timers, not the CPU, so five fit two cores (2026-12-07, `024cf24`, nothing else running:
+# -n 4 13 min 22 s, -n 5 11 min 24 s, -n 6 12 min 37 s; on 2026-12-06 -n 3 17 min 47 s).
+# `make test PYTEST_ARGS=` runs them in turn.
+PYTEST_ARGS ?= -n 5 --dist loadfile --durations=15
 
 # The Web UI browser test drives Debian's chromium headless; installed here when missing (root, or sudo).
 CHROMIUM ?= /usr/bin/chromium

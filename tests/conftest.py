@@ -16,15 +16,29 @@ from temporalio.testing import WorkflowEnvironment
 from contract import search_attributes
 from simulator.servers import find_binary, free_port, moto_command
 from tests.event_schema_check import check_events_files
-from tests.file_order import longest_first, measured_seconds
 from tests.harness import SERVER_STARTUP_TIMEOUT
+
+# The longest files (minutes each, end to end), started first when files run side by side (`make test`): started last,
+# they would run alone at the end while the other workers idle.
+LONGEST_FIRST = (
+    "test_repair_durability.py",
+    "test_breaker_property.py",
+    "test_launch_zones.py",
+    "test_remediation_ladder.py",
+    "test_repair_retries.py",
+    "test_demo.py",
+    "test_dashboard.py",
+    "test_aws_signals.py",
+    "test_breaker.py",
+    "test_liveness.py",
+    "test_evidence.py",
+    "test_grace_from_first_bad.py",
+)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The longest files first (tests/file_order.py); within a file, the tests keep their order."""
-    order = longest_first(list(dict.fromkeys(item.path.name for item in items)), measured_seconds())
-    rank = {name: i for i, name in enumerate(order)}
-    items.sort(key=lambda item: rank[item.path.name])
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
 
 
 @pytest.fixture(autouse=True)
