@@ -88,6 +88,28 @@ def test_a_timer_that_fires_late_declares_nothing_for_a_window() -> None:
     assert tracker.timer_fired(tracker.state.floor, armed_at=late) == ["i-1"]
 
 
+def test_a_run_that_took_over_waits_one_interval_for_the_batches_refused_while_it_did() -> None:
+    """While the previous run closed, Temporal refused the probes' batches ("workflow is closing"): the new run
+    finds deadlines already past, and must not declare the instances whose retried batches are on their way."""
+    before = book()
+    probe = report(NOW, {"i-1": 0, "i-2": 0}, reporter="probe").model_copy(update={"relay": False})
+    before.on_report(probe, NOW)
+    took_over = NOW + THRESHOLD + GRACE + timedelta(seconds=30)  # a slow hand-over under load
+    tracker = LivenessBook("g", 0, 1, before.carried(), FakeLog())
+    tracker.resumed(took_over)
+    assert tracker.state.floor == took_over + EVERY + GRACE
+    assert tracker.next_check() == tracker.state.floor and tracker.declare_losses(took_over) == []
+    # i-1's retried batch arrives within the interval; i-2 is silent for real.
+    retried = took_over + timedelta(seconds=1)
+    tracker.on_report(probe.model_copy(update={"at": retried, "heard": {"i-1": 0}}), retried)
+    assert tracker.declare_losses(tracker.state.floor) == ["i-2"]
+    # A floor already later (the reporters were silent) is kept.
+    later = tracker.state.floor + timedelta(minutes=5)
+    tracker.state.floor = later
+    tracker.resumed(took_over)
+    assert tracker.state.floor == later
+
+
 def test_a_game_day_ignores_receipts_until_it_ends() -> None:
     tracker = book()
     tracker.on_report(report(NOW, {"i-1": 0}), NOW)

@@ -8,7 +8,8 @@ Runbook it automates:
      the instance is heard again.
   3. A silent pipeline is not silent hosts. If no reporter has sent a batch for longer than it promised (the ingest
      or Temporal was down), nothing is declared lost, and once batches come again, not for another full window:
-     probes get a whole threshold to be heard again.
+     probes get a whole threshold to be heard again. Nor while a run hands over to the next: batches refused
+     meanwhile get one reporting interval to arrive.
   4. Game days: an instance's health workflow can ask the tracker to ignore its receipts for a while.
   5. Before telling of a loss, EC2 is asked (once per batch of losses) whether the instance was terminated: one
      that left on purpose (scaled in, by an operator, a Spot interruption) retires instead of being repaired.
@@ -42,6 +43,7 @@ with workflow.unsafe.imports_passed_through():
     from activities.models import GoneInstance, InstancesGoneRequest
 
 SIGNALS_PER_RUN = 2_000
+RESUME_FLOOR = "liveness-resume-floor"
 # Health workflows told at once: bounded so a mass loss does not put thousands of commands in one task.
 SIGNALS_IN_FLIGHT = 100
 
@@ -60,6 +62,8 @@ class LivenessTrackerWorkflow:
         book = self._book
         if book.state.group is None:
             book.state.group = await read_group_config(book.group, "read the group's heartbeat-loss threshold")
+        if input.carry is not None and workflow.patched(RESUME_FLOOR):
+            book.resumed(workflow.now())
         sender = asyncio.create_task(self._tell_health_workflows())
         while not self._time_to_continue():
             book.armed_for = book.next_check()

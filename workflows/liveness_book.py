@@ -116,6 +116,15 @@ class LivenessBook:
             )
         return self.declare_losses(now)
 
+    def resumed(self, now: datetime) -> None:
+        """This run continued another. While that one closed, Temporal refused the reporters' batches ("workflow is
+        closing", for as long as its last task took under load), and they are being sent again now: nothing is
+        declared lost before each reporter has had one interval to deliver its retried batch."""
+        every = max((r.report_every for r in self.state.reporters.values()), default=self.window().total_seconds())
+        floor = now + timedelta(seconds=every) + self.grace()
+        if self.state.floor is None or floor > self.state.floor:
+            self.state.floor = floor
+
     def declare_losses(self, now: datetime) -> list[str]:
         """The instances lost as of now (marked lost here; told by _tell_losses)."""
         if self.pipeline_silent(now):
@@ -311,7 +320,7 @@ class LivenessBook:
         if view.silent_since is not None:
             lines += ["", f"**No batch from any reporter since {iso(view.silent_since)}: declaring nothing**"]
         elif view.floor is not None and now < view.floor:
-            lines += ["", f"Reporters were silent; no loss declared before {iso(view.floor)}"]
+            lines += ["", f"No loss declared before {iso(view.floor)}: reporters' batches may still be on their way"]
         if view.last_silence_from is not None and view.last_silence_to is not None:
             lines += [
                 "",
