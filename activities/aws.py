@@ -29,7 +29,7 @@ from botocore.config import Config
 
 from activities.errors import aws_errors
 from contract.aws_session import new_session
-from contract.config import AwsSettings
+from contract.config import DEFAULT_CALL_THREADS, AwsSettings
 
 if TYPE_CHECKING:
     from mypy_boto3_autoscaling import AutoScalingClient
@@ -40,9 +40,6 @@ if TYPE_CHECKING:
 
 P = ParamSpec("P")
 T = TypeVar("T")
-
-# Threads for AWS calls when the caller does not say: the Temporal SDK's default max_concurrent_activities.
-DEFAULT_CALL_THREADS = 100
 
 
 class AwsCalls:

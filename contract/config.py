@@ -185,6 +185,11 @@ class TemporalSettings(SettingsSection):
         return self
 
 
+# Threads for AWS calls when the caller does not say: the Temporal SDK's default max_concurrent_activities. Here, not
+# in activities/aws.py, so that reading the settings (every CLI command does) does not import boto3.
+DEFAULT_CALL_THREADS = 100
+
+
 class AwsSettings(SettingsSection):
     model_config = ConfigDict(extra="forbid")
 

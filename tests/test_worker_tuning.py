@@ -23,8 +23,8 @@ from temporalio.client import Client
 from temporalio.worker import PollerBehaviorSimpleMaximum, Worker, WorkerTuner
 
 import worker.main
-from activities.aws import DEFAULT_CALL_THREADS, AwsCalls, AwsClients
-from contract.config import CONFIG_ENV, AwsSettings, ConfigError
+from activities.aws import AwsCalls, AwsClients
+from contract.config import CONFIG_ENV, DEFAULT_CALL_THREADS, AwsSettings, ConfigError
 from simulator.aws_proxy import AwsRequest, FlakyAws
 from tests.harness import eventually, make_settings, unique
 from worker.main import build_worker, run_worker, worker_aws

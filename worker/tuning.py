@@ -14,8 +14,7 @@ from datetime import timedelta
 
 from pydantic import ConfigDict, Field
 
-from activities.aws import DEFAULT_CALL_THREADS
-from contract.config import PositiveDuration, SettingsSection
+from contract.config import DEFAULT_CALL_THREADS, PositiveDuration, SettingsSection
 
 
 class WorkerTuning(SettingsSection):
