@@ -1,8 +1,9 @@
 """A simulated fleet and the engine that repairs it, for the end-to-end tests: real Temporal, moto over HTTP, the
 simulated fleet running the real probe, and (by default) an in-process worker.
 
-The simulated fleet and the test's own checks always talk to moto directly; only the engine may be pointed at
-another endpoint (a fault-injecting proxy in front of moto), so the world the engine acts on is never faulted.
+The simulated fleet and the test's own checks always talk to moto directly, so the world the engine acts on is never
+faulted. Only the engine goes through a proxy in front of moto (the fleet's own, or a test's fault-injecting one),
+and the fleet follows the engine's calls there, as the demo's does.
 """
 
 from __future__ import annotations
@@ -20,17 +21,23 @@ from temporalio.client import Client
 
 from contract.groups import AutoRepair
 from contract.ids import semaphore_workflow_id
+from simulator.aws_proxy import FlakyAws
 from simulator.events import group_events, repaired_instances
 from simulator.fleet import SimTiming, SimulatedFleet
+from simulator.fleet_aws import EngineCalls
 from simulator.probes import ProbeRunner
 from tests.harness import eventually, make_settings, running_worker, unique
 from worker.settings import Settings
 from workflows.models import SemaphoreView
 
-# The simulated world looks at the group once a second, not twice: each look describes the whole group in moto (three
-# calls), about an eighth of the test processes' own CPU in `make test` by py-spy, besides moto's to answer them; a
-# second is still far below the boot delay and the loss threshold the tests wait on.
-TIMING = SimTiming.compressed().model_copy(update={"watch_interval": timedelta(seconds=1)})
+# What an idle fleet costs, kept low because every end-to-end test runs one: following the engine's calls, a look
+# once a second describes only what they changed, and the whole group every 5 s (what a test did behind the engine's
+# back); the probes heartbeat every 2 s. Idle, 6 instances took 13% of a core, 6% now. Both stay far below the boot
+# delay and the loss threshold the tests wait on.
+TIMING = SimTiming.model_validate(
+    SimTiming.compressed().model_dump()
+    | {"watch_interval": timedelta(seconds=1), "heartbeat_interval": timedelta(seconds=2)}
+)
 
 START_BEFORE_STOP = [
     "RepairStarted",
@@ -111,7 +118,7 @@ async def simulated_fleet(
     auto_repair: AutoRepair = AutoRepair.ENABLED,
     in_process_worker: bool = True,
     engine_launch_template: str | None = None,
-    engine_endpoint: str | None = None,
+    engine_proxy: FlakyAws | None = None,
     aws_max_attempts: int | None = None,
     group: str | None = None,
     seed: int = 11,
@@ -120,39 +127,45 @@ async def simulated_fleet(
 ) -> AsyncIterator[Fleet]:
     """`instances` simulated instances in a new group, and the engine's settings for it.
 
-    `engine_endpoint` (default: moto) and `aws_max_attempts` (default: the settings' own) are the engine's AWS;
+    `engine_proxy` (default: one of the fleet's own, without faults) is what the engine's AWS calls go through; the
+    fleet follows them there. `aws_max_attempts` (default: the settings' own) is the engine's botocore retries;
     `engine_launch_template` is the one the engine launches replacements from (default: the fleet's own)."""
-    group = group or unique("gpu")
-    events_path = tmp_path / "events.jsonl"
-    settings = make_settings(
-        client,
-        engine_endpoint or moto_endpoint,
-        events_path,
-        group=group,
-        cluster=group,
-        launch_template=engine_launch_template or f"{group}-lt",
-        auto_repair=auto_repair,
-        heartbeat_loss_threshold=TIMING.heartbeat_loss_threshold,
-        heartbeat_interval=TIMING.heartbeat_interval,
-    )
-    if group_settings:
-        settings.groups = [settings.groups[0].model_copy(update=group_settings)]
-    if aws_max_attempts is not None:
-        settings.aws = settings.aws.model_copy(update={"max_attempts": aws_max_attempts})
-    sim = SimulatedFleet(
-        group=group,
-        cluster=group,
-        state_dir=tmp_path / "fleet",
-        instances=instances,
-        seed=seed,
-        launch_template=f"{group}-lt",
-        endpoint_url=moto_endpoint,
-        client=client,
-        task_queue=settings.temporal.task_queue,
-        timing=TIMING,
-        probe_runner=probe_runner,
-    )
     async with AsyncExitStack() as stack:
+        if engine_proxy is None:
+            engine_proxy = stack.enter_context(FlakyAws(moto_endpoint))
+        engine_calls = EngineCalls()
+        stack.callback(engine_proxy.listen(engine_calls))
+        group = group or unique("gpu")
+        events_path = tmp_path / "events.jsonl"
+        settings = make_settings(
+            client,
+            engine_proxy.url,
+            events_path,
+            group=group,
+            cluster=group,
+            launch_template=engine_launch_template or f"{group}-lt",
+            auto_repair=auto_repair,
+            heartbeat_loss_threshold=TIMING.heartbeat_loss_threshold,
+            heartbeat_interval=TIMING.heartbeat_interval,
+        )
+        if group_settings:
+            settings.groups = [settings.groups[0].model_copy(update=group_settings)]
+        if aws_max_attempts is not None:
+            settings.aws = settings.aws.model_copy(update={"max_attempts": aws_max_attempts})
+        sim = SimulatedFleet(
+            group=group,
+            cluster=group,
+            state_dir=tmp_path / "fleet",
+            instances=instances,
+            seed=seed,
+            launch_template=f"{group}-lt",
+            endpoint_url=moto_endpoint,
+            client=client,
+            task_queue=settings.temporal.task_queue,
+            timing=TIMING,
+            probe_runner=probe_runner,
+            engine_calls=engine_calls,
+        )
         if in_process_worker:
             await stack.enter_async_context(running_worker(settings, client))
         await sim.setup()

@@ -78,7 +78,7 @@ async def test_an_impaired_status_check_and_a_scheduled_retirement_are_replaced_
         says = AwsSays(proxy)
         settings = aws_settings(maintenance_windows=[not_now()])
         async with simulated_fleet(
-            client, aws_env, tmp_path, instances=4, engine_endpoint=proxy.url, group_settings=settings
+            client, aws_env, tmp_path, instances=4, engine_proxy=proxy, group_settings=settings
         ) as fleet:
             await fleet.all_healthy(4)
             broken, blip, retiring, healthy = fleet.sim.live_instances()

@@ -24,7 +24,7 @@ async def test_a_repair_cancelled_while_its_launch_is_retried_ends_cancelled(
     client: Client, aws_env: str, tmp_path: Path
 ) -> None:
     with FlakyAws(aws_env) as aws:
-        async with simulated_fleet(client, aws_env, tmp_path, instances=3, engine_endpoint=aws.url) as fleet:
+        async with simulated_fleet(client, aws_env, tmp_path, instances=3, engine_proxy=aws) as fleet:
             await fleet.all_healthy(3)
             # Every call fails as a whole (botocore's retries too), so the activity is retried by Temporal.
             throttle = aws.fail("RunInstances", "RequestLimitExceeded", per="call")

@@ -61,7 +61,7 @@ async def test_a_member_whose_probe_never_reports_is_unmonitored_never_repaired_
             aws_env,
             tmp_path,
             instances=3,
-            engine_endpoint=proxy.url,
+            engine_proxy=proxy,
             group_settings=settings,
             probe_runner=runner,
         ) as fleet:

@@ -131,7 +131,7 @@ async def test_a_stopped_daemon_task_impairs_daemon_on_its_instance_only_and_its
             aws_env,
             tmp_path,
             instances=3,
-            engine_endpoint=proxy.url,
+            engine_proxy=proxy,
             group_settings=settings,
             auto_repair=AutoRepair.DISABLED,
         ) as fleet:

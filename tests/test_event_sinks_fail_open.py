@@ -283,7 +283,7 @@ async def repairing_fleet(
 ) -> AsyncIterator[Fleet]:
     """The simulated fleet, with the engine's EventBridge behind `proxy`."""
     async with simulated_fleet(
-        client, aws_env, tmp_path, instances=2, engine_endpoint=proxy.url, in_process_worker=False
+        client, aws_env, tmp_path, instances=2, engine_proxy=proxy, in_process_worker=False
     ) as fleet:
         fleet.settings.events = EventSettings(
             jsonl_path=fleet.events_path,

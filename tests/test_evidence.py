@@ -126,7 +126,7 @@ async def test_quarantine_stops_and_keeps_the_instance_and_says_what_the_host_co
     client: Client, aws_env: str, tmp_path: Path
 ) -> None:
     with FlakyAws(aws_env) as proxy:
-        async with simulated_fleet(client, aws_env, tmp_path, instances=3, engine_endpoint=proxy.url) as fleet:
+        async with simulated_fleet(client, aws_env, tmp_path, instances=3, engine_proxy=proxy) as fleet:
             bucket = new_bucket(fleet)
             set_group(fleet, evidence_bucket=bucket, evidence_prefix=PREFIX, bug_report=True, quarantine=True)
             await fleet.all_healthy(3)

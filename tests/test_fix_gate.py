@@ -195,7 +195,7 @@ async def test_a_reboot_whose_host_fails_the_operator_s_gate_command_is_replaced
     client: Client, aws_env: str, tmp_path: Path
 ) -> None:
     with FlakyAws(aws_env) as proxy:
-        async with simulated_fleet(client, aws_env, tmp_path, instances=3, engine_endpoint=proxy.url) as fleet:
+        async with simulated_fleet(client, aws_env, tmp_path, instances=3, engine_proxy=proxy) as fleet:
             reboot_first(fleet, gate_command="/opt/nccl-tests/check.sh")
             await fleet.all_healthy(3)
             faulty = fleet.sim.live_instances()[0]
@@ -315,7 +315,7 @@ async def test_a_replacement_whose_gate_command_fails_is_abandoned_and_another_l
     client: Client, aws_env: str, tmp_path: Path
 ) -> None:
     with FlakyAws(aws_env) as proxy:
-        async with simulated_fleet(client, aws_env, tmp_path, instances=3, engine_endpoint=proxy.url) as fleet:
+        async with simulated_fleet(client, aws_env, tmp_path, instances=3, engine_proxy=proxy) as fleet:
             set_group(fleet, verify_replacement=VERIFY_ON_HOST, gate_command="/opt/nccl-tests/check.sh")
             await fleet.all_healthy(3)
             faulty = fleet.sim.live_instances()[0]
@@ -367,7 +367,7 @@ async def test_a_replacement_whose_host_never_answers_fails_within_gate_timeout(
     client: Client, aws_env: str, tmp_path: Path
 ) -> None:
     with FlakyAws(aws_env) as proxy:
-        async with simulated_fleet(client, aws_env, tmp_path, instances=3, engine_endpoint=proxy.url) as fleet:
+        async with simulated_fleet(client, aws_env, tmp_path, instances=3, engine_proxy=proxy) as fleet:
             set_group(fleet, verify_replacement=VERIFY_ON_HOST, gate_timeout=GATE_TIMEOUT, max_replacement_attempts=1)
             await fleet.all_healthy(3)
             faulty = fleet.sim.live_instances()[0]

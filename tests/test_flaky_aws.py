@@ -78,7 +78,7 @@ async def fleet_behind_flaky_aws(
             moto_endpoint,
             tmp_path,
             instances=INSTANCES,
-            engine_endpoint=aws.url,
+            engine_proxy=aws,
             aws_max_attempts=max_attempts,
         ) as fleet:
             yield FlakyFleet(**vars(fleet), aws=aws)

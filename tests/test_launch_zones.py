@@ -52,7 +52,7 @@ async def fleet_short_of_capacity_in(
             moto,
             tmp_path,
             instances=4,
-            engine_endpoint=aws.url,
+            engine_proxy=aws,
             group_settings={"subnets": [subnets[z] for z in sorted(subnets)], **group_settings},
         ) as fleet:
             await fleet.all_healthy(4)

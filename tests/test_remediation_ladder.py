@@ -266,7 +266,7 @@ async def test_a_gpu_reset_and_a_refused_one_that_falls_back_to_a_reboot(
     client: Client, aws_env: str, tmp_path: Path
 ) -> None:
     with FlakyAws(aws_env) as proxy:
-        async with simulated_fleet(client, aws_env, tmp_path, instances=3, engine_endpoint=proxy.url) as fleet:
+        async with simulated_fleet(client, aws_env, tmp_path, instances=3, engine_proxy=proxy) as fleet:
             reboot_first(fleet, gpu_reset=True)
             await fleet.all_healthy(3)
             faulty, resettable, _ = fleet.sim.live_instances()

@@ -26,7 +26,7 @@ async def test_a_retried_repair_adopts_the_replacement_the_failed_attempt_left_s
     client: Client, aws_env: str, tmp_path: Path
 ) -> None:
     with FlakyAws(aws_env) as proxy:
-        async with simulated_fleet(client, aws_env, tmp_path, instances=3, engine_endpoint=proxy.url) as fleet:
+        async with simulated_fleet(client, aws_env, tmp_path, instances=3, engine_proxy=proxy) as fleet:
             set_group(fleet, repair_retry_delay=timedelta(seconds=2))
             await fleet.all_healthy(3)
             proxy.fail("TerminateInstances", "UnauthorizedOperation")
