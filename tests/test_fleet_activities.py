@@ -29,6 +29,7 @@ from activities.models import (
     InstanceRef,
     KnownInstance,
     LaunchRequest,
+    ReplacementWait,
     StopTasksRequest,
     TasksWait,
 )
@@ -395,7 +396,7 @@ async def test_await_active_honours_cancellation(fleet: Fleet) -> None:
     waiting = asyncio.create_task(
         env.run(
             fleet.acts.await_container_instance_active,
-            InstanceRef(group=fleet.group.name, instance_id=instance_id),
+            ReplacementWait(group=fleet.group.name, instance_id=instance_id),
         )
     )
     await asyncio.sleep(0.3)
