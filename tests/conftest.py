@@ -18,28 +18,6 @@ from simulator.servers import find_binary, free_port, moto_command
 from tests.event_schema_check import check_events_files
 from tests.harness import SERVER_STARTUP_TIMEOUT
 
-# The longest files (minutes each, end to end), started first when files run side by side (`make test`): started last,
-# they would run alone at the end while the other workers idle.
-LONGEST_FIRST = (
-    "test_repair_durability.py",
-    "test_breaker_property.py",
-    "test_launch_zones.py",
-    "test_remediation_ladder.py",
-    "test_repair_retries.py",
-    "test_demo.py",
-    "test_dashboard.py",
-    "test_aws_signals.py",
-    "test_breaker.py",
-    "test_liveness.py",
-    "test_evidence.py",
-    "test_grace_from_first_bad.py",
-)
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
-
 
 @pytest.fixture(autouse=True)
 def events_follow_their_schemas(request: pytest.FixtureRequest) -> Iterator[None]:
