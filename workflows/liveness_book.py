@@ -107,12 +107,9 @@ class LivenessBook:
         # Late against when it was due, or when it was set if that deadline had already passed.
         due = max(self.armed_for or now, armed_at or now)
         if now - due > self.grace():
-            self.state.floor = max(self.state.floor or now, now + self.window() + self.grace())
+            floor = self._no_loss_before(now + self.window() + self.grace())
             self._log.warning(
-                "liveness of %s: woke %s late; no loss declared before %s",
-                self.group,
-                now - due,
-                iso(self.state.floor),
+                "liveness of %s: woke %s late; no loss declared before %s", self.group, now - due, iso(floor)
             )
         return self.declare_losses(now)
 
@@ -121,9 +118,12 @@ class LivenessBook:
         closing", for as long as its last task took under load), and they are being sent again now: nothing is
         declared lost before each reporter has had one interval to deliver its retried batch."""
         every = max((r.report_every for r in self.state.reporters.values()), default=self.window().total_seconds())
-        floor = now + timedelta(seconds=every) + self.grace()
-        if self.state.floor is None or floor > self.state.floor:
-            self.state.floor = floor
+        self._no_loss_before(now + timedelta(seconds=every) + self.grace())
+
+    def _no_loss_before(self, at: datetime) -> datetime:
+        """Declare nothing before `at`; a floor already later stays. Returns the floor."""
+        self.state.floor = max(self.state.floor or at, at)
+        return self.state.floor
 
     def declare_losses(self, now: datetime) -> list[str]:
         """The instances lost as of now (marked lost here; told by _tell_losses)."""
