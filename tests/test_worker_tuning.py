@@ -25,11 +25,14 @@ from temporalio.worker import PollerBehaviorSimpleMaximum, Worker, WorkerTuner
 import worker.main
 from activities.aws import AwsCalls, AwsClients
 from contract.config import CONFIG_ENV, DEFAULT_CALL_THREADS, AwsSettings, ConfigError
+from contract.groups import CapacityGroup
 from simulator.aws_proxy import AwsRequest, FlakyAws
 from tests.harness import eventually, make_settings, unique
 from worker.main import build_worker, run_worker, worker_aws
 from worker.settings import Settings
 from worker.tuning import WorkerTuning
+from workflows.options import HEARTBEAT_TIMEOUT_MAX
+from workflows.repair_replacement import ready_heartbeat_timeout
 
 
 @pytest.fixture(autouse=True)
@@ -161,6 +164,23 @@ def test_one_workflow_task_at_a_time_is_allowed_without_the_cache() -> None:
         Settings(worker={"max_concurrent_workflow_tasks": 1})
 
 
+def test_a_replacement_wait_heartbeats_by_its_own_timeout_not_once_a_minute() -> None:
+    """Each heartbeat is a billed action: at the default 20-minute wait the SDK sends one every 4 minutes (80 % of a
+    5-minute timeout), since the worker's throttle no longer caps it at the SDK's default minute."""
+    default_wait = CapacityGroup.model_fields["replacement_ready_timeout"].default
+    timeout = ready_heartbeat_timeout(default_wait)
+    assert timeout == HEARTBEAT_TIMEOUT_MAX == timedelta(minutes=5)
+    assert inspect.signature(Worker.__init__).parameters["max_heartbeat_throttle_interval"].default == timedelta(
+        seconds=60
+    )
+    every = min(timeout * 0.8, HEARTBEAT_TIMEOUT_MAX)
+    assert every == timedelta(minutes=4)
+    # A lost worker is noticed within a quarter of a short wait, never under 10 s, never over 5 minutes.
+    assert ready_heartbeat_timeout(timedelta(minutes=2)) == timedelta(seconds=30)
+    assert ready_heartbeat_timeout(timedelta(seconds=20)) == timedelta(seconds=10)
+    assert ready_heartbeat_timeout(timedelta(hours=2)) == timedelta(minutes=5)
+
+
 # --- the settings reach the SDK's Worker ---------------------------------------------------------------------------
 
 
@@ -190,6 +210,7 @@ async def test_build_worker_passes_the_tuning_to_the_sdk_worker(client: Client, 
         assert config.get("activity_task_poller_behavior") == PollerBehaviorSimpleMaximum(2)
         assert config.get("max_cached_workflows") == 50
         assert config.get("sticky_queue_schedule_to_start_timeout") == timedelta(seconds=4)
+        assert config.get("max_heartbeat_throttle_interval") == HEARTBEAT_TIMEOUT_MAX
         # Every activity holding AWS clients (directly or one object down) holds the ones given.
         holders = {id(act.__self__): act.__self__ for act in config.get("activities", []) if hasattr(act, "__self__")}
         found = {type(h).__name__: _aws_clients_in(h) for h in holders.values()}

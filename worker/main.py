@@ -29,6 +29,7 @@ from workflows.event_outbox import EventOutboxWorkflow
 from workflows.fleet_breaker import FleetBreakerWorkflow
 from workflows.health import InstanceHealthWorkflow
 from workflows.liveness import LivenessTrackerWorkflow
+from workflows.options import HEARTBEAT_TIMEOUT_MAX
 from workflows.repair import InstanceRepairWorkflow
 
 log = structlog.get_logger(__name__)
@@ -124,6 +125,7 @@ def build_worker(settings: Settings, client: Client, aws: AwsClients | None = No
         # On shutdown the worker stops polling at once and gives in-flight activities this long to finish (the SDK's
         # default is none: a rolling update would cancel every AWS call in flight).
         graceful_shutdown_timeout=settings.graceful_shutdown_timeout,
+        max_heartbeat_throttle_interval=HEARTBEAT_TIMEOUT_MAX,
         # [worker] (worker/tuning.py): the SDK's own defaults unless set.
         max_concurrent_workflow_tasks=tuning.max_concurrent_workflow_tasks,
         max_concurrent_activities=tuning.max_concurrent_activities,
