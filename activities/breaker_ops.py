@@ -13,6 +13,7 @@ from temporalio.client import Client, WorkflowQueryRejectedError
 from temporalio.common import QueryRejectCondition, WorkflowIDConflictPolicy
 from temporalio.service import RPCError, RPCStatusCode
 
+from activities.semaphore_start import start_drain_semaphore
 from contract import names
 from contract.breaker import (
     FleetBreakerConfig,
@@ -22,8 +23,7 @@ from contract.breaker import (
     FleetHoldQuery,
     ImpairmentReport,
 )
-from contract.ids import fleet_breaker_workflow_id, semaphore_workflow_id
-from contract.semaphore import SemaphoreInput
+from contract.ids import fleet_breaker_workflow_id
 
 QUERY_TIMEOUT = timedelta(seconds=10)
 
@@ -41,16 +41,7 @@ class BreakerOps:
     @activity.defn
     async def report_impairment(self, report: ImpairmentReport) -> None:
         """Tell the group's semaphore (starting it if need be) that an instance became IMPAIRED."""
-        await self._client.start_workflow(
-            names.SEMAPHORE_WORKFLOW,
-            SemaphoreInput(group=report.group),
-            id=semaphore_workflow_id(report.group),
-            task_queue=self._task_queue,
-            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-            start_signal=names.SIGNAL_IMPAIRED,
-            start_signal_args=[report],
-            static_summary=f"drain cap for capacity group {report.group}",
-        )
+        await start_drain_semaphore(self._client, self._task_queue, report.group, names.SIGNAL_IMPAIRED, [report])
 
     @activity.defn
     async def report_to_fleet_breaker(self, report: ImpairmentReport) -> None:

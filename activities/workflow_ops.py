@@ -43,13 +43,14 @@ from activities.models import (
     WorkflowRun,
     WorkflowRuns,
 )
+from activities.semaphore_start import start_drain_semaphore
 from contract import names
 from contract import search_attributes as sa
 from contract.groups import GroupConfigState
 from contract.ids import legacy_repair_workflow_id, repair_workflow_id, semaphore_workflow_id
 from contract.instances import RepairWithdrawal, RepairWithdrawalResult
 from contract.repair import RepairInput, RepairPhase
-from contract.semaphore import PermitRequest, SemaphoreInput
+from contract.semaphore import PermitRequest
 
 # Enough closed runs to find the latest: visibility lists the most recently closed first.
 _PREVIOUS_RUNS_LOOKED_AT = 20
@@ -186,24 +187,14 @@ class WorkflowOps:
     @activity.defn
     async def request_drain_permit(self, order: PermitRequestOrder) -> None:
         """Signal-with-start the group's drain semaphore; the semaphore treats a repeated request as one."""
-        await self._client.start_workflow(
-            names.SEMAPHORE_WORKFLOW,
-            SemaphoreInput(group=order.group),
-            id=semaphore_workflow_id(order.group),
-            task_queue=self._task_queue,
-            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-            start_signal=names.SIGNAL_REQUEST,
-            start_signal_args=[
-                PermitRequest(
-                    holder_workflow_id=order.holder_workflow_id,
-                    holder_run_id=order.holder_run_id,
-                    instance_id=order.instance_id,
-                    token=order.token,
-                    critical=order.critical,
-                )
-            ],
-            static_summary=f"drain cap for capacity group {order.group}",
+        request = PermitRequest(
+            holder_workflow_id=order.holder_workflow_id,
+            holder_run_id=order.holder_run_id,
+            instance_id=order.instance_id,
+            token=order.token,
+            critical=order.critical,
         )
+        await start_drain_semaphore(self._client, self._task_queue, order.group, names.SIGNAL_REQUEST, [request])
 
     @activity.defn
     async def find_running_repairs(self, request: RepairsOfGroup) -> WorkflowRuns:

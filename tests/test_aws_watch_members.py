@@ -9,10 +9,12 @@ from datetime import UTC, datetime
 from typing import Any, cast
 
 from temporalio.client import Client
+from temporalio.service import RPCError, RPCStatusCode
 
 from activities.aws_status import AwsStatusReads
 from contract.aws_status import AwsInstanceStatus
 from contract.groups import CapacityGroup
+from contract.ids import semaphore_workflow_id
 from worker.aws_watch import FOREIGN_RECHECK, GroupWatch
 from worker.settings import Settings
 
@@ -33,11 +35,22 @@ class Reads:
 
 
 class Temporal:
+    """Health workflows started, apart from the group's drain semaphore (started before them, or refused while
+    `refuse` is set)."""
+
     def __init__(self) -> None:
         self.started: list[str] = []
+        self.semaphores: list[str] = []
+        self.refuse = False
 
     async def start_workflow(self, *args: Any, id: str, **kwargs: Any) -> None:
-        self.started.append(id)
+        if id == semaphore_workflow_id("g"):
+            if self.refuse:
+                raise RPCError("unavailable", RPCStatusCode.UNAVAILABLE, b"")
+            self.semaphores.append(id)
+            assert not self.started, "the semaphore starts before any health workflow"
+        else:
+            self.started.append(id)
 
 
 class Clock:
@@ -67,3 +80,19 @@ async def test_an_instance_of_another_group_is_asked_about_again_and_covered_onc
     assert reads.asked[-1] == ["i-theirs"] and temporal.started == ["health/i-mine", "health/i-theirs"]
     await watch.round()
     assert len(reads.asked) == 2 and watch.started == 2  # covered: never asked again
+    assert temporal.semaphores == [semaphore_workflow_id("g")]  # at the first round only
+
+
+async def test_the_groups_drain_semaphore_runs_before_its_first_fault_and_a_refused_start_is_tried_again() -> None:
+    reads, temporal = Reads(["i-1"], {"i-1"}), Temporal()
+    settings = Settings(groups=[CapacityGroup(name="g", cluster="c")])
+    watch = GroupWatch(cast(Client, temporal), settings, "g", cast(AwsStatusReads, reads), clock=Clock())
+    temporal.refuse = True
+    await watch.round()
+    # Temporal refused: the instances are still read and covered, and the next round tries the semaphore again.
+    assert not watch.semaphore_running and temporal.started == ["health/i-1"]
+    temporal.refuse = False
+    temporal.started.clear()
+    await watch.round()
+    await watch.round()
+    assert watch.semaphore_running and temporal.semaphores == [semaphore_workflow_id("g")]

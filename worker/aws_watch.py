@@ -18,6 +18,9 @@ whose probe never started is INITIALIZING, then unmonitored (first_report_timeou
 closed health workflow (its instance was replaced) is never started again. Only new instances cost a call: once
 started or found running, an instance is not asked about again while the watch sees it; one of another group (a
 shared cluster) is asked about again every FOREIGN_RECHECK, so a tag added later is noticed.
+
+The group's drain semaphore is started by the watch's first round (or found running), not by the group's first
+fault: a first surge's repairs then ask a semaphore that has read its settings already. Idle, it costs nothing.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from activities.aws import AwsClients
 from activities.aws_status import AwsStatusReads
+from activities.semaphore_start import start_drain_semaphore
 from contract import names
 from contract.aws_status import AwsInstanceStatus
 from contract.health import HealthInput
@@ -77,6 +81,7 @@ class GroupWatch:
         self.rounds = 0
         self.signals = 0
         self.started = 0
+        self.semaphore_running = False
 
     async def run(self) -> None:
         while True:
@@ -88,6 +93,8 @@ class GroupWatch:
 
     async def round(self) -> int:
         """Read the group's instances once and tell each health workflow whose picture changed; how many told."""
+        if not self.semaphore_running:
+            await self._start_semaphore()
         now = datetime.now(UTC)
         seen = await self._reads.read(self._settings.group(self.group), now=now)
         self.rounds += 1
@@ -151,6 +158,14 @@ class GroupWatch:
             self.started += 1
             self._no_workflow_until.pop(instance_id, None)
         self._covered.add(instance_id)
+
+    async def _start_semaphore(self) -> None:
+        try:
+            await start_drain_semaphore(self._client, self._settings.temporal.task_queue, self.group)
+        except RPCError as err:
+            log.warning("drain semaphore of group %s not started (the next read tries again): %s", self.group, err)
+            return
+        self.semaphore_running = True
 
     def _waiting(self, instance_id: str) -> bool:
         until = self._no_workflow_until.get(instance_id)
