@@ -48,6 +48,25 @@ def test_an_instance_silent_past_its_window_and_grace_is_lost_once() -> None:
     assert tracker.view().lost == ["i-1"] and tracker.view().declared_lost == 1
 
 
+def test_a_declaration_says_who_was_lost_when_last_heard_and_when_the_last_batch_came() -> None:
+    log = FakeLog()
+    tracker = LivenessBook("g", 0, 1, None, log)
+    tracker.state.group = CapacityGroup(name="g", cluster="c", heartbeat_loss_threshold=THRESHOLD)
+    silent = [f"i-{n}" for n in range(7)]
+    tracker.on_report(report(NOW, dict.fromkeys(silent, 0)), NOW)
+    later = NOW
+    while later < NOW + THRESHOLD + GRACE:
+        later += EVERY
+        tracker.on_report(report(later, {"i-alive": 0}), later)
+    assert tracker.declare_losses(later) == silent
+    [line] = [line for line in log.lines if " lost " in line]
+    assert line == (
+        "liveness of g: 7 lost (i-0, i-1, i-2, i-3, i-4, ...), last heard 2026-12-05T12:00:00Z..2026-12-05T12:00:00Z;"
+        " the last batch came at 2026-12-05T12:01:15Z"
+    )
+    assert tracker.declare_losses(later + EVERY) == [] and len(log.lines) == 1  # nothing new, nothing said
+
+
 def test_a_lost_instance_heard_again_is_told_so() -> None:
     tracker = book()
     # A probe signalling directly (a trusted lab): its silence is its own, no pipeline to wait for.

@@ -30,6 +30,7 @@ MAX_CLOCK_AHEAD = timedelta(minutes=5)
 MAX_REPORTERS = 64
 DEFAULT_THRESHOLD: timedelta = CapacityGroup.model_fields["heartbeat_loss_threshold"].default
 DETAILS_LOST = 20
+LOST_NAMED = 5  # instances named in the log line of a declaration
 MAX_LAST_HEARD = 1_000
 
 
@@ -145,6 +146,20 @@ class LivenessBook:
         lost = [i for i, heard in self.state.heard.items() if heard <= cutoff and i not in self.lost]
         self.lost.update(lost)
         self.state.declared_lost += len(lost)
+        if lost:
+            # Said once per declaration, with what a false loss is told apart by: when the last batch came, and
+            # whether the lost were all last heard together (a stalled sender) or apart (hosts that went quiet).
+            heard = [self.state.heard[i] for i in lost]
+            self._log.warning(
+                "liveness of %s: %d lost (%s%s), last heard %s..%s; the last batch came at %s",
+                self.group,
+                len(lost),
+                ", ".join(sorted(lost)[:LOST_NAMED]),
+                ", ..." if len(lost) > LOST_NAMED else "",
+                iso(datetime.fromtimestamp(min(heard), tz=UTC)),
+                iso(datetime.fromtimestamp(max(heard), tz=UTC)),
+                iso(self.state.last_report_at) if self.state.last_report_at else "never",
+            )
         return lost
 
     def told_lost(self, lost: list[str], gone: dict[str, GoneInstance]) -> None:
