@@ -7,11 +7,13 @@ a generous bound.
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import sys
 from pathlib import Path
 from typing import Any
 
+from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowExecutionStatus
 
 from contract.groups import AutoRepair
@@ -21,6 +23,7 @@ from simulator.engine_process import engine_environment
 from tests.fleet import assert_start_before_stop, simulated_fleet
 from tests.harness import eventually
 from worker.settings import Settings
+from workflows import repair_patches
 from workflows.models import InstanceHealthView
 
 
@@ -34,6 +37,17 @@ def max_concurrently_draining(events: list[dict[str, Any]]) -> int:
         current += step
         peak = max(peak, current)
     return peak
+
+
+async def patch_markers(client: Client, workflow_id: str) -> list[str]:
+    """The patch ids a run recorded, in order (sdk-core's `core_patch` markers)."""
+    ids = []
+    async for event in client.get_workflow_handle(workflow_id).fetch_history_events():
+        if event.event_type == EventType.EVENT_TYPE_MARKER_RECORDED:
+            marker = event.marker_recorded_event_attributes
+            if marker.marker_name == "core_patch":
+                ids.append(json.loads(marker.details["patch-data"].payloads[0].data)["id"])
+    return ids
 
 
 async def test_six_instances_drain_one_at_a_time(client: Client, aws_env: str, tmp_path: Path) -> None:
@@ -50,6 +64,8 @@ async def test_six_instances_drain_one_at_a_time(client: Client, aws_env: str, t
         assert (await fleet.semaphore()).max_holders_seen == 1
         # Each event links to the Web UI page of the workflow that sent it.
         completed = fleet.events("RepairCompleted")[0]
+        # One patch marker for every patch a repair asks (each is a billed marker and a TemporalChangeVersion upsert).
+        assert await patch_markers(client, completed["workflow_id"]) == [repair_patches.CURRENT]
         assert completed["workflow_url"] == (
             f"{fleet.settings.temporal.ui_url}/namespaces/default/workflows/repair%2F{completed['instance_id']}%2F1"
         )

@@ -150,7 +150,7 @@ class LivenessBook:
             # Said once per declaration, with what a false loss is told apart by: when the last batch came, and
             # whether the lost were all last heard together (a stalled sender) or apart (hosts that went quiet).
             heard = [self.state.heard[i] for i in lost]
-            self._log.warning(
+            self._log.info(
                 "liveness of %s: %d lost (%s%s), last heard %s..%s; the last batch came at %s",
                 self.group,
                 len(lost),

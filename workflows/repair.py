@@ -34,8 +34,8 @@ from contract.instances import RepairWithdrawal, RepairWithdrawalResult
 from contract.repair import RepairInput, RepairPhase
 from contract.semaphore import PermitDenial
 from workflows import repair_evidence as evidence
+from workflows import repair_patches, repair_runbook
 from workflows import repair_reboot as ladder
-from workflows import repair_runbook
 from workflows.activity_errors import describe_error
 from workflows.group_config import read_group_config
 from workflows.models import PermitGrant, PermitRelease, RepairResult, RepairStatus
@@ -51,9 +51,6 @@ with workflow.unsafe.imports_passed_through():
     from activities.models import DrainResult, PermitRequestOrder
     from activities.workflow_ops import WorkflowOps
 
-# A patch id: histories recorded before a step's event and its news to the health workflow went out beside the next
-# step instead of in front of it.
-NEWS_BESIDE_STEPS = "news-beside-steps"
 # Re-ask for the permit now and then: a semaphore that was reset by an operator forgets its waiters.
 PERMIT_REQUEST_REFRESH = timedelta(minutes=5)
 RUNBOOK = repair_runbook.RUNBOOK
@@ -77,7 +74,7 @@ class InstanceRepairWorkflow:
     @workflow.run
     async def run(self, input: RepairInput) -> RepairResult:
         repair, record = self._repair, self._record
-        repair.news_beside_steps = workflow.patched(NEWS_BESIDE_STEPS)
+        repair.news_beside_steps = repair_patches.patched(repair_patches.NEWS_BESIDE_STEPS)
         try:
             # Inside the try: a cancellation or a failure while the group is read is told to the health workflow like
             # any other, which would otherwise wait for this repair's progress for ever.

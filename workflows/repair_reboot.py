@@ -34,6 +34,7 @@ from contract.config import format_seconds
 from contract.groups import CapacityGroup, Remediation
 from contract.repair import InPlaceFix, RepairAction, RepairPhase
 from workflows import repair_evidence as evidence
+from workflows import repair_patches
 from workflows.activity_errors import describe_error, permanent_error
 from workflows.options import CALL_RETRY, CALL_TIMEOUT
 from workflows.repair_context import RepairContext
@@ -48,9 +49,6 @@ with workflow.unsafe.imports_passed_through():
         RebootRequest,
     )
     from activities.remediation import RemediationActivities
-
-# A patch id: histories recorded before a fix in place had to pass the gate before work returned.
-VERIFY_FIX = "verify-fix"
 
 
 async def fix_in_place(repair: RepairContext, group: CapacityGroup) -> bool:
@@ -92,7 +90,7 @@ async def fix_in_place(repair: RepairContext, group: CapacityGroup) -> bool:
         return False
     done = ev.GpuResetCompleted if ladder.action is RepairAction.GPU_RESET else ev.RebootCompleted
     await repair.event(done(**record.about(), took_seconds=int((workflow.now() - started).total_seconds())))
-    if workflow.patched(VERIFY_FIX):
+    if repair_patches.patched(repair_patches.VERIFY_FIX):
         why = await verify_fix(repair, group, started)
         if why is not None:
             await _escalate(repair, ladder.action, RepairAction.REPLACE, why)

@@ -31,7 +31,7 @@ from contract import event_types as ev
 from contract.config import format_seconds
 from contract.groups import CapacityGroup
 from contract.repair import RepairPhase
-from workflows import repair_zones
+from workflows import repair_patches, repair_zones
 from workflows.activity_errors import capacity_error, describe_error, permanent_error
 from workflows.options import CALL_RETRY, CALL_TIMEOUT, HEARTBEAT_TIMEOUT_MAX
 from workflows.repair_context import RepairContext
@@ -55,10 +55,6 @@ READY_HEARTBEAT_MAX = HEARTBEAT_TIMEOUT_MAX
 # Within the schedule-to-close timeout: a lost worker or a throttled ECS API must not end the wait early.
 READY_RETRY = RetryPolicy(initial_interval=timedelta(seconds=2), maximum_interval=timedelta(seconds=30))
 CLIENT_TOKEN_MAX = 64  # RunInstances' limit
-# A patch id: histories recorded before a repair told its semaphore how its launches went.
-LAUNCH_OUTCOMES = "launch-outcomes"
-# A patch id: histories recorded before a replacement had to pass the gate before the impaired instance went.
-VERIFY_REPLACEMENT = "verify-replacement"
 
 
 class ReplacementsExhausted(Exception):
@@ -96,7 +92,7 @@ async def replace(repair: RepairContext, group: CapacityGroup, drained: DrainRes
         await repair.enter(RepairPhase.WAITING_FOR_REPLACEMENT)
         failure = await _wait_until_active(repair, group, replacement, attempt, limit)
         gate: list[ev.GateResult] | None = None
-        if failure is None and group.verify_replacement and workflow.patched(VERIFY_REPLACEMENT):
+        if failure is None and group.verify_replacement and repair_patches.patched(repair_patches.VERIFY_REPLACEMENT):
             checks, failed = await verify_replacement(repair, group, replacement, launched_at)
             gate = [ev.GateResult.model_validate(c.model_dump()) for c in checks]
             failure = None if failed is None else (failed, failed)
@@ -146,7 +142,7 @@ async def _launch(repair: RepairContext, group: CapacityGroup, drained: DrainRes
     record = repair.record
     instance_id = record.instance_id
     zones = await repair_zones.plan(record, group, drained)
-    reported = workflow.patched(LAUNCH_OUTCOMES)
+    reported = repair_patches.patched(repair_patches.LAUNCH_OUTCOMES)
     backoff = LAUNCH_BACKOFF_FIRST
     tries = 1
     while True:

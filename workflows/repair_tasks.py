@@ -11,6 +11,7 @@ from contract.config import format_seconds
 from contract.formats import iso
 from contract.groups import CapacityGroup
 from contract.repair import RepairPhase
+from workflows import repair_patches
 from workflows.options import CALL_RETRY, CALL_TIMEOUT
 from workflows.repair_context import RepairContext
 
@@ -18,7 +19,6 @@ with workflow.unsafe.imports_passed_through():
     from activities.fleet import FleetActivities
     from activities.models import InstanceTasks, StopTasksRequest, TasksWait
 
-DRAIN_WAIT_PATCH = "drain-wait-in-activity"
 # The wait's heartbeat timeout is two looks: a lost worker's wait is taken again by another within that (the drain is
 # on the repair's path), and the SDK sends at most one heartbeat per 80 % of it (one per 24 s at the default 15 s).
 DRAIN_HEARTBEAT_MIN = timedelta(seconds=20)
@@ -41,7 +41,7 @@ async def _wait_for_tasks(repair: RepairContext, group: CapacityGroup) -> tuple[
     deadlines: dict[str, datetime] = {}
     forced: set[str] = set()
     # Histories from before the patch slept and looked again from the workflow: a timer and an activity per look.
-    waits_in_activity = workflow.patched(DRAIN_WAIT_PATCH)
+    waits_in_activity = repair_patches.patched(repair_patches.DRAIN_WAIT_IN_ACTIVITY)
     running = await _list_tasks(repair)
     while True:
         if not running.tasks:

@@ -13,6 +13,7 @@ from contract import event_types as ev
 from contract.config import format_seconds
 from contract.groups import CapacityGroup
 from contract.repair import RepairPhase
+from workflows import repair_patches
 from workflows.activity_errors import describe_error, permanent_error
 from workflows.fix_gate import GATE_CHECKS, GateCheck, failures, run_gate
 from workflows.options import CALL_RETRY, CALL_TIMEOUT
@@ -24,8 +25,6 @@ with workflow.unsafe.imports_passed_through():
     from activities.remediation import RemediationActivities
 
 MIN_POLL = timedelta(seconds=1)
-# A patch id: histories recorded before a replacement could be gated on the host (verify_replacement "on_host").
-VERIFY_REPLACEMENT_ON_HOST = "verify-replacement-on-host"
 GATE_SUMMARY = ", ".join(row.what for row in GATE_CHECKS)
 
 
@@ -138,7 +137,7 @@ async def verify_replacement(
             if (
                 failures(checks) is None
                 and group.gates_replacement_on_host
-                and workflow.patched(VERIFY_REPLACEMENT_ON_HOST)
+                and repair_patches.patched(repair_patches.VERIFY_REPLACEMENT_ON_HOST)
             ):
                 checks.append(await _on_host(repair, group, replacement))
             failed = failures(checks)
