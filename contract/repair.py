@@ -6,6 +6,7 @@ from enum import StrEnum
 
 from pydantic import BaseModel, Field
 
+from contract.groups import CapacityGroup
 from contract.limits import Id, Name, Text, Timestamp, Token
 from contract.probe import GpuFinding
 
@@ -109,3 +110,7 @@ class RepairInput(BaseModel):
     # NVIDIA's standing verdicts on the instance's GPUs its health workflow held when it started the repair (none
     # cleared): under reboot-first they choose the remedy (workflows/repair_ladder.py).
     nvidia_verdicts: list[GpuVerdict] = Field(default_factory=list, max_length=MAX_VERDICTS_KEPT)
+    # The group's configuration (live overrides applied) its health workflow read to decide on this repair, a moment
+    # before starting it: the repair works with it and does not read it again. None from a health workflow that
+    # started repairs before it was passed: the repair reads it.
+    group_config: CapacityGroup | None = None

@@ -57,7 +57,7 @@ from workflows.repair import RUNBOOK
 LONG_STOP = 15
 WORKLOAD = SimWorkload(stop_timeouts_s=(LONG_STOP,), stubborn_fraction=0.5)
 # One look every 10 s: a kill in STOPPING_TASKS meets the wait's one call (a look at 10 s, another at the LONG_STOP
-# timeout), whose heartbeat timeout (two looks: 20 s) hands it to the restarted worker.
+# timeout), whose heartbeat timeout (four looks: 40 s) hands it to the restarted worker.
 GROUP = {"task_poll_interval": timedelta(seconds=10)}
 STARTED = "PENDING_ACTIVITY_STATE_STARTED"
 OUTAGE = SimTiming.compressed().heartbeat_loss_threshold + timedelta(seconds=2)

@@ -160,7 +160,7 @@ async def test_web_ui_shows_the_repair_with_its_summary_and_runbook(
             # The event history, oldest first: the started event carries the summary, each activity its own.
             history = await eventually(
                 lambda: browser.dom(f"{run_url}/history?sort=ascending"),
-                contains(summary, "read group config", f"set {faulty} DRAINING in cluster {fleet.group}"),
+                contains(summary, "event RepairStarted", f"set {faulty} DRAINING in cluster {fleet.group}"),
                 within=180,
                 every=1,
             )

@@ -119,6 +119,7 @@ async def start(health: InstanceHealth, news_beside_steps: bool) -> None:
         last_in_place_fix=state.last_in_place_fix,  # the remediation ladder's (workflows/health_ladder.py)
         in_place_fixes=state.in_place_fixes,
         nvidia_verdicts=state.nvidia_verdicts,
+        group_config=group,
         earlier_replacement=previous.replacement_instance_id
         if previous is not None and previous.phase in ENDED_UNREPAIRED
         else None,

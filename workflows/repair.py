@@ -78,7 +78,7 @@ class InstanceRepairWorkflow:
         try:
             # Inside the try: a cancellation or a failure while the group is read is told to the health workflow like
             # any other, which would otherwise wait for this repair's progress for ever.
-            group = await read_group_config(input.group, "read group config")
+            group = input.group_config or await read_group_config(input.group, "read group config")
             record.ladder.choose(input, group, workflow.now())
             record.runbook = repair_runbook.for_group(group)
             record.evidence_step = group.evidence_bucket is not None

@@ -19,8 +19,9 @@ with workflow.unsafe.imports_passed_through():
     from activities.fleet import FleetActivities
     from activities.models import InstanceTasks, StopTasksRequest, TasksWait
 
-# The wait's heartbeat timeout is two looks: a lost worker's wait is taken again by another within that (the drain is
-# on the repair's path), and the SDK sends at most one heartbeat per 80 % of it (one per 24 s at the default 15 s).
+# The wait's heartbeat timeout is four looks: a lost worker's wait is taken again by another within that (the drain is
+# on the repair's path: a minute at the default 15 s), and the SDK sends one heartbeat per 80 % of it, each a billed
+# action (one per 48 s: 4 in a 2-minute stop timeout, 6 at two looks).
 DRAIN_HEARTBEAT_MIN = timedelta(seconds=20)
 FORCED_WAIT = timedelta(minutes=5)
 
@@ -99,7 +100,7 @@ async def _wait_for_tasks(repair: RepairContext, group: CapacityGroup) -> tuple[
 
 
 def drain_heartbeat_timeout(poll: timedelta) -> timedelta:
-    return max(poll * 2, DRAIN_HEARTBEAT_MIN)
+    return max(poll * 4, DRAIN_HEARTBEAT_MIN)
 
 
 async def _list_tasks(repair: RepairContext) -> InstanceTasks:
