@@ -14,9 +14,9 @@ def test_a_waiting_repair_has_holders_and_out_of_service_instances_looked_at_eve
     assert next_look(holders=0, waiters=2, out_of_service=1, reclaim_interval=MINUTE) == MINUTE
 
 
-def test_holders_nobody_waits_behind_are_looked_at_ten_times_less_often() -> None:
-    assert next_look(holders=1, waiters=0, out_of_service=0, reclaim_interval=MINUTE) == 10 * MINUTE
-    assert next_look(holders=1, waiters=0, out_of_service=4, reclaim_interval=MINUTE) == 10 * MINUTE
+def test_holders_nobody_waits_behind_are_looked_at_fifteen_times_less_often() -> None:
+    assert next_look(holders=1, waiters=0, out_of_service=0, reclaim_interval=MINUTE) == 15 * MINUTE
+    assert next_look(holders=1, waiters=0, out_of_service=4, reclaim_interval=MINUTE) == 15 * MINUTE
 
 
 def test_nothing_held_and_nobody_waiting_sets_no_timer() -> None:

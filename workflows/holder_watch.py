@@ -5,8 +5,11 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-# While no repair waits for a permit, holders are looked at this many reclaim intervals apart.
-IDLE_HOLDER_LOOKS = 10
+# While no repair waits for a permit, holders are looked at this many reclaim intervals apart: 15 minutes at the
+# default minute, so a repair that boots its replacement in 10 and lets its tasks stop in 2 releases its permit before
+# the first look (each a timer and an activity, 2 billed actions). A stale permit (a repair terminated by an operator)
+# nobody waits behind is reclaimed within that; once a repair waits, within a reclaim interval.
+IDLE_HOLDER_LOOKS = 15
 
 
 def next_look(*, holders: int, waiters: int, out_of_service: int, reclaim_interval: timedelta) -> timedelta | None:
