@@ -34,8 +34,9 @@ from tests.harness import eventually
 INSTANCES = 15
 FAULTS = 4
 # Far above the simulated boot (2 s to ACTIVE): a replacement slow on a loaded machine (its wait retried on the other
-# worker after the kill) must not be abandoned, which would launch a second one.
-GROUP = {"replacement_ready_timeout": timedelta(seconds=180)}
+# worker after the kill) must not be abandoned, which would launch a second one. Not longer: the wait's heartbeat
+# timeout is a quarter of it (25 s), and a wait killed with its worker is taken again only after that.
+GROUP = {"replacement_ready_timeout": timedelta(seconds=100)}
 
 
 def permits(d: DurableFleet) -> tuple[set[str], set[str]]:
