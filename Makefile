@@ -56,10 +56,11 @@ test: $(STAMP) $(CHROMIUM) $(JOURNAL_REMOTE) $(SHELLCHECK) $(PROMTOOL) $(PROMETH
 	$(BIN)/mypy contract workflows activities worker node_probe ingest operator_cli simulator
 	$(BIN)/pytest $(PYTEST_ARGS)
 
+# The tests and benchmarks are typed too; checked here, not in `make test`, where they would add a minute and a half.
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy contract workflows activities worker node_probe ingest operator_cli simulator
+	$(BIN)/mypy contract workflows activities worker node_probe ingest operator_cli simulator tests benchmarks
 
 clean:
 	rm -rf $(VENV) build *.egg-info .state

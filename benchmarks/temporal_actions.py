@@ -52,6 +52,7 @@ from contract.health import HealthState
 from contract.probe import Heartbeat, ProbeSourceHealth
 from simulator.events import repaired_instances
 from simulator.fleet import SimTiming, SimulatedFleet
+from simulator.probes import ProbeFleet, ProbeRunner
 
 if TYPE_CHECKING:
     from contract.groups import CapacityGroup
@@ -102,10 +103,10 @@ async def beat_forever(
             log.warning("heartbeat of %s not sent: %s", instance_id, err)
 
 
-def ingest_probe(relay: LivenessRelay) -> Callable[[SimulatedFleet, SimNode], Awaitable[None]]:
+def ingest_probe(relay: LivenessRelay) -> ProbeRunner:
     """The real probe on a simulated node, reporting through the ingest's relay (the HTTP hop changes no action)."""
 
-    async def run(fleet: SimulatedFleet, node: SimNode) -> None:
+    async def run(fleet: ProbeFleet, node: SimNode) -> None:
         from node_probe.probe import Probe, ProbeConfig
 
         config = ProbeConfig(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from botocore.loaders import JSONFileLoader
 
@@ -17,7 +19,11 @@ def test_a_second_session_reads_no_model_again_and_keeps_its_own_region(monkeypa
         return original(self, file_path)
 
     monkeypatch.setattr(JSONFileLoader, "load_file", counting)
-    kwargs = {"endpoint_url": "http://127.0.0.1:1", "aws_access_key_id": "x", "aws_secret_access_key": "y"}
+    kwargs: dict[str, Any] = {
+        "endpoint_url": "http://127.0.0.1:1",
+        "aws_access_key_id": "x",
+        "aws_secret_access_key": "y",
+    }
     first = new_session("us-east-1").client("ec2", **kwargs)
     read.clear()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -173,9 +174,7 @@ async def test_insufficient_data_alternating_reasons_and_the_ecs_agent(
             handles = {i: await start_health(client, settings, i) for i in (unknown, alternating, agent_down)}
             handles |= {i: await start_health(client, settings, i) for i in (agent_blip, healthy)}
             for handle in handles.values():
-                await eventually(
-                    lambda h=handle: health_of(h), lambda v: v.healthStatus.overallStatus is HealthState.OK
-                )
+                await eventually(partial(health_of, handle), lambda v: v.healthStatus.overallStatus is HealthState.OK)
             async with AwsClients(settings.aws) as aws, aws_watch(settings, client, aws) as [watch]:
                 t0 = datetime.now(UTC).replace(microsecond=0)
                 says.status(unknown, instance=Check("insufficient-data"))

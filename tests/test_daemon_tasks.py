@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -153,7 +154,7 @@ async def test_a_stopped_daemon_task_impairs_daemon_on_its_instance_only_and_its
 
             async with AwsClients(fleet.settings.aws) as aws, aws_watch(fleet.settings, client, aws):
                 for instance_id in (stopped, sick):
-                    view = await eventually(lambda i=instance_id: daemon(i), impaired, within=60)
+                    view = await eventually(partial(daemon, instance_id), impaired, within=60)
                     check = check_of(view, CheckType.DAEMON)
                     assert check is not None and check.statusReason == REASON
                     assert check.lastStatusChange >= t0 + grace  # not before its grace

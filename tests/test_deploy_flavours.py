@@ -338,7 +338,7 @@ def _intrinsic(loader: yaml.SafeLoader, suffix: str, node: yaml.Node) -> dict[st
     elif isinstance(node, yaml.SequenceNode):
         value = loader.construct_sequence(node, deep=True)
     else:
-        value = loader.construct_mapping(node, deep=True)  # type: ignore[arg-type]
+        value = loader.construct_mapping(node, deep=True)
     if suffix == "Ref":
         return {"Ref": value}
     if suffix == "GetAtt" and isinstance(value, str):

@@ -31,7 +31,7 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from functools import partial
@@ -235,6 +235,10 @@ def disconnected_since(check: HealthCheckResult) -> float:
     reason = check.statusReason or ""
     assert reason.startswith("Agent disconnected since "), reason
     return datetime.fromisoformat(reason.removeprefix("Agent disconnected since ")).timestamp()
+
+
+def saying(why: str) -> Callable[[HealthCheckResult], bool]:
+    return lambda check: why in (check.statusReason or "")
 
 
 async def test_a_silent_instance_is_lost_a_window_after_its_last_receipt_whatever_arrives_meanwhile(
@@ -572,7 +576,7 @@ async def test_dcgmi_failing_for_alternating_reasons_keeps_when_the_status_last_
         seen: list[HealthCheckResult] = []
         for answer, why in [*DCGMI_DOWN, DCGMI_DOWN[0]]:  # the first reason again, at the end
             await dcgmi.says(answer)
-            seen.append(await eventually(accelerated, lambda c, why=why: why in (c.statusReason or ""), every=0.1))
+            seen.append(await eventually(accelerated, saying(why), every=0.1))
         assert {(c.status, c.lastStatusChange) for c in seen} == {("INSUFFICIENT_DATA", seen[0].lastStatusChange)}
         assert all(a.lastUpdated < b.lastUpdated for a, b in pairwise(seen))
         await end_workflows(client, settings, await health_of(handle))

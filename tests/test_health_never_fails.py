@@ -36,7 +36,8 @@ async def test_an_unknown_group_keeps_the_finding_says_why_and_recovers_once_the
         await handle.signal("gpu_finding", finding(instance, unknown, unique("f")))
         view = await eventually(lambda: health_of(handle), lambda v: v.last_activity_error is not None, within=60)
         assert f"reading capacity group {unknown} failed" in (view.last_activity_error or "")
-        assert unknown in (view.last_activity_error or "") and "unknown capacity group" in view.last_activity_error
+        error = view.last_activity_error or ""
+        assert unknown in error and "unknown capacity group" in error
         # Nothing lost: the finding is kept and the instance shows IMPAIRED; the workflow runs on.
         assert [f.reason for f in view.recent_findings] == ["XID_79"]
         assert check(view, CheckType.ACCELERATED_COMPUTE) is HealthState.IMPAIRED
@@ -48,7 +49,7 @@ async def test_an_unknown_group_keeps_the_finding_says_why_and_recovers_once_the
     )
     async with running_worker(fixed, client):
         view = await eventually(
-            lambda: health_of(handle), lambda v: v.last_activity_error is None and v.repair_withheld, within=120
+            lambda: health_of(handle), lambda v: v.last_activity_error is None and bool(v.repair_withheld), within=120
         )
         assert "DISABLED" in (view.repair_withheld or "")
         assert [f.reason for f in view.recent_findings] == ["XID_79"]

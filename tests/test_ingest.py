@@ -73,7 +73,8 @@ class Stack:
     def aws(self, service: str) -> Any:
         # One client per service for the test: building one costs tens of milliseconds of CPU.
         if service not in self._clients:
-            self._clients[service] = boto3.client(service, endpoint_url=self.moto, region_name="us-east-1")
+            make: Any = boto3.client  # typed per literal service name; this one is chosen at run time
+            self._clients[service] = make(service, endpoint_url=self.moto, region_name="us-east-1")
         return self._clients[service]
 
     def launch(self, *, group: str | None = None) -> Host:
@@ -435,8 +436,8 @@ async def test_the_rate_limit_answers_429_and_the_probe_delivers_everything_once
 async def _probe_report(stack: Stack, url: str, host: Host, *argv: str) -> tuple[int, str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AUTOREPAIR_", "AWS_"))}
     env.update(
-        AWS_ACCESS_KEY_ID=host.credentials.access_key,
-        AWS_SECRET_ACCESS_KEY=host.credentials.secret_key,
+        AWS_ACCESS_KEY_ID=host.credentials.access_key or "",
+        AWS_SECRET_ACCESS_KEY=host.credentials.secret_key or "",
         AWS_SESSION_TOKEN=host.credentials.token or "",
         AWS_DEFAULT_REGION="us-east-1",
         AWS_ENDPOINT_URL_STS=stack.moto,

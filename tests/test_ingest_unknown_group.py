@@ -41,7 +41,7 @@ def probe_config(host: Host, group: str, log: Path, spool: Path) -> ProbeConfig:
     )
 
 
-def refused_unknown(ingest: Ingest) -> int:
+def refused_unknown(ingest: Ingest) -> float:
     return ingest.metrics.value("autorepair_ingest_reports_refused_total", status="403", reason=REFUSED_UNKNOWN_GROUP)
 
 

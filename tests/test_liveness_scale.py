@@ -4,7 +4,9 @@ the real dev server, through the ingest's own relay."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from pathlib import Path
 
 from temporalio.client import Client
@@ -33,6 +35,10 @@ class CountingReporter(Reporter):
     async def send_liveness(self, report: LivenessReport, task_queue: str) -> None:
         self.batch_bytes.append(len(report.model_dump_json()))
         await super().send_liveness(report, task_queue)
+
+
+def holding(instances: int) -> Callable[[LivenessView], bool]:
+    return lambda view: view.instances == instances
 
 
 async def test_a_50000_instance_group_is_tracked_across_its_shards(
@@ -68,8 +74,7 @@ async def test_a_50000_instance_group_is_tracked_across_its_shards(
         for shard in range(SHARDS):
             handle = client.get_workflow_handle(liveness_workflow_id(group, shard, SHARDS))
             view = await eventually(
-                lambda h=handle: h.query(names.QUERY_LIVENESS, result_type=LivenessView),
-                lambda v, s=shard: v.instances == expected[s],
+                partial(handle.query, names.QUERY_LIVENESS, result_type=LivenessView), holding(expected[shard])
             )
             assert (view.lost, view.dropped_instances, view.rejected_signals) == ([], 0, 0)
             assert (view.shard, view.shards) == (shard, SHARDS)

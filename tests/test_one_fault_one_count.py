@@ -14,6 +14,7 @@ import stat
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from temporalio.client import Client
@@ -214,9 +215,7 @@ async def test_one_gpu_source_holds_nothing_back(tmp_path: Path) -> None:
 
 
 @contextlib.asynccontextmanager
-async def probing_sources(
-    sources: list[RecordSource], reporter: FakeReporter, **settings: object
-) -> AsyncIterator[Probe]:
+async def probing_sources(sources: list[RecordSource], reporter: FakeReporter, **settings: Any) -> AsyncIterator[Probe]:
     probe = Probe(config(**settings), reporter, sources=sources)
     task = asyncio.create_task(probe.run())
     try:

@@ -295,7 +295,7 @@ async def test_a_failing_source_is_restarted_and_counts_as_down_meanwhile_and_he
     (tmp_path / "kern.log").write_text(XID_13)
     flaky = FailingOnceSource()
     reporter = FakeReporter()
-    sources = [KernelLogFileSource(tmp_path / "kern.log", 0.02), flaky]
+    sources: list[RecordSource] = [KernelLogFileSource(tmp_path / "kern.log", 0.02), flaky]
     probe = Probe(config(tmp_path, heartbeat_interval=timedelta(seconds=0.05)), reporter, sources=sources)
     async with running(probe):
         # The other source and the heartbeats carry on; the failed one is named while it is down.

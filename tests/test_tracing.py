@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -20,7 +21,8 @@ async def test_each_repair_is_one_trace_apart_from_the_health_workflow(
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    traced = Client(**{**client.config(), "interceptors": [TracingInterceptor(provider.get_tracer("test"))]})
+    config: dict[str, Any] = {**client.config(), "interceptors": [TracingInterceptor(provider.get_tracer("test"))]}
+    traced = Client(**config)
 
     async with simulated_fleet(traced, aws_env, tmp_path, instances=3) as fleet:
         await fleet.all_healthy(3)

@@ -13,6 +13,7 @@ from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
@@ -201,7 +202,8 @@ async def test_build_worker_passes_the_tuning_to_the_sdk_worker(client: Client, 
     )
     aws = worker_aws(settings)
     try:
-        assert aws.calls.threads == 6 and aws.ec2.meta.config.max_pool_connections == 6
+        config_of_ec2: Any = aws.ec2.meta.config  # botocore's stubs do not list its options
+        assert aws.calls.threads == 6 and config_of_ec2.max_pool_connections == 6
         built = build_worker(settings, client, aws)
         config = built.config()
         assert config.get("max_concurrent_workflow_tasks") == 7
