@@ -36,11 +36,11 @@ from temporalio.worker import (
     Interceptor as WorkerInterceptor,
 )
 
+from workflows.options import heartbeat_every
+
 # Temporal's default thresholds for suggesting continue-as-new (limit.historyCount/historySize.suggestContinueAsNew)
 SUGGEST_CAN_EVENTS = 4 * 1024
 SUGGEST_CAN_BYTES = 4 * 1024 * 1024
-# The SDK's heartbeat throttle: 80 % of the heartbeat timeout (30 s without one, at most 60 s).
-HEARTBEAT_THROTTLE = 0.8
 
 
 @dataclass(frozen=True)
@@ -155,8 +155,7 @@ class _CountHeartbeatsOut(ActivityOutboundInterceptor):
 
     def heartbeat(self, *details: Any) -> None:
         info = self.info()
-        timeout = info.heartbeat_timeout.total_seconds() if info.heartbeat_timeout else 0.0
-        throttle = min(HEARTBEAT_THROTTLE * timeout, 60.0) if timeout else 30.0
+        throttle = heartbeat_every(info.heartbeat_timeout).total_seconds()
         key = (info.workflow_id or "", info.activity_id, info.attempt)
         log = self._counter.heartbeats.setdefault(
             key, HeartbeatCalls(info.workflow_id or "", info.activity_type, throttle)

@@ -18,7 +18,7 @@ from contract import names
 from contract.groups import CapacityGroup
 from contract.ids import repair_instance_of
 from workflows.holder_watch import next_look
-from workflows.options import HEARTBEAT_TIMEOUT_MAX
+from workflows.options import heartbeat_every
 from workflows.repair_replacement import ready_heartbeat_timeout
 from workflows.repair_tasks import drain_heartbeat_timeout
 
@@ -34,13 +34,8 @@ REAL_DRAIN_S = 120  # the impaired instance's tasks stopping
 REAL_TASK_POLL_S = 15  # task_poll_interval default
 REAL_RECLAIM_S = 60  # permit_reclaim_interval default
 REAL_READY_TIMEOUT = CapacityGroup.model_fields["replacement_ready_timeout"].default
-# The SDK sends a heartbeat at most every 80 % of the heartbeat timeout, and at most every HEARTBEAT_TIMEOUT_MAX (the
-# worker's max_heartbeat_throttle_interval).
-THROTTLE_S = HEARTBEAT_TIMEOUT_MAX.total_seconds()
-HEARTBEAT_EVERY_S = min(0.8 * ready_heartbeat_timeout(REAL_READY_TIMEOUT).total_seconds(), THROTTLE_S)
-DRAIN_HEARTBEAT_EVERY_S = min(
-    0.8 * drain_heartbeat_timeout(timedelta(seconds=REAL_TASK_POLL_S)).total_seconds(), THROTTLE_S
-)
+HEARTBEAT_EVERY_S = heartbeat_every(ready_heartbeat_timeout(REAL_READY_TIMEOUT)).total_seconds()
+DRAIN_HEARTBEAT_EVERY_S = heartbeat_every(drain_heartbeat_timeout(timedelta(seconds=REAL_TASK_POLL_S))).total_seconds()
 
 CATEGORIES = (
     "batches to tracker",

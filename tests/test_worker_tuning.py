@@ -32,7 +32,7 @@ from tests.harness import eventually, make_settings, unique
 from worker.main import build_worker, run_worker, worker_aws
 from worker.settings import Settings
 from worker.tuning import WorkerTuning
-from workflows.options import HEARTBEAT_TIMEOUT_MAX
+from workflows.options import HEARTBEAT_TIMEOUT_MAX, heartbeat_every
 from workflows.repair_replacement import ready_heartbeat_timeout
 
 
@@ -174,8 +174,7 @@ def test_a_replacement_wait_heartbeats_by_its_own_timeout_not_once_a_minute() ->
     assert inspect.signature(Worker.__init__).parameters["max_heartbeat_throttle_interval"].default == timedelta(
         seconds=60
     )
-    every = min(timeout * 0.8, HEARTBEAT_TIMEOUT_MAX)
-    assert every == timedelta(minutes=4)
+    assert heartbeat_every(timeout) == timedelta(minutes=4)
     # A lost worker is noticed within a quarter of a short wait, never under 10 s, never over 5 minutes.
     assert ready_heartbeat_timeout(timedelta(minutes=2)) == timedelta(seconds=30)
     assert ready_heartbeat_timeout(timedelta(seconds=20)) == timedelta(seconds=10)
