@@ -9,6 +9,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from activities.models import GoneCause, GoneInstance
+from contract.formats import iso
 from contract.groups import CapacityGroup
 from contract.liveness import MAX_INSTANCES_PER_SHARD, IgnoreHeartbeats, LivenessReport, RecheckLoss
 from tests.test_instance_health import FakeLog
@@ -107,26 +108,56 @@ def test_a_timer_that_fires_late_declares_nothing_for_a_window() -> None:
     assert tracker.timer_fired(tracker.state.floor, armed_at=late) == ["i-1"]
 
 
+def took_over_from(
+    last_batch: datetime, log: FakeLog, heard: dict[str, int] | None = None
+) -> tuple[LivenessBook, LivenessReport]:
+    """A run that continued one whose last batch, from a probe reporting for itself, came at `last_batch` with
+    `heard` (i-1 and i-2 just heard, unless given)."""
+    before = book()
+    probe = report(last_batch, heard or {"i-1": 0, "i-2": 0}, reporter="probe").model_copy(update={"relay": False})
+    before.on_report(probe, last_batch)
+    return LivenessBook("g", 0, 1, before.carried(), log), probe
+
+
 def test_a_run_that_took_over_waits_one_interval_for_the_batches_refused_while_it_did() -> None:
     """While the previous run closed, Temporal refused the probes' batches ("workflow is closing"): the new run
-    finds deadlines already past, and must not declare the instances whose retried batches are on their way."""
-    before = book()
-    probe = report(NOW, {"i-1": 0, "i-2": 0}, reporter="probe").model_copy(update={"relay": False})
-    before.on_report(probe, NOW)
-    took_over = NOW + THRESHOLD + GRACE + timedelta(seconds=30)  # a slow hand-over under load
-    tracker = LivenessBook("g", 0, 1, before.carried(), FakeLog())
+    must not declare the instances whose retried batches are on their way. A quick hand-over (the last batch came
+    within an interval of it) waits one interval; a floor already later is kept."""
+    took_over = NOW + EVERY
+    # i-2 was last heard long before the last batch: its deadline passed during the hand-over.
+    tracker, _ = took_over_from(NOW, FakeLog(), heard={"i-1": 0, "i-2": 100})
+    assert not tracker.handed_over_slowly(took_over)
     tracker.resumed(took_over)
     assert tracker.state.floor == took_over + EVERY + GRACE
     assert tracker.next_check() == tracker.state.floor and tracker.declare_losses(took_over) == []
-    # i-1's retried batch arrives within the interval; i-2 is silent for real.
-    retried = took_over + timedelta(seconds=1)
-    tracker.on_report(probe.model_copy(update={"at": retried, "heard": {"i-1": 0}}), retried)
     assert tracker.declare_losses(tracker.state.floor) == ["i-2"]
-    # A floor already later (the reporters were silent) is kept.
     later = tracker.state.floor + timedelta(minutes=5)
     tracker.state.floor = later
     tracker.resumed(took_over)
     assert tracker.state.floor == later
+
+
+def test_a_slow_hand_over_waits_a_full_window_for_the_refused_batches() -> None:
+    """No batch reached the previous run for longer than an interval before this one began (its continue-as-new
+    was overtaken by batches and retried on a worker that died: Temporal refused every batch for a workflow-task
+    timeout). The probes send again on their client's backoff: the new run waits a full window, as for a silent
+    pipeline that came back, and then declares only those still silent."""
+    took_over = NOW + THRESHOLD + GRACE + timedelta(seconds=30)  # deadlines already past at the hand-over
+    log = FakeLog()
+    tracker, probe = took_over_from(NOW, log)
+    assert tracker.handed_over_slowly(took_over)
+    tracker.resumed(took_over, slowly=True)
+    assert tracker.state.floor == took_over + THRESHOLD + GRACE
+    assert tracker.next_check() == tracker.state.floor
+    # i-1's refused batch arrives well after one interval, within the window; i-2 is silent for real.
+    retried = took_over + EVERY + GRACE + timedelta(seconds=10)
+    assert tracker.declare_losses(retried) == []
+    tracker.on_report(probe.model_copy(update={"at": retried, "heard": {"i-1": 0}}), retried)
+    assert tracker.declare_losses(tracker.state.floor) == ["i-2"]
+    assert [line for line in log.lines if "no batch arrived from" in line] == [
+        f"liveness of g: no batch arrived from {iso(NOW)} until this run began; no loss declared before "
+        f"{iso(took_over + THRESHOLD + GRACE)}"
+    ]
 
 
 def test_a_game_day_ignores_receipts_until_it_ends() -> None:

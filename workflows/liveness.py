@@ -44,6 +44,7 @@ with workflow.unsafe.imports_passed_through():
 
 SIGNALS_PER_RUN = 2_000
 RESUME_FLOOR = "liveness-resume-floor"
+SLOW_HANDOVER_FLOOR = "liveness-slow-handover-floor"
 # Health workflows told at once: bounded so a mass loss does not put thousands of commands in one task.
 SIGNALS_IN_FLIGHT = 100
 
@@ -63,7 +64,9 @@ class LivenessTrackerWorkflow:
         if book.state.group is None:
             book.state.group = await read_group_config(book.group, "read the group's heartbeat-loss threshold")
         if input.carry is not None and workflow.patched(RESUME_FLOOR):
-            book.resumed(workflow.now())
+            # Asked only where it decides: a marker in the rare run that took over slowly, none in the others.
+            slowly = book.handed_over_slowly(workflow.now()) and workflow.patched(SLOW_HANDOVER_FLOOR)
+            book.resumed(workflow.now(), slowly=slowly)
         sender = asyncio.create_task(self._tell_health_workflows())
         while not self._time_to_continue():
             book.armed_for = book.next_check()

@@ -114,12 +114,35 @@ class LivenessBook:
             )
         return self.declare_losses(now)
 
-    def resumed(self, now: datetime) -> None:
+    def handed_over_slowly(self, now: datetime) -> bool:
+        """No batch reached the previous run for longer than a reporter's interval before this run began: Temporal
+        refused them while that run closed for that long. (A continue-as-new that new batches overtake is retried,
+        and Temporal refuses every batch until the retry completes: a workflow-task timeout if the worker running
+        it died.) Reporters send refused batches again on their own schedule (a client's backoff, an RPC
+        timeout), not within one interval of this run's start."""
+        last = self.state.last_report_at
+        return last is not None and now - last > timedelta(seconds=self._interval()) + self.grace()
+
+    def resumed(self, now: datetime, *, slowly: bool = False) -> None:
         """This run continued another. While that one closed, Temporal refused the reporters' batches ("workflow is
         closing", for as long as its last task took under load), and they are being sent again now: nothing is
-        declared lost before each reporter has had one interval to deliver its retried batch."""
-        every = max((r.report_every for r in self.state.reporters.values()), default=self.window().total_seconds())
-        self._no_loss_before(now + timedelta(seconds=every) + self.grace())
+        declared lost before each reporter has had one interval to deliver its retried batch, or, after a slow
+        hand-over (`handed_over_slowly`), a full window, as when a silent pipeline comes back."""
+        if not slowly:
+            self._no_loss_before(now + timedelta(seconds=self._interval()) + self.grace())
+            return
+        floor = self._no_loss_before(now + self.window() + self.grace())
+        last = iso(self.state.last_report_at) if self.state.last_report_at else "never"
+        self._log.warning(
+            "liveness of %s: no batch arrived from %s until this run began; no loss declared before %s",
+            self.group,
+            last,
+            iso(floor),
+        )
+
+    def _interval(self) -> float:
+        """The longest interval a reporter promised, in seconds (the window's, before any reported)."""
+        return max((r.report_every for r in self.state.reporters.values()), default=self.window().total_seconds())
 
     def _no_loss_before(self, at: datetime) -> datetime:
         """Declare nothing before `at`; a floor already later stays. Returns the floor."""
