@@ -139,8 +139,10 @@ class EngineProcess:
             raise RuntimeError(f"the {self._role} is not running; log:\n{self.log_tail()}")
         return self._proc
 
-    def log_tail(self, lines: int = 30) -> str:
+    def log_tail(self, lines: int = 30, *, containing: str = "") -> str:
+        """The last `lines` lines of the process's log, of those that contain `containing`."""
         try:
-            return "\n".join(self._log_path.read_text(errors="replace").splitlines()[-lines:])
+            text = self._log_path.read_text(errors="replace")
         except OSError:
             return ""
+        return "\n".join([line for line in text.splitlines() if containing in line][-lines:])

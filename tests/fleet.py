@@ -173,12 +173,14 @@ async def simulated_fleet(
         yield Fleet(sim=sim, settings=settings, events_path=events_path, client=client, moto_endpoint=moto_endpoint)
 
 
-def assert_start_before_stop(fleet: Fleet, instance_id: str, *, tolerating: Collection[str] = ()) -> None:
+async def assert_start_before_stop(fleet: Fleet, instance_id: str, *, tolerating: Collection[str] = ()) -> None:
     """The repair of `instance_id` took START_BEFORE_STOP's steps (bar those in `tolerating`), in that order, and
     left one running replacement and the instance terminated."""
     steps = [s for s in fleet.steps(instance_id) if s not in tolerating]
     assert steps == START_BEFORE_STOP, f"{instance_id}: {steps}"
-    replacements = fleet.replacements_of(instance_id)
+    # EC2 is asked from a thread: the simulated probes share this event loop, and a look that blocks it for as long
+    # as the heartbeat-loss threshold (a moto slowed by a loaded machine) makes every instance fall silent at once.
+    replacements = await asyncio.to_thread(fleet.replacements_of, instance_id)
     assert len(replacements) == 1, f"{instance_id} has replacements {replacements}"
-    assert fleet.ec2_state(instance_id) == "terminated"
-    assert fleet.ec2_state(replacements[0]) == "running"
+    assert await asyncio.to_thread(fleet.ec2_state, instance_id) == "terminated"
+    assert await asyncio.to_thread(fleet.ec2_state, replacements[0]) == "running"

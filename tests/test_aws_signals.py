@@ -95,7 +95,7 @@ async def test_an_impaired_status_check_and_a_scheduled_retirement_are_replaced_
                 await asyncio.sleep(2)  # the blip's grace would have ended long since
 
             # The status check: IMPAIRED once impaired for the grace (counted from EC2's ImpairedSince), replaced.
-            assert_start_before_stop(fleet, broken)
+            await assert_start_before_stop(fleet, broken)
             impaired = [e for e in fleet.events("HealthChanged", broken) if e["detail"]["overall_status"] == "IMPAIRED"]
             assert impaired and at(impaired[0]) >= t0 + GRACE
             [started] = fleet.events("RepairStarted", broken)
@@ -106,7 +106,7 @@ async def test_an_impaired_status_check_and_a_scheduled_retirement_are_replaced_
 
             # The retirement: found at once with its deadline, repaired once inside the lead time, before NotBefore.
             assert fleet.steps(retiring) == ["ScheduledEventFound", *START_BEFORE_STOP]
-            assert_start_before_stop(fleet, retiring, tolerating={"ScheduledEventFound"})
+            await assert_start_before_stop(fleet, retiring, tolerating={"ScheduledEventFound"})
             [found] = fleet.events("ScheduledEventFound", retiring)
             # EC2's event id is in detail; the envelope's event_id stays the event's own (the dedupe id).
             assert found["detail"]["code"] == "instance-retirement"

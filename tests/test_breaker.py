@@ -106,7 +106,7 @@ async def test_ten_of_twenty_faulted_trip_the_breaker_at_most_six_drain_and_resu
         )
 
         for instance_id in faulty:
-            assert_start_before_stop(fleet, instance_id)
+            await assert_start_before_stop(fleet, instance_id)
         assert len(fleet.events("RepairStarted")) == 10
         assert max_concurrently_draining(fleet.events()) <= 4
         view = await fleet.semaphore()

@@ -99,7 +99,7 @@ async def test_a_member_whose_probe_never_reports_is_unmonitored_never_repaired_
                 says.status(silent, system=Check("impaired", since=t0))
                 await fleet.repairs_finished(1, within=240)
 
-            assert_start_before_stop(fleet, silent, tolerating={"InstanceUnmonitored"})
+            await assert_start_before_stop(fleet, silent, tolerating={"InstanceUnmonitored"})
             [repair] = fleet.events("RepairStarted", silent)
             assert repair["workflow_id"] == repair_workflow_id(silent, 1)
             assert (

@@ -290,7 +290,7 @@ async def test_a_replacement_that_passes_the_gate_on_its_host_takes_over(
 
         result = await closed(fleet, repair_workflow_id(faulty, 1))
 
-        assert_start_before_stop(fleet, faulty)
+        await assert_start_before_stop(fleet, faulty)
         [ready] = fleet.events("ReplacementReady", faulty)
         replacement = ready["detail"]["replacement_instance_id"]
         assert result.replacement_instance_id == replacement

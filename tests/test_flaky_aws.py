@@ -58,8 +58,8 @@ class FlakyFleet(Fleet):
         )
 
 
-def assert_start_before_stop_as_aws_saw_it(fleet: FlakyFleet, instance_id: str) -> None:
-    assert_start_before_stop(fleet, instance_id, tolerating={"ReplacementLaunchFailed"})
+async def assert_start_before_stop_as_aws_saw_it(fleet: FlakyFleet, instance_id: str) -> None:
+    await assert_start_before_stop(fleet, instance_id, tolerating={"ReplacementLaunchFailed"})
     # The same order as AWS saw it: the impaired instance's termination was asked for only after its
     # replacement had been launched (the launch is tagged with the impaired id), and only once.
     about = [(s.request.action, s.status) for s in fleet.aws.seen() if instance_id in s.request.params.values()]
@@ -115,7 +115,7 @@ async def test_throttled_drain_and_describes_still_repair_start_before_stop(
         fleet.sim.inject_fault(faulty)
 
         await fleet.repair_finished(faulty)
-        assert_start_before_stop_as_aws_saw_it(fleet, faulty)
+        await assert_start_before_stop_as_aws_saw_it(fleet, faulty)
         assert drain_throttle.failed == 4
         # Four throttled requests, then the one that was accepted: the instance was set DRAINING once.
         assert fleet.aws.calls("UpdateContainerInstancesState") == 5
@@ -161,7 +161,7 @@ async def test_capacity_shortage_backs_off_keeps_the_instance_and_completes_when
 
         fleet.aws.heal()
         await fleet.repair_finished(faulty)
-        assert_start_before_stop_as_aws_saw_it(fleet, faulty)
+        await assert_start_before_stop_as_aws_saw_it(fleet, faulty)
         steps = fleet.steps(faulty)
         assert steps.index("ReplacementLaunchFailed") < steps.index("ReplacementLaunched")
         assert steps.index("ReplacementReady") < steps.index("Terminated")

@@ -220,7 +220,7 @@ async def test_exclude_include_and_repair_now_on_a_simulated_fleet(
         included = await cli_json(settings, "instance", "include", "--instance", kept, "--reason", "done")
         assert "its repair starts now" in included["message"]
         assert await fleet.repairs_finished(1) == [kept]
-        assert_start_before_stop(fleet, kept, tolerating=CONTROL_EVENTS)
+        await assert_start_before_stop(fleet, kept, tolerating=CONTROL_EVENTS)
         assert fleet.events("RepairStarted", kept)[0]["detail"]["reason"] == "XID_79"
 
         # repair now, on an instance that is OK: through the group's drain semaphore like any repair.
@@ -232,7 +232,7 @@ async def test_exclude_include_and_repair_now_on_a_simulated_fleet(
         err = await refused(settings, "repair", "--instance", chosen, "--reason", "twice")
         assert f"{chosen} is being repaired already: {repair_workflow_id(chosen, 1)} is " in err
         assert sorted(await fleet.repairs_finished(2)) == sorted([kept, chosen])
-        assert_start_before_stop(fleet, chosen, tolerating=CONTROL_EVENTS)
+        await assert_start_before_stop(fleet, chosen, tolerating=CONTROL_EVENTS)
         [requested] = fleet.events("RepairRequested", chosen)
         assert (
             requested["detail"]["requested_by"],

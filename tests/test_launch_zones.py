@@ -88,7 +88,7 @@ async def test_by_default_a_replacement_waits_for_capacity_in_its_own_az_and_say
 
         aws.heal()  # capacity is back
         assert await fleet.repairs_finished(1, within=120) == [faulty]
-        assert_start_before_stop(fleet, faulty, tolerating={"ReplacementLaunchFailed"})
+        await assert_start_before_stop(fleet, faulty, tolerating={"ReplacementLaunchFailed"})
         [replacement] = fleet.replacements_of(faulty)
         assert placement(fleet, replacement) == ("us-east-1a", subnet)
 

@@ -46,7 +46,7 @@ async def test_a_host_showing_fewer_gpus_than_its_type_is_impaired_and_replaced(
         assert (accelerated["status"], accelerated["statusReason"]) == ("IMPAIRED", REASON)
         [started] = fleet.events("RepairStarted", short)
         assert (started["workflow_id"], started["detail"]["reason"]) == (repair_workflow_id(short, 1), REASON)
-        assert_start_before_stop(fleet, short)  # the steps in order, one replacement
+        await assert_start_before_stop(fleet, short)  # the steps in order, one replacement
         assert fleet.ec2_state(short) == "terminated"
 
         # All eight there: nothing to repair. Both workflows read their type's count once.

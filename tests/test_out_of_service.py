@@ -54,7 +54,7 @@ async def test_an_instance_drained_without_a_permit_counts_against_the_cap(
 
         set_state(fleet, drained, "ACTIVE")
         assert await fleet.repairs_finished(1, within=120) == [faulty]
-        assert_start_before_stop(fleet, faulty)
+        await assert_start_before_stop(fleet, faulty)
         assert fleet.ec2_state(drained) == "running" and fleet.replacements_of(drained) == []
 
 

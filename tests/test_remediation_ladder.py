@@ -353,7 +353,7 @@ async def test_replace_still_replaces_and_reboot_first_is_set_live(
         # The default, ECS's behaviour: a fault a reboot would clear is replaced all the same, nothing rebooted.
         fleet.sim.inject_fault(first, xid=79)
         await closed(fleet, repair_workflow_id(first, 1))
-        assert_start_before_stop(fleet, first)
+        await assert_start_before_stop(fleet, first)
         assert fleet.sim.node(first).reboots == 0
         details = await current_details(client, repair_workflow_id(first, 1))
         assert "Remediation" not in details and "Reboot" not in details

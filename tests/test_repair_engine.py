@@ -59,7 +59,7 @@ async def test_six_instances_drain_one_at_a_time(client: Client, aws_env: str, t
 
         assert len(await fleet.repairs_finished(3, within=300)) == 3
         for instance_id in faulty:
-            assert_start_before_stop(fleet, instance_id)
+            await assert_start_before_stop(fleet, instance_id)
         assert max_concurrently_draining(fleet.events()) == 1
         assert (await fleet.semaphore()).max_holders_seen == 1
         # Each event links to the Web UI page of the workflow that sent it.
@@ -101,7 +101,7 @@ async def test_heartbeat_blip_repairs_nothing_and_sustained_loss_repairs(
         [started] = fleet.events("RepairStarted")
         assert started["instance_id"] == lost
         assert started["detail"]["reason"].startswith("Agent disconnected since ")
-        assert_start_before_stop(fleet, lost)
+        await assert_start_before_stop(fleet, lost)
         assert [e for e in fleet.events() if e["instance_id"] == blipped and e["type"] != "HealthChanged"] == []
         assert [
             e["detail"]["overall_status"] for e in fleet.events("HealthChanged") if e["instance_id"] == blipped
@@ -154,7 +154,7 @@ async def test_operator_terminating_a_permit_holder_frees_its_permit(
         fleet.ec2().terminate_instances(InstanceIds=[first])  # docs/operations.md section 4, step 7
 
         assert await fleet.repairs_finished(1) == [second]
-        assert_start_before_stop(fleet, second)
+        await assert_start_before_stop(fleet, second)
         semaphore = await fleet.semaphore()
         assert semaphore.holders == [] and semaphore.waiters == []
 
@@ -211,7 +211,7 @@ async def test_worker_killed_mid_repair_finishes_with_one_launch_and_one_termina
 
             worker = await start_worker_process(fleet.settings, log_path)
             assert await fleet.repairs_finished(1) == [faulty]
-            assert_start_before_stop(fleet, faulty)
+            await assert_start_before_stop(fleet, faulty)
             assert len({e["event_id"] for e in fleet.events("Terminated")}) == 1
             await fleet.all_healthy(5)
         finally:
