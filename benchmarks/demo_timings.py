@@ -1,6 +1,7 @@
 """The 200-instance demo's timings on several commits side by side, in one run (issue 23's demo goals).
 
-    .venv/bin/python -m benchmarks.demo_timings REV [REV ...] [--runs 3] [--instances 200] [--faults 40] [--json F]
+    .venv/bin/python -m benchmarks.demo_timings REV [REV ...] [--runs 3] [--instances 200] [--faults 40]
+        [--also-niced sim,...] [--json F]
 
 Checks each REV out in a temporary git worktree and runs `autorepair demo --instances N --faults K --until-repaired
 --exit` in each in turn (A, B, C, A, B, C, ...), so that all see the same machine in the same minutes. Each run's
@@ -10,6 +11,10 @@ printed fewer figures, is measured the same way: fault written -> IMPAIRED, perm
 what the machine was doing: the CPU each process of the run used (the demo's: probes, fleet, ingest, and the worker
 where it runs there; moto; Temporal; the worker where it has a process of its own), and how long workflow tasks
 waited for a worker (scheduled -> started, from the run's Temporal database).
+
+`--also-niced ROLES` runs each commit a second time in every round with those processes of the demo (for example
+`sim`, the simulated world) at the lowest CPU priority: on a machine too small for both, what the engine's measures
+would be if it had the CPU first, as it has cores of its own in production.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -47,6 +53,9 @@ ROLES = (
     (" worker", "worker"),
     (" ingest", "ingest"),
 )
+
+
+CPU_ROLES = ("demo", "sim", "worker", "moto", "temporal")
 
 
 def faults_written(log: Path) -> dict[str, datetime]:
@@ -97,6 +106,14 @@ def role(pid: int) -> str:
     return next((name for needle, name in ROLES if needle in command), "other")
 
 
+def lowest_priority(pid: int) -> None:
+    """Every thread of the process at nice 19 (Linux's niceness is per thread; one it starts later inherits it)."""
+    with contextlib.suppress(OSError):
+        for thread in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError, ValueError):
+                os.setpriority(os.PRIO_PROCESS, int(thread.name), 19)
+
+
 def run_demo(
     commit: str,
     tree: Path,
@@ -105,6 +122,8 @@ def run_demo(
     state: Path,
     time_limit: int | None = None,
     extra: tuple[str, ...] = (),
+    niced: frozenset[str] = frozenset(),
+    label: str | None = None,
 ) -> Run:
     command = [sys.executable, "-m", "operator_cli.main", "demo", "--instances", str(instances), "--faults"]
     command += [str(faults), "--until-repaired", "--exit", "--state-dir", str(state), *extra]
@@ -121,6 +140,8 @@ def run_demo(
         while demo.poll() is None:
             # The last reading of each process before it ends: the servers are gone once the demo exits.
             for pid, name in [(demo.pid, "demo"), *((child, role(child)) for child in children(demo.pid))]:
+                if name in niced:
+                    lowest_priority(pid)  # each second: threads started since
                 cpu.setdefault(name, {})[pid] = max(cpu_seconds(pid), cpu.get(name, {}).get(pid, 0))
                 rss.setdefault(name, {})[pid] = max(rss_mb(pid) or 0.0, rss.get(name, {}).get(pid, 0))
             time.sleep(1.0)
@@ -134,7 +155,7 @@ def run_demo(
     measured = timings(events, written)
     used = {name: round(sum(by_pid.values()), 1) for name, by_pid in sorted(cpu.items())}
     peak = {name: round(sum(by_pid.values()), 1) for name, by_pid in sorted(rss.items())}
-    run = Run(commit, demo.returncode, round(took, 1), measured, used, peak)
+    run = Run(label or commit, demo.returncode, round(took, 1), measured, used, peak)
     waits, run.task_timeouts = asyncio.run(workflow_task_waits(state / "temporal.db"))
     first_fault = min(written.values(), default=datetime.max.replace(tzinfo=UTC)).timestamp()
     run.task_waits = [wait for _, wait in waits]
@@ -204,7 +225,7 @@ def table(runs: list[Run], instances: int, faults: int) -> str:
         "commit, run",
         *measures,
         "workflow task wait p50 / p90 / p99: after the faults (whole run)",
-        "CPU s: demo / worker / moto / temporal",
+        "CPU s: demo / sim / worker / moto / temporal",
     ]
     lines = [
         f"| {instances} / {faults}, p50 / p90 / max s | " + " | ".join(head[1:]) + " | exit, wall |",
@@ -216,7 +237,7 @@ def table(runs: list[Run], instances: int, faults: int) -> str:
             wait = f"{quantiles(run.surge_task_waits)} ({quantiles(run.task_waits)})"
             if run.task_timeouts:
                 wait += f", {run.task_timeouts} timed out"
-            cpu = " / ".join(f"{run.cpu_seconds.get(name, 0):.0f}" for name in ("demo", "worker", "moto", "temporal"))
+            cpu = " / ".join(f"{run.cpu_seconds.get(name, 0):.0f}" for name in CPU_ROLES)
             cells = [spread(run.timings[m]) for m in measures]
             lines.append(
                 f"| {commit} {index + 1} | " + " | ".join([*cells, wait, cpu]) + f" | {run.exit}, {run.seconds} s |"
@@ -232,8 +253,18 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--instances", type=int, default=200)
     parser.add_argument("--faults", type=int, default=40)
+    parser.add_argument(
+        "--also-niced",
+        default="",
+        help="comma-separated roles (sim, moto, ingest, demo, ...) to run each commit again with at nice 19",
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    niced = frozenset(filter(None, args.also_niced.split(",")))
+    unknown = niced - {name for _, name in ROLES} - {"demo"}
+    if unknown:
+        parser.error(f"--also-niced: no such role {sorted(unknown)}; roles: demo, {', '.join(n for _, n in ROLES)}")
+    variants = [frozenset(), niced] if niced else [frozenset()]
 
     scratch = Path(tempfile.mkdtemp(prefix="demo-timings-"))
     trees: dict[str, Path] = {}
@@ -243,10 +274,12 @@ def main() -> None:
             trees[commit] = scratch / f"tree-{len(trees)}"
             subprocess.run(["git", "worktree", "add", "--detach", str(trees[commit]), commit], cwd=REPO, check=True)
         for index in range(args.runs):
-            for commit, tree in trees.items():
-                run = run_demo(commit, tree, args.instances, args.faults, scratch / f"{tree.name}-run-{index}")
+            for (commit, tree), nice in itertools.product(trees.items(), variants):
+                label = f"{commit}, {'+'.join(sorted(nice))} niced" if nice else commit
+                state = scratch / f"{tree.name}{'-niced' if nice else ''}-run-{index}"
+                run = run_demo(commit, tree, args.instances, args.faults, state, niced=nice, label=label)
                 runs.append(run)
-                print(f"{commit} run {index + 1}: exit {run.exit} in {run.seconds} s", flush=True)
+                print(f"{label} run {index + 1}: exit {run.exit} in {run.seconds} s", flush=True)
     finally:
         for tree in trees.values():
             subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, check=False)
