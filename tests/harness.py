@@ -14,6 +14,7 @@ from temporalio.client import Client
 
 from contract.config import AwsSettings, EventSettings, TemporalSettings
 from contract.groups import AutoRepair, CapacityGroup
+from simulator.engine_process import EngineProcess
 from worker.main import build_worker
 from worker.settings import Settings
 
@@ -73,6 +74,19 @@ def make_settings(
 async def running_worker(settings: Settings, client: Client) -> AsyncIterator[None]:
     async with build_worker(settings, client):
         yield
+
+
+@asynccontextmanager
+async def worker_process(settings: Settings, log_path: Path) -> AsyncIterator[EngineProcess]:
+    """`autorepair worker` as a process of its own, as it runs for real: for a test whose own work (a flood of
+    signals, megabytes of payloads to encode) would otherwise take the worker's interpreter lock, and with it the
+    2 s the SDK allows a workflow task before it calls it a deadlock."""
+    worker = EngineProcess(settings, log_path)
+    await worker.start()
+    try:
+        yield worker
+    finally:
+        await worker.stop()
 
 
 async def eventually(

@@ -1,7 +1,7 @@
 """Signal fuzzing: nothing a signal says may wedge a workflow.
 
 Each of the four workflow types (an instance's health workflow, a group's drain semaphore, an instance's repair and a
-group's liveness tracker) gets 1,000 random signals against the real Temporal dev server, with an in-process worker:
+group's liveness tracker) gets 1,000 random signals against the real Temporal dev server, with `autorepair worker`:
 mostly the real signal names (`contract/names.py`), some random names; no payload, several payloads, null, numbers,
 strings, lists, nested dicts, dicts shaped like the real models with wrong types, missing or extra fields and
 out-of-range values (durations such as "P9000Y" or "-PT1S", timestamps in year 1 or 9999 or malformed, huge counts,
@@ -40,6 +40,7 @@ from pydantic import BaseModel
 from temporalio.api.enums.v1 import EventType, WorkflowTaskFailedCause
 from temporalio.api.history.v1 import HistoryEvent
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
+from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.service import RPCError
 
 from contract import names
@@ -50,7 +51,7 @@ from contract.probe import Heartbeat
 from contract.repair import RepairInput, RepairPhase
 from contract.semaphore import SemaphoreInput
 from node_probe.delivery.reporter import Reporter
-from tests.harness import eventually, make_settings, running_worker, unique
+from tests.harness import eventually, make_settings, unique, worker_process
 from tests.signal_fuzzer import SIGNALS_PER_WORKFLOW, Ids, Signal, SignalFuzzer
 from workflows.models import (
     InstanceHealthView,
@@ -375,7 +376,7 @@ async def test_random_signals_never_wedge_a_workflow(client: Client, aws_env: st
 
     task_queue = settings.temporal.task_queue
     started: list[str] = []
-    async with running_worker(settings, client):
+    async with worker_process(settings, tmp_path / "worker.log"):
         try:
             # The health workflow, started as the probe starts it: signal-with-start with a first heartbeat.
             health_id = health_workflow_id(ids.health_instance)
@@ -391,14 +392,21 @@ async def test_random_signals_never_wedge_a_workflow(client: Client, aws_env: st
                 within=30,
             )
 
+            # The worker starts each configured group's semaphore at its first look at the group: this one may be
+            # running already, and is as good.
             semaphore_id = semaphore_workflow_id(semaphore_group)
             semaphore: WorkflowHandle = await client.start_workflow(
-                names.SEMAPHORE_WORKFLOW, SemaphoreInput(group=semaphore_group), id=semaphore_id, task_queue=task_queue
+                names.SEMAPHORE_WORKFLOW,
+                SemaphoreInput(group=semaphore_group),
+                id=semaphore_id,
+                task_queue=task_queue,
+                id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
             )
             started.append(semaphore_id)
 
             # The repair's group semaphore starts with its one permit held by itself (a holder that is always
-            # running, so never reclaimed): the repair asks, waits, and is never granted.
+            # running, so never reclaimed): the repair asks, waits, and is never granted. It replaces the one the
+            # worker may have started.
             blocker_id = semaphore_workflow_id(repair_group)
             await client.start_workflow(
                 names.SEMAPHORE_WORKFLOW,
@@ -410,6 +418,7 @@ async def test_random_signals_never_wedge_a_workflow(client: Client, aws_env: st
                 ),
                 id=blocker_id,
                 task_queue=task_queue,
+                id_conflict_policy=WorkflowIDConflictPolicy.TERMINATE_EXISTING,
             )
             started.append(blocker_id)
             repair: WorkflowHandle = await client.start_workflow(
