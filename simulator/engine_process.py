@@ -102,7 +102,8 @@ class EngineProcess:
         while time.monotonic() < deadline:
             self._running()
             try:
-                await asyncio.to_thread(socket.create_connection((host, port), 0.5).close)
+                # The whole connect in the thread: the loop it would block may run simulated probes.
+                await asyncio.to_thread(lambda: socket.create_connection((host, port), 0.5).close())
                 return
             except OSError:
                 await asyncio.sleep(0.2)
