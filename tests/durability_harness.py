@@ -42,7 +42,7 @@ from simulator.engine_process import EngineProcess
 from simulator.fleet import SimTiming, SimulatedFleet
 from simulator.fleet_aws import SimWorkload
 from tests.fleet import Fleet, assert_start_before_stop
-from tests.harness import eventually, make_settings, unique
+from tests.harness import eventually, make_settings, unique, worker_process
 from workflows.models import RepairStatus
 
 # Below botocore's 60 s read timeout: a held answer must never turn into botocore's own retry of the call, which
@@ -237,10 +237,8 @@ async def durable_fleet(
             timing=sim_timing,
             workload=workload,
         )
-        worker = EngineProcess(settings, tmp_path / "worker.log")
         async with AsyncExitStack() as stack:
-            stack.push_async_callback(worker.stop)
-            await worker.start()
+            worker = await stack.enter_async_context(worker_process(settings, tmp_path / "worker.log"))
             await sim.setup()
             stack.push_async_callback(sim.close)
             fleet = Fleet(

@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 from temporalio.client import Client
 
-from simulator.engine_process import EngineProcess
 from tests.durability_harness import (
     DurableFleet,
     assert_repaired_exactly_once,
@@ -27,7 +26,7 @@ from tests.durability_harness import (
     task_identities,
     worker_identity,
 )
-from tests.harness import eventually
+from tests.harness import eventually, worker_process
 
 # The drain cap is max(1, floor(15 x 20%)) = 3: three repairs run at once and the fourth waits for a permit. Four of
 # fifteen impaired (27%) stays below the breaker's "more than 30%", so nothing is held.
@@ -52,9 +51,7 @@ async def test_two_workers_share_the_repairs_and_a_sigkill_of_one_mid_run_repair
 ) -> None:
     async with durable_fleet(client, aws_env, tmp_path, instances=INSTANCES, group_settings=GROUP) as d:
         task_queue = d.fleet.settings.temporal.task_queue
-        other = EngineProcess(d.fleet.settings, tmp_path / "worker-2.log")
-        await other.start()
-        try:
+        async with worker_process(d.fleet.settings, tmp_path / "worker-2.log") as other:
             workers = {worker_identity(d.worker): d.worker, worker_identity(other): other}
             # Both replicas poll the queue, for workflow tasks and for activity tasks, before any fault.
             await eventually(
@@ -96,5 +93,3 @@ async def test_two_workers_share_the_repairs_and_a_sigkill_of_one_mid_run_repair
             assert survivor.alive, survivor.log_tail()
             assert not victim.alive
             await assert_repaired_exactly_once(d, faulted)
-        finally:
-            await other.stop()

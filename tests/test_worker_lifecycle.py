@@ -27,7 +27,6 @@ from temporalio.client import Client
 
 from contract.event_outbox import OutboxView, Sink, SinkTarget, outbox_workflow_id
 from contract.repair import RepairPhase
-from simulator.engine_process import EngineProcess
 from simulator.servers import free_port
 from tests.durability_harness import (
     assert_repaired_exactly_once,
@@ -35,7 +34,7 @@ from tests.durability_harness import (
     in_phase,
     repair_id,
 )
-from tests.harness import eventually
+from tests.harness import eventually, worker_process
 from workflows.event_outbox import EventOutboxWorkflow
 
 
@@ -116,40 +115,38 @@ async def test_no_event_is_lost_when_a_replica_dies_while_the_sink_is_down(
 ) -> None:
     port = free_port()  # the webhook: nothing listens yet
     webhook = {"webhook_url": f"http://127.0.0.1:{port}/events", "webhook_timeout": timedelta(seconds=1)}
-    async with durable_fleet(client, aws_env, tmp_path, instances=5, events=webhook) as d:
-        other = EngineProcess(d.fleet.settings, tmp_path / "worker-2.log")
-        await other.start()
-        try:
-            [target] = d.sim.live_instances()[:1]
-            d.sim.inject_fault(target)
-            await eventually(
-                lambda: asyncio.sleep(0, d.fleet.events("DrainPermitReleased", target)), bool, within=180, every=0.5
+    async with (
+        durable_fleet(client, aws_env, tmp_path, instances=5, events=webhook) as d,
+        worker_process(d.fleet.settings, tmp_path / "worker-2.log"),
+    ):
+        [target] = d.sim.live_instances()[:1]
+        d.sim.inject_fault(target)
+        await eventually(
+            lambda: asyncio.sleep(0, d.fleet.events("DrainPermitReleased", target)), bool, within=180, every=0.5
+        )
+        # Every event of the group reached the JSON-lines file; the webhook's copies wait in Temporal.
+        published = [e["event_id"] for e in d.fleet.events()]
+        outbox = client.get_workflow_handle_for(
+            EventOutboxWorkflow.run,
+            outbox_workflow_id(SinkTarget(sink=Sink.WEBHOOK), d.fleet.settings.temporal.task_queue),
+        )
+
+        async def waiting() -> OutboxView:
+            return await outbox.query(EventOutboxWorkflow.outbox)
+
+        view = await eventually(waiting, lambda v: set(published) <= set(v.waiting_event_ids), within=60)
+        assert view.dead_letters == []
+
+        await d.worker.kill()  # one replica dies, whatever it held
+
+        with receiving(port) as receiver:
+            got = await eventually(
+                lambda: asyncio.sleep(0, receiver.received()),
+                lambda ids: set(published) <= set(ids),
+                within=180,
+                every=0.5,
             )
-            # Every event of the group reached the JSON-lines file; the webhook's copies wait in Temporal.
-            published = [e["event_id"] for e in d.fleet.events()]
-            outbox = client.get_workflow_handle_for(
-                EventOutboxWorkflow.run,
-                outbox_workflow_id(SinkTarget(sink=Sink.WEBHOOK), d.fleet.settings.temporal.task_queue),
-            )
-
-            async def waiting() -> OutboxView:
-                return await outbox.query(EventOutboxWorkflow.outbox)
-
-            view = await eventually(waiting, lambda v: set(published) <= set(v.waiting_event_ids), within=60)
-            assert view.dead_letters == []
-
-            await d.worker.kill()  # one replica dies, whatever it held
-
-            with receiving(port) as receiver:
-                got = await eventually(
-                    lambda: asyncio.sleep(0, receiver.received()),
-                    lambda ids: set(published) <= set(ids),
-                    within=180,
-                    every=0.5,
-                )
-                result = await asyncio.wait_for(outbox.result(), timeout=120)
-        finally:
-            await other.stop()
+            result = await asyncio.wait_for(outbox.result(), timeout=120)
     # Every event the repair published arrived (at least once), and the outbox ended with nothing given up on.
     assert set(published) <= set(got)
     assert result.waiting == 0 and result.dead_letters == [] and result.dead_lettered == 0
