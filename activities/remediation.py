@@ -53,6 +53,9 @@ from contract.ids import health_workflow_id
 RESET_COMMAND_TIMEOUT_S = 300
 WHY_MAX = 500
 QUERY_TIMEOUT = timedelta(seconds=10)
+# No worker answered within QUERY_TIMEOUT: the server's deadline (DEADLINE_EXCEEDED, "query timed out before a worker
+# could process it") or the client's own, whichever fires first (CANCELLED, "Timeout expired").
+QUERY_TIMED_OUT = frozenset({RPCStatusCode.DEADLINE_EXCEEDED, RPCStatusCode.CANCELLED})
 PCI_ADDRESS_CHARS = frozenset("0123456789abcdefABCDEF:.")
 
 
@@ -159,15 +162,15 @@ class RemediationActivities:
     async def recovery_status(self, check: RecoveryCheck) -> RecoveryStatus:
         """The probe's view (through the health workflow) and ECS's agentConnected, in one look."""
         group = self._group(check.group)
-        (probe, probe_error), ci = await asyncio.gather(
+        look, ci = await asyncio.gather(
             self._probe_view(check.instance_id),
             self._ecs.container_instance(group, check.instance_id, check.container_instance_arn),
         )
-        return RecoveryStatus(
-            probe=probe,
-            probe_error=probe_error,
-            agent_connected=ci.get("agentConnected") if ci is not None else None,
-            container_status=ci.get("status") if ci is not None else None,
+        return look.model_copy(
+            update={
+                "agent_connected": ci.get("agentConnected") if ci is not None else None,
+                "container_status": ci.get("status") if ci is not None else None,
+            }
         )
 
     @activity.defn(name="set_active")
@@ -180,16 +183,20 @@ class RemediationActivities:
 
     # --- lookups ------------------------------------------------------------------------------------------
 
-    async def _probe_view(self, instance_id: str) -> tuple[HealthViewExcerpt | None, str]:
+    async def _probe_view(self, instance_id: str) -> RecoveryStatus:
         """The probe's view through the instance's health workflow, or why it did not answer."""
         handle = self._client.get_workflow_handle(health_workflow_id(instance_id))
         try:
             view = await handle.query(names.QUERY_HEALTH, result_type=HealthViewExcerpt, rpc_timeout=QUERY_TIMEOUT)
         except RPCError as err:
-            if err.status not in (RPCStatusCode.NOT_FOUND, RPCStatusCode.DEADLINE_EXCEEDED):
+            if err.status is not RPCStatusCode.NOT_FOUND and err.status not in QUERY_TIMED_OUT:
                 raise
-            return None, f"health workflow did not answer: {err.message}"[:WHY_MAX]
-        return view, ""
+            return RecoveryStatus(
+                probe_error=f"health workflow did not answer: {err.message}"[:WHY_MAX],
+                # No such workflow yet is the world's (nothing reported); a query that timed out is ours.
+                probe_unanswered=err.status in QUERY_TIMED_OUT,
+            )
+        return RecoveryStatus(probe=view)
 
     def _group(self, name: str) -> CapacityGroup:
         return resolve_group(self._groups, name)

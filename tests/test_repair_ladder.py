@@ -17,7 +17,7 @@ from contract.health import HealthState
 from contract.probe import GpuFinding, GpuRef, ProbeSourceHealth
 from contract.repair import InPlaceFix, PhaseStep, RepairAction, RepairInput, RepairPhase
 from workflows import repair_runbook
-from workflows.repair_ladder import Ladder, missing, new_fault
+from workflows.repair_ladder import Ladder, WorldWait, missing, new_fault
 from workflows.repair_record import RepairRecord
 
 NOW = datetime(2026, 12, 5, 12, 0, tzinfo=UTC)
@@ -244,6 +244,23 @@ def test_a_daemons_check_down_says_nothing_about_the_gpus() -> None:
         ProbeSourceHealth(name="daemons", state=HealthState.IMPAIRED, gpu_source=False),
     ]
     assert missing(RecoveryStatus(probe=excerpt(sources=sources), agent_connected=True), "b1", True) is None
+
+
+def test_a_wait_on_the_world_ends_at_its_deadline_unless_our_own_query_went_unanswered() -> None:
+    wait = WorldWait(NOW, patience=timedelta(minutes=10))
+    answered = RecoveryStatus(probe=excerpt(), agent_connected=True)
+    not_there = RecoveryStatus(probe_error="health workflow did not answer: workflow not found")
+    busy = RecoveryStatus(probe_error="health workflow did not answer: query timed out", probe_unanswered=True)
+    before = NOW - timedelta(seconds=1)
+    assert not any(wait.over(before, look) for look in (answered, not_there, busy))
+    # At the deadline the world's answer (or its silence: no health workflow yet) ends the wait...
+    assert wait.over(NOW, answered) and wait.over(NOW, not_there)
+    # ...our own unanswered query does not, until the patience is spent too.
+    assert not wait.over(NOW, busy)
+    assert not wait.over(NOW + timedelta(minutes=10) - timedelta(seconds=1), busy)
+    assert wait.over(NOW + timedelta(minutes=10), busy)
+    # An answer that comes while it waits on decides at once.
+    assert wait.over(NOW + timedelta(minutes=3), answered)
 
 
 def test_only_a_new_impairing_fault_since_the_start_counts_as_faulting_again() -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import NamedTuple
 
 from activities.models import HealthViewExcerpt, RecoveryStatus
@@ -192,6 +192,23 @@ def new_fault(probe: HealthViewExcerpt | None, known: set[str], since: datetime)
             gpu = f" on GPU {finding.gpu.pci}" if finding.gpu.pci else ""
             return f"{finding.reason}{gpu}"
     return None
+
+
+@dataclass(frozen=True)
+class WorldWait:
+    """A wait on the world (a replacement's boot, an instance's recovery, one look at a fixed instance) that the
+    engine's own silence does not use up. A look whose health workflow did not answer in time (no worker free to
+    take the query: the engine under load) says nothing of the instance, so at the deadline it earns more time, at
+    most `patience` past it: a busy worker never abandons a healthy replacement, or fails a fix, for its own delay;
+    and one that never answers still ends the wait."""
+
+    deadline: datetime
+    patience: timedelta
+
+    def over(self, now: datetime, look: RecoveryStatus) -> bool:
+        if now < self.deadline:
+            return False
+        return not (look.probe_unanswered and now < self.deadline + self.patience)
 
 
 def missing(look: RecoveryStatus, old_boot: str | None, rebooted: bool) -> str | None:

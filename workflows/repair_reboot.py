@@ -38,7 +38,7 @@ from workflows import repair_patches
 from workflows.activity_errors import describe_error, permanent_error
 from workflows.options import CALL_RETRY, CALL_TIMEOUT
 from workflows.repair_context import RepairContext
-from workflows.repair_ladder import missing, new_fault
+from workflows.repair_ladder import WorldWait, missing, new_fault
 from workflows.repair_tasks import let_tasks_stop
 from workflows.repair_verify import look_at, poll_interval, verify_fix
 
@@ -186,7 +186,8 @@ async def _await_recovery(
     reboot_timeout)."""
     record = repair.record
     await repair.enter(RepairPhase.AWAITING_RECOVERY)
-    deadline = started + group.reboot_timeout
+    # Up to one more reboot_timeout while the look that lacks is our own health workflow's missing answer.
+    wait = WorldWait(started + group.reboot_timeout, patience=group.reboot_timeout)
     rebooted = record.ladder.action is RepairAction.REBOOT
     while True:
         look = await look_at(repair, f"is {record.instance_id} back: new boot, GPUs OK, ECS agent connected?")
@@ -201,7 +202,7 @@ async def _await_recovery(
             boot = look.probe.boot_id if look.probe is not None else None
             record.notes[RepairPhase.AWAITING_RECOVERY] = f"back on boot {boot}" if rebooted else "GPUs OK after reset"
             return None
-        if workflow.now() >= deadline:
+        if wait.over(workflow.now(), look):
             return f"not back within reboot_timeout {format_seconds(group.reboot_timeout)}: still waiting for {lacking}"
         repair.show()
         await workflow.sleep(poll_interval(group), summary=f"waiting for {record.instance_id}: {lacking}")

@@ -18,7 +18,7 @@ from workflows.activity_errors import describe_error, permanent_error
 from workflows.fix_gate import GATE_CHECKS, GateCheck, failures, run_gate
 from workflows.options import CALL_RETRY, CALL_TIMEOUT
 from workflows.repair_context import RepairContext
-from workflows.repair_ladder import missing
+from workflows.repair_ladder import WorldWait, missing
 
 with workflow.unsafe.imports_passed_through():
     from activities.models import GateCommandRequest, HostCommandCheck, RecoveryCheck, RecoveryStatus
@@ -60,7 +60,13 @@ async def verify_fix(repair: RepairContext, group: CapacityGroup, since: datetim
     """The fix in place's gate on one look at the instance, then on the host itself where the group asks for it;
     None: passed, else why it failed."""
     record = repair.record
-    look = await look_at(repair, f"verify the fix of {record.instance_id} before work returns: {GATE_SUMMARY}")
+    # One look decides, once it is the instance's answer: a look our own worker was too busy to answer is taken again.
+    wait = WorldWait(workflow.now(), patience=group.reboot_timeout)
+    while True:
+        look = await look_at(repair, f"verify the fix of {record.instance_id} before work returns: {GATE_SUMMARY}")
+        if wait.over(workflow.now(), look):
+            break
+        await workflow.sleep(poll_interval(group), summary=f"{record.instance_id}: {look.probe_error}; look again")
     checks = _gate(look, since)
     if failures(checks) is None and group.gates_on_host:
         checks.append(await _on_host(repair, group, record.instance_id))
@@ -125,8 +131,9 @@ async def verify_replacement(
 ) -> tuple[list[GateCheck], str | None]:
     """Wait, within replacement_ready_timeout of its launch, for the replacement's probe to report with every GPU
     source OK, then run the gate on it (with verify_replacement "on_host", the host's part too, within gate_timeout):
-    its checks, and None when it passed, else why it did not (the caller abandons it and launches another)."""
-    deadline = since + group.replacement_ready_timeout
+    its checks, and None when it passed, else why it did not (the caller abandons it and launches another). A
+    health workflow too busy to answer at the deadline holds the wait up to one more replacement_ready_timeout."""
+    wait = WorldWait(since + group.replacement_ready_timeout, patience=group.replacement_ready_timeout)
     while True:
         look = await look_at(
             repair, f"verify replacement {replacement} before work moves to it: {GATE_SUMMARY}", replacement
@@ -142,7 +149,7 @@ async def verify_replacement(
                 checks.append(await _on_host(repair, group, replacement))
             failed = failures(checks)
             return checks, None if failed is None else f"failed the gate: {failed}"
-        if workflow.now() >= deadline:
+        if wait.over(workflow.now(), look):
             why = f"not verified within replacement_ready_timeout {format_seconds(group.replacement_ready_timeout)}"
             return [], f"{why}: still waiting for {lacking}"
         await workflow.sleep(poll_interval(group), summary=f"replacement {replacement}: waiting for {lacking}")
