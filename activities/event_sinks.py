@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import json
 import os
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, ParamValidationError
 
+from activities.aws import AwsCalls
 from activities.errors import application_error
 from activities.webhook import WebhookClient
 from contract.aws_session import new_session
@@ -117,10 +119,14 @@ def append_event(path: Path, entry: OutboxEntry) -> Failure | None:
     return None
 
 
-async def bounded(what: str, timeout: float, call: Callable[[], Failure | None]) -> Failure | None:
-    """One try, waited on for `timeout` at most. A thread left behind may still get through: at least once."""
+async def bounded(
+    what: str, timeout: float, calls: AwsCalls, api: str, call: Callable[[], Failure | None]
+) -> Failure | None:
+    """One try on the worker's call threads (never asyncio's default executor: min(32, cpus + 4) threads, which a burst
+    of events at a correlated failure queued past the timeout), waited on for `timeout` at most, its wait for a thread
+    included. A call left running may still get through: at least once; one still queued never starts."""
     try:
-        return await asyncio.wait_for(asyncio.to_thread(call), timeout)
+        return await asyncio.wait_for(calls.run(api, call), timeout)
     except TimeoutError:
         return Failure(error=f"{what}: no answer within {timeout:g}s")
 
@@ -129,8 +135,9 @@ class SinkTries:
     """The sinks the settings turn on, as targets, and one try at any target (one a previous configuration named
     included: its events still say where they were going)."""
 
-    def __init__(self, aws: AwsSettings, settings: EventSettings) -> None:
+    def __init__(self, aws: AwsSettings, settings: EventSettings, calls: AwsCalls) -> None:
         self._settings = settings
+        self._calls = calls
         self._timeout = settings.sink_timeout.total_seconds()
         self.targets: list[SinkTarget] = []
         if settings.eventbridge:
@@ -145,7 +152,7 @@ class SinkTries:
             )
         if settings.jsonl_path is not None:
             self.targets.append(SinkTarget(sink=Sink.JSONL, path=str(settings.jsonl_path)))
-        self._webhook = WebhookClient(settings) if settings.webhook_url else None
+        self._webhook = WebhookClient(settings, calls) if settings.webhook_url else None
         if self._webhook is not None:
             self.targets.append(SinkTarget(sink=Sink.WEBHOOK))
         # One client per region and endpoint, made on first use and kept: a client costs tens of milliseconds.
@@ -156,12 +163,14 @@ class SinkTries:
         if target.sink is Sink.EVENTBRIDGE:
             key = (target.region, target.endpoint_url)
             if key not in self._buses:
-                self._buses[key] = await asyncio.to_thread(EventBridgeTry, target, self._timeout)
+                self._buses[key] = await self._calls.run("events:client", EventBridgeTry, target, self._timeout)
             put = self._buses[key]
-            return await bounded(f"events:PutEvents on {target.label()}", self._timeout, lambda: put.put(target, entry))
+            what, api = f"events:PutEvents on {target.label()}", "events:PutEvents"
+            return await bounded(what, self._timeout, self._calls, api, functools.partial(put.put, target, entry))
         if target.sink is Sink.JSONL:
             path = Path(target.path or "")
-            return await bounded(f"appending to {path}", self._timeout, lambda: append_event(path, entry))
+            append = functools.partial(append_event, path, entry)
+            return await bounded(f"appending to {path}", self._timeout, self._calls, "jsonl:append", append)
         if self._webhook is None:
             return Failure(
                 error="events.webhook_url is not set on this worker: its events wait for one that has it",

@@ -143,7 +143,7 @@ class EventActivities:
         ui_url: str | None = None,
     ) -> None:
         self._ui_url = ui_url
-        self._sinks = SinkTries(aws.settings, settings)
+        self._sinks = SinkTries(aws.settings, settings, aws.calls)
         self._outboxes = Outboxes(client, task_queue, settings)
 
     def activities(self) -> list[Callable[..., Any]]:

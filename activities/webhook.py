@@ -26,6 +26,7 @@ import urllib.request
 from http.client import HTTPMessage
 from typing import IO
 
+from activities.aws import AwsCalls
 from contract.config import EventSettings
 
 SIGNATURE_HEADER = "X-Autorepair-Signature"
@@ -56,8 +57,9 @@ class _NoRedirects(urllib.request.HTTPRedirectHandler):
 
 
 class WebhookClient:
-    def __init__(self, settings: EventSettings) -> None:
+    def __init__(self, settings: EventSettings, calls: AwsCalls) -> None:
         assert settings.webhook_url is not None
+        self._calls = calls  # the worker's call threads, not asyncio's default executor (activities/event_sinks.py)
         self._url = settings.webhook_url
         self._secret = settings.webhook_secret.get_secret_value() if settings.webhook_secret else None
         self._timeout = settings.webhook_timeout.total_seconds()
@@ -68,7 +70,7 @@ class WebhookClient:
         try:
             # urllib's timeout bounds each socket operation, not the request; wait_for bounds the request. A thread
             # left behind by wait_for ends at its own socket timeout.
-            return await asyncio.wait_for(asyncio.to_thread(self._post_blocking, body), self._timeout)
+            return await asyncio.wait_for(self._calls.run("webhook:POST", self._post_blocking, body), self._timeout)
         except TimeoutError:
             return f"no answer within {self._timeout:g}s"
 
