@@ -23,6 +23,9 @@ OUTBOX_WORKFLOW_PREFIX: Final = "event-outbox/"
 # A workflow payload may not exceed 2 MiB (Temporal's blob size limit): what an outbox keeps waiting stays well under,
 # whatever `events.outbox_max_events` allows.
 MAX_WAITING_BYTES: Final = 1_500_000
+# One signal's share of that limit when events are handed over together (OutboxEntries): a larger event goes alone.
+MAX_SIGNAL_BYTES: Final = 512_000
+MAX_ENTRIES_PER_SIGNAL: Final = 100
 # Entries a delivery activity takes at once, oldest first (PutEvents takes up to 10 entries per call).
 DELIVERY_BATCH: Final = 10
 # Dead letters an outbox keeps in its state (and in its result) for operators to read; the log and the metric have all.
@@ -94,6 +97,12 @@ class OutboxEntry(BaseModel):
 
     def size(self) -> int:
         return len(self.model_dump_json())
+
+
+class OutboxEntries(BaseModel):
+    """Events handed to one outbox in one signal, oldest first."""
+
+    entries: list[OutboxEntry] = Field(min_length=1, max_length=MAX_ENTRIES_PER_SIGNAL)
 
 
 class DeadLetter(BaseModel):

@@ -44,8 +44,10 @@ SIGNAL_PERMIT_DENIED: Final = "permit_denied"  # a held repair let go by `--resu
 SIGNAL_IMPAIRED: Final = "impaired"
 SIGNAL_FLEET_HOLD: Final = "fleet_hold"
 
-# To an event outbox, from publish_event (signal-with-start): one OutboxEntry.
+# To an event outbox, from publish_event (signal-with-start): one OutboxEntry; or, handed over together while an
+# earlier hand-over to the same outbox was in flight, OutboxEntries.
 SIGNAL_OUTBOX_ENQUEUE: Final = "enqueue"
+SIGNAL_OUTBOX_ENQUEUE_MANY: Final = "enqueue_many"
 
 # Queries and updates.
 QUERY_HEALTH: Final = "health"  # health workflow: InstanceHealthView

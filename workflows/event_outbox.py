@@ -1,11 +1,12 @@
 """An event outbox: the events one sink target (a bus, a file, the webhook) did not take at once, kept by Temporal.
 
 Runbook: `publish_event` tried the sink once and it failed, so it handed the event here (signal-with-start on
-`event-outbox/<sink>/...`). Send the oldest events to the sink, a batch at a time; when the sink fails, wait (1 s,
-doubling to 5 min) and try again from the oldest; give up on an event the sink rejects as malformed, on one still
-waiting past `events.outbox_deadline`, and on the oldest when the outbox is full, each recorded by a dead-letter step
-(an error in the worker's log, a metric, and the last ones in this workflow's `outbox` query and result). With nothing
-left waiting the workflow ends: a running outbox is a backlog, so `publish_event` queues behind it rather than
+`event-outbox/<sink>/...`; the events a worker hands over while its previous hand-over is in flight come together).
+Send the oldest events to the sink, a batch at a time; when the sink fails, wait (1 s, doubling to 5 min) and try
+again from the oldest; give up on an event the sink rejects as malformed, on one still waiting past
+`events.outbox_deadline`, and on the oldest when the outbox is full, each recorded by a dead-letter step (an error in
+the worker's log, a metric, and the last ones in this workflow's `outbox` query and result). With nothing left
+waiting the workflow ends: a running outbox is a backlog, so `publish_event` queues behind it rather than
 overtaking. The decisions are workflows/outbox_book.py's.
 """
 
@@ -14,12 +15,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RawValue, RetryPolicy
 
 from contract import names
-from contract.event_outbox import Burial, Delivery, OutboxEntry, OutboxRun, OutboxView
+from contract.event_outbox import Burial, Delivery, OutboxEntries, OutboxEntry, OutboxRun, OutboxView
 from workflows.options import CALL_RETRY, CALL_TIMEOUT
 from workflows.outbox_book import Bury, Empty, OutboxBook, Send, WaitUntil
 from workflows.signal_input import Rejected, Route, dispatch, worth_logging
@@ -94,11 +96,19 @@ class EventOutboxWorkflow:
     @workflow.signal(dynamic=True)
     def on_signal(self, name: str, payloads: Sequence[RawValue]) -> None:
         self._signals_this_run += 1
-        dispatch(name, payloads, {names.SIGNAL_OUTBOX_ENQUEUE: Route(OutboxEntry, self._on_enqueue)}, self._reject)
+        routes: dict[str, Route[Any]] = {
+            names.SIGNAL_OUTBOX_ENQUEUE: Route(OutboxEntry, self._on_enqueue),
+            names.SIGNAL_OUTBOX_ENQUEUE_MANY: Route(OutboxEntries, self._on_enqueue_many),
+        }
+        dispatch(name, payloads, routes, self._reject)
 
     def _on_enqueue(self, entry: OutboxEntry) -> None:
         if self._book.add(entry, workflow.now()):
             self._arrived = True
+
+    def _on_enqueue_many(self, batch: OutboxEntries) -> None:
+        for entry in batch.entries:
+            self._on_enqueue(entry)
 
     def _reject(self, why: Rejected) -> None:
         self._rejected += 1
