@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
+from typing import Any
 
 from pydantic import BaseModel, Field, field_validator
 
@@ -243,6 +244,19 @@ class WorkflowRun(BaseModel):
 
 class WorkflowRuns(BaseModel):
     runs: list[WorkflowRun]
+
+
+class SignalTo(BaseModel):
+    workflow_id: str
+    run_id: str | None = None
+    payload: dict[str, Any]  # the signal's one argument, as JSON: the receiver reads it into its own model
+
+
+class SignalsToSend(BaseModel):
+    """One signal to each of these runs (WorkflowOps.send_signals): a drain semaphore's grants of a batch."""
+
+    signal: str
+    to: list[SignalTo]
 
 
 class RepairsOfGroup(BaseModel):

@@ -36,6 +36,8 @@ from activities.models import (
     PermitRequestOrder,
     PreviousGroupConfig,
     RepairsOfGroup,
+    SignalsToSend,
+    SignalTo,
     StartRepairRequest,
     StartRepairResult,
     WithdrawRepairRequest,
@@ -56,6 +58,8 @@ from contract.semaphore import PermitRequest
 _PREVIOUS_RUNS_LOOKED_AT = 20
 # How long one start waits for the instance's previous attempt to close, well within the activity's timeout.
 PREVIOUS_CLOSE_WAIT = timedelta(seconds=20)
+# Signals send_signals has in flight at once: a batch of 200 grants goes in a few round trips, not 200 at once.
+SIGNALS_AT_ONCE = 32
 
 
 async def live_group_config(
@@ -93,6 +97,7 @@ class WorkflowOps:
             self.request_drain_permit,
             self.find_running_repairs,
             self.find_closed_workflows,
+            self.send_signals,
             self.previous_group_config,
             self.withdraw_repair,
         ]
@@ -219,6 +224,27 @@ class WorkflowOps:
             if description is None or description.status != WorkflowExecutionStatus.RUNNING
         ]
         return WorkflowRuns(runs=closed)
+
+    @activity.defn
+    async def send_signals(self, order: SignalsToSend) -> WorkflowRuns:
+        """One signal to each run, side by side, through the frontend (a workflow's own signals reach their
+        receivers one at a time through its history); the runs that no longer run come back. A retry sends them all
+        again: each receiver takes a repeat as one."""
+        at_once = asyncio.Semaphore(SIGNALS_AT_ONCE)
+
+        async def send(to: SignalTo) -> WorkflowRun | None:
+            async with at_once:
+                handle = self._client.get_workflow_handle(to.workflow_id, run_id=to.run_id)
+                try:
+                    await handle.signal(order.signal, to.payload)
+                except RPCError as err:
+                    if err.status not in (RPCStatusCode.NOT_FOUND, RPCStatusCode.INVALID_ARGUMENT):
+                        raise
+                    return WorkflowRun(workflow_id=to.workflow_id, run_id=to.run_id)
+            return None
+
+        gone = await asyncio.gather(*(send(to) for to in order.to))
+        return WorkflowRuns(runs=[run for run in gone if run is not None])
 
     async def _describe(self, runs: list[WorkflowRun]) -> list[tuple[WorkflowRun, WorkflowExecutionDescription | None]]:
         """Each run with its description; None for a run that does not exist (or a run id that cannot)."""

@@ -23,6 +23,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
+from activities.workflow_ops import WorkflowOps
 from simulator.servers import find_binary
 from tests.breaker_example import Example, ExampleReport
 from tests.breaker_schedules import Schedule
@@ -123,6 +124,7 @@ class BreakerHarness:
             test_server_startup_timeout=SERVER_STARTUP_TIMEOUT,
         )
         self.client = self.env.client
+        self.stubs.ops = WorkflowOps(self.client, self.task_queue)
         # In this process: a relay process of its own was slower on two cores (measured), not faster.
         self._upstream = grpc.aio.insecure_channel(self.client.service_client.config.target_host, options=UNLIMITED)
         self._relay = grpc.aio.server(options=UNLIMITED)

@@ -21,8 +21,10 @@ from activities.models import (
     GroupRef,
     PreviousGroupConfig,
     RepairsOfGroup,
+    SignalsToSend,
     WorkflowRuns,
 )
+from activities.workflow_ops import WorkflowOps
 from contract import names
 from contract.breaker import FleetHoldAnswer, FleetHoldQuery, ImpairmentReport
 from contract.groups import CapacityGroup, GroupConfigOverrides
@@ -156,6 +158,7 @@ class StubActivities:
 
     def __init__(self) -> None:
         self.groups: dict[str, GroupStub] = {}
+        self.ops: WorkflowOps | None = None  # the real send_signals, once the harness has a client
 
     def activities(self) -> list[Callable[..., Any]]:
         return [
@@ -167,6 +170,7 @@ class StubActivities:
             self.publish_event,
             self.fleet_hold,
             self.report_to_fleet_breaker,
+            self.send_signals,
         ]
 
     @activity.defn(name="get_group_config")
@@ -215,3 +219,9 @@ class StubActivities:
     @activity.defn(name="report_to_fleet_breaker")
     async def report_to_fleet_breaker(self, report: ImpairmentReport) -> None:
         self.groups[report.group].fleet_reports += 1
+
+    @activity.defn(name="send_signals")
+    async def send_signals(self, order: SignalsToSend) -> WorkflowRuns:
+        # The real one (a batch's grants): the test server takes signals as any server does.
+        assert self.ops is not None, "the harness sets ops once it has a client"
+        return await self.ops.send_signals(order)
