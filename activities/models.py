@@ -356,8 +356,9 @@ class RecoveryStatus(BaseModel):
 
     probe: HealthViewExcerpt | None = None  # None: the health workflow did not answer
     probe_error: str = ""
-    # The health workflow is there and no worker answered its query in time: the engine's own delay, which says
-    # nothing of the instance (workflows/repair_ladder.py, WorldWait).
+    # The health workflow gave no answer (no worker took the query in time, or none was started yet): the engine's
+    # own delay, which says nothing of the instance (workflows/repair_ladder.py, WorldWait). False in a look recorded
+    # before the field, which a replay must decide as it did then.
     probe_unanswered: bool = False
     agent_connected: bool | None = None  # None: not registered (ACTIVE or DRAINING) in the group's cluster
     container_status: str | None = None

@@ -191,10 +191,10 @@ class RemediationActivities:
         except RPCError as err:
             if err.status is not RPCStatusCode.NOT_FOUND and err.status not in QUERY_TIMED_OUT:
                 raise
+            # Ours either way, never the instance's: a query no worker took in time, or a health workflow not started
+            # yet (a repair looks only at an instance registered in ECS, which the AWS watch covers with one).
             return RecoveryStatus(
-                probe_error=f"health workflow did not answer: {err.message}"[:WHY_MAX],
-                # No such workflow yet is the world's (nothing reported); a query that timed out is ours.
-                probe_unanswered=err.status in QUERY_TIMED_OUT,
+                probe_error=f"health workflow did not answer: {err.message}"[:WHY_MAX], probe_unanswered=True
             )
         return RecoveryStatus(probe=view)
 
