@@ -119,18 +119,6 @@ def append_event(path: Path, entry: OutboxEntry) -> Failure | None:
     return None
 
 
-async def bounded(
-    what: str, timeout: float, calls: AwsCalls, api: str, call: Callable[[], Failure | None]
-) -> Failure | None:
-    """One try on the worker's call threads (never asyncio's default executor: min(32, cpus + 4) threads, which a burst
-    of events at a correlated failure queued past the timeout), waited on for `timeout` at most, its wait for a thread
-    included. A call left running may still get through: at least once; one still queued never starts."""
-    try:
-        return await asyncio.wait_for(calls.run(api, call), timeout)
-    except TimeoutError:
-        return Failure(error=f"{what}: no answer within {timeout:g}s")
-
-
 class SinkTries:
     """The sinks the settings turn on, as targets, and one try at any target (one a previous configuration named
     included: its events still say where they were going)."""
@@ -166,11 +154,11 @@ class SinkTries:
                 self._buses[key] = await self._calls.run("events:client", EventBridgeTry, target, self._timeout)
             put = self._buses[key]
             what, api = f"events:PutEvents on {target.label()}", "events:PutEvents"
-            return await bounded(what, self._timeout, self._calls, api, functools.partial(put.put, target, entry))
+            return await self._bounded(what, api, functools.partial(put.put, target, entry))
         if target.sink is Sink.JSONL:
             path = Path(target.path or "")
             append = functools.partial(append_event, path, entry)
-            return await bounded(f"appending to {path}", self._timeout, self._calls, "jsonl:append", append)
+            return await self._bounded(f"appending to {path}", "jsonl:append", append)
         if self._webhook is None:
             return Failure(
                 error="events.webhook_url is not set on this worker: its events wait for one that has it",
@@ -178,3 +166,13 @@ class SinkTries:
             )
         error = await self._webhook.post(body if body is not None else json.dumps(entry.event).encode())
         return None if error is None else Failure(error=error)
+
+    async def _bounded(self, what: str, api: str, call: Callable[[], Failure | None]) -> Failure | None:
+        """One try on the worker's call threads (never asyncio's default executor: min(32, cpus + 4) threads, which a
+        burst of events at a correlated failure queued past the timeout), waited on for sink_timeout at most, its wait
+        for a thread included. A call left running may still get through: at least once; one still queued never
+        starts."""
+        try:
+            return await asyncio.wait_for(self._calls.run(api, call), self._timeout)
+        except TimeoutError:
+            return Failure(error=f"{what}: no answer within {self._timeout:g}s")

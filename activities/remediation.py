@@ -53,9 +53,10 @@ from contract.ids import health_workflow_id
 RESET_COMMAND_TIMEOUT_S = 300
 WHY_MAX = 500
 QUERY_TIMEOUT = timedelta(seconds=10)
-# No worker answered within QUERY_TIMEOUT: the server's deadline (DEADLINE_EXCEEDED, "query timed out before a worker
-# could process it") or the client's own, whichever fires first (CANCELLED, "Timeout expired").
-QUERY_TIMED_OUT = frozenset({RPCStatusCode.DEADLINE_EXCEEDED, RPCStatusCode.CANCELLED})
+# A health workflow that gave no answer: none started yet (NOT_FOUND), or no worker took the query within
+# QUERY_TIMEOUT, by the server's deadline (DEADLINE_EXCEEDED, "query timed out before a worker could process it") or
+# the client's own, whichever fires first (CANCELLED, "Timeout expired").
+NO_ANSWER = frozenset({RPCStatusCode.NOT_FOUND, RPCStatusCode.DEADLINE_EXCEEDED, RPCStatusCode.CANCELLED})
 PCI_ADDRESS_CHARS = frozenset("0123456789abcdefABCDEF:.")
 
 
@@ -189,7 +190,7 @@ class RemediationActivities:
         try:
             view = await handle.query(names.QUERY_HEALTH, result_type=HealthViewExcerpt, rpc_timeout=QUERY_TIMEOUT)
         except RPCError as err:
-            if err.status is not RPCStatusCode.NOT_FOUND and err.status not in QUERY_TIMED_OUT:
+            if err.status not in NO_ANSWER:
                 raise
             # Ours either way, never the instance's: a query no worker took in time, or a health workflow not started
             # yet (a repair looks only at an instance registered in ECS, which the AWS watch covers with one).

@@ -58,6 +58,8 @@ from contract.semaphore import PermitRequest
 _PREVIOUS_RUNS_LOOKED_AT = 20
 # How long one start waits for the instance's previous attempt to close, well within the activity's timeout.
 PREVIOUS_CLOSE_WAIT = timedelta(seconds=20)
+# What the frontend answers for a run that does not exist (or a run id that cannot).
+RUN_GONE = frozenset({RPCStatusCode.NOT_FOUND, RPCStatusCode.INVALID_ARGUMENT})
 # Signals send_signals has in flight at once: a batch of 200 grants goes in a few round trips, not 200 at once.
 SIGNALS_AT_ONCE = 32
 
@@ -238,7 +240,7 @@ class WorkflowOps:
                 try:
                     await handle.signal(order.signal, to.payload)
                 except RPCError as err:
-                    if err.status not in (RPCStatusCode.NOT_FOUND, RPCStatusCode.INVALID_ARGUMENT):
+                    if err.status not in RUN_GONE:
                         raise
                     return WorkflowRun(workflow_id=to.workflow_id, run_id=to.run_id)
             return None
@@ -254,7 +256,7 @@ class WorkflowOps:
             try:
                 described.append((run, await handle.describe()))
             except RPCError as err:
-                if err.status not in (RPCStatusCode.NOT_FOUND, RPCStatusCode.INVALID_ARGUMENT):
+                if err.status not in RUN_GONE:
                     raise
                 described.append((run, None))
         return described

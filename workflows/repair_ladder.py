@@ -197,10 +197,10 @@ def new_fault(probe: HealthViewExcerpt | None, known: set[str], since: datetime)
 @dataclass(frozen=True)
 class WorldWait:
     """A wait on the world (a replacement's boot, an instance's recovery, one look at a fixed instance) that the
-    engine's own silence does not use up. A look whose health workflow did not answer in time (no worker free to
-    take the query: the engine under load) says nothing of the instance, so at the deadline it earns more time, at
-    most `patience` past it: a busy worker never abandons a healthy replacement, or fails a fix, for its own delay;
-    and one that never answers still ends the wait."""
+    engine's own silence does not use up. A look whose health workflow gave no answer (no worker free to take the
+    query in time, or none started yet: the engine behind) says nothing of the instance, so at the deadline it earns
+    more time, at most `patience` past it: a busy worker never abandons a healthy replacement, or fails a fix, for
+    its own delay; and one that never answers still ends the wait."""
 
     deadline: datetime
     patience: timedelta

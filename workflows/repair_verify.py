@@ -132,7 +132,7 @@ async def verify_replacement(
     """Wait, within replacement_ready_timeout of its launch, for the replacement's probe to report with every GPU
     source OK, then run the gate on it (with verify_replacement "on_host", the host's part too, within gate_timeout):
     its checks, and None when it passed, else why it did not (the caller abandons it and launches another). A
-    health workflow too busy to answer at the deadline holds the wait up to one more replacement_ready_timeout."""
+    health workflow that gives no answer at the deadline holds the wait up to one more replacement_ready_timeout."""
     wait = WorldWait(since + group.replacement_ready_timeout, patience=group.replacement_ready_timeout)
     while True:
         look = await look_at(
