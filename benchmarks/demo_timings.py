@@ -56,6 +56,7 @@ ROLES = (
 
 
 CPU_ROLES = ("demo", "sim", "worker", "moto", "temporal")
+CPU_EVERY = 10.0  # seconds between two readings of the CPU timeline
 
 
 def faults_written(log: Path) -> dict[str, datetime]:
@@ -86,6 +87,8 @@ class Run:
     task_waits: list[float] = field(default_factory=list)  # every workflow task of the run
     surge_task_waits: list[float] = field(default_factory=list)  # those scheduled after the first fault was written
     task_timeouts: int = 0
+    # Every CPU_EVERY s: (epoch seconds, each role's CPU seconds so far), to see who had the cores in the surge.
+    cpu_timeline: list[tuple[float, dict[str, float]]] = field(default_factory=list)
 
 
 def children(pid: int) -> list[int]:
@@ -132,6 +135,7 @@ def run_demo(
     began = time.monotonic()
     cpu: dict[str, dict[int, float]] = {}
     rss: dict[str, dict[int, float]] = {}
+    timeline: list[tuple[float, dict[str, float]]] = []
     # Beside the state dir, which the demo wipes as it starts.
     with (
         state.with_name(state.name + ".out").open("wb") as out,
@@ -144,6 +148,8 @@ def run_demo(
                     lowest_priority(pid)  # each second: threads started since
                 cpu.setdefault(name, {})[pid] = max(cpu_seconds(pid), cpu.get(name, {}).get(pid, 0))
                 rss.setdefault(name, {})[pid] = max(rss_mb(pid) or 0.0, rss.get(name, {}).get(pid, 0))
+            if not timeline or time.time() - timeline[-1][0] >= CPU_EVERY:
+                timeline.append((time.time(), {name: round(sum(by_pid.values()), 2) for name, by_pid in cpu.items()}))
             time.sleep(1.0)
     took = time.monotonic() - began
     if not (state / "temporal.db").exists():
@@ -155,7 +161,7 @@ def run_demo(
     measured = timings(events, written)
     used = {name: round(sum(by_pid.values()), 1) for name, by_pid in sorted(cpu.items())}
     peak = {name: round(sum(by_pid.values()), 1) for name, by_pid in sorted(rss.items())}
-    run = Run(label or commit, demo.returncode, round(took, 1), measured, used, peak)
+    run = Run(label or commit, demo.returncode, round(took, 1), measured, used, peak, cpu_timeline=timeline)
     waits, run.task_timeouts = asyncio.run(workflow_task_waits(state / "temporal.db"))
     first_fault = min(written.values(), default=datetime.max.replace(tzinfo=UTC)).timestamp()
     run.task_waits = [wait for _, wait in waits]

@@ -69,6 +69,16 @@ class Size:
     overhead_s: list[float]
     drain_cap: str
     label: str = ""  # " +latency": the engine's AWS calls answered as slowly as AWS answers them
+    surge_cores: dict[str, float] | None = None  # each role's mean CPU cores from the first fault to the last repair
+
+
+def surge_cores(run: Run, begin: datetime, end: datetime) -> dict[str, float] | None:
+    """Each role's mean CPU cores between the timeline's readings nearest inside [begin, end]."""
+    inside = [(at, used) for at, used in run.cpu_timeline if begin.timestamp() <= at <= end.timestamp()]
+    if len(inside) < 2:
+        return None
+    (t0, first), (t1, last) = inside[0], inside[-1]
+    return {r: round((last.get(r, 0.0) - first.get(r, 0.0)) / (t1 - t0), 2) for r in ROLES}
 
 
 def read_size(instances: int, faults: int, run: Run, state: Path, label: str = "") -> Size:
@@ -87,12 +97,14 @@ def read_size(instances: int, faults: int, run: Run, state: Path, label: str = "
         if started:
             whole = (_at(event["time"]) - _at(started[0]["started_at"])).total_seconds()
             overhead.append(whole - waits_s(started))
-    makespan = None
+    makespan = cores = None
     if completed and written:
-        makespan = (max(_at(e["time"]) for e in completed.values()) - min(written.values())).total_seconds()
+        last = max(_at(e["time"]) for e in completed.values())
+        makespan = (last - min(written.values())).total_seconds()
+        cores = surge_cores(run, min(written.values()), last)
     output = state.with_name(state.name + ".out").read_text(errors="replace")
     cap = next((line for line in output.splitlines() if line.startswith("drain cap:")), "drain cap: not printed")
-    return Size(instances, faults, run, len(completed), makespan, overhead, cap, label)
+    return Size(instances, faults, run, len(completed), makespan, overhead, cap, label, cores)
 
 
 def p50_p99(values: list[float]) -> str:
@@ -104,6 +116,7 @@ def p50_p99(values: list[float]) -> str:
 def table(sizes: list[Size], floor: float) -> str:
     measures = list(sizes[0].run.timings) if sizes else []
     head = ["instances / faults", "repairs done", "makespan s (x floor)", *measures, "our overhead per repair"]
+    head += ["workflow task wait after the faults", "workflow tasks timed out"]
     head += [f"CPU s {r}" for r in ROLES] + [f"peak MB {r}" for r in ROLES] + ["drain cap", "exit, wall s"]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for size in sizes:
@@ -111,9 +124,15 @@ def table(sizes: list[Size], floor: float) -> str:
         makespan = "-" if size.makespan_s is None else f"{size.makespan_s:.1f} ({size.makespan_s / floor:.2f})"
         cells = [f"{size.instances} / {size.faults}{size.label}", f"{size.completed} of {size.faults}", makespan]
         cells += [p50_p99(run.timings[m]) for m in measures] + [p50_p99(size.overhead_s)]
+        cells += [p50_p99(run.surge_task_waits), str(run.task_timeouts)]
         cells += [f"{run.cpu_seconds.get(r, 0):.0f}" for r in ROLES] + [f"{run.rss_mb.get(r, 0):.0f}" for r in ROLES]
         cells += [size.drain_cap.removeprefix("drain cap: "), f"{run.exit}, {run.seconds:.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "CPU cores, mean from the first fault to the last repair: " + ", ".join(ROLES)]
+    for size in sizes:
+        cores = size.surge_cores or {}
+        shares = ", ".join(f"{cores.get(r, '-')}" for r in ROLES)
+        lines.append(f"- {size.instances} / {size.faults}{size.label}: {shares}")
     return "\n".join(lines)
 
 
