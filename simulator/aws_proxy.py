@@ -603,6 +603,10 @@ def _handler_for(proxy: FlakyAws) -> type[BaseHTTPRequestHandler]:
             proxy.arrived()
             try:
                 self._answer()
+            except (BrokenPipeError, ConnectionResetError):
+                # The caller gave up waiting (its read timeout) and hung up; the call took effect, as it does on AWS
+                # when a client stops listening. Not an error of the proxy's: no traceback on the demo's output.
+                self.close_connection = True
             finally:
                 proxy.left()
 

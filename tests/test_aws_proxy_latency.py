@@ -11,6 +11,7 @@ from typing import Any
 import boto3
 import pytest
 from botocore.config import Config
+from botocore.exceptions import ReadTimeoutError
 
 from simulator.aws_proxy import AWS_LATENCY_MS, FlakyAws
 
@@ -74,3 +75,20 @@ def test_a_latency_rule_is_checked() -> None:
         proxy.slow("RunInstances", 0.5, 0.1)
     with pytest.raises(ValueError):
         proxy.slow("RunInstances", -1)
+
+
+def test_a_caller_that_hangs_up_is_no_error_and_its_call_still_counts(
+    aws_env: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A client whose read timeout ends before a slow answer hangs up; the proxy still did the call (as AWS does) and
+    prints no traceback for the broken pipe; the next caller is answered."""
+    with FlakyAws(aws_env) as proxy:
+        proxy.slow("DescribeRegions", 1.0)
+        config = Config(retries={"total_max_attempts": 1}, read_timeout=0.2, connect_timeout=2)
+        impatient = boto3.client("ec2", region_name="us-east-1", endpoint_url=proxy.url, config=config)
+        with pytest.raises(ReadTimeoutError):
+            impatient.describe_regions()
+        time.sleep(1.5)  # the answer is written to the closed socket
+        assert proxy.calls("DescribeRegions") == 1
+        assert ec2(proxy.url).describe_regions()["Regions"]
+    assert "Traceback" not in capsys.readouterr().err
