@@ -89,9 +89,7 @@ class Publisher:
     async def outbox(self, target: SinkTarget) -> tuple[OutboxView | None, bool]:
         """What the target's outbox holds and whether it still runs; (None, False) when there never was one. A running
         outbox answers its query (a worker must be running); an ended one gives its result."""
-        handle = self.client.get_workflow_handle_for(
-            EventOutboxWorkflow.run, outbox_workflow_id(target, self.task_queue)
-        )
+        handle = self.client.get_workflow_handle(outbox_workflow_id(target, self.task_queue), result_type=OutboxView)
         try:
             described = await handle.describe()
         except RPCError as err:

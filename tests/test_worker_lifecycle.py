@@ -126,9 +126,9 @@ async def test_no_event_is_lost_when_a_replica_dies_while_the_sink_is_down(
         )
         # Every event of the group reached the JSON-lines file; the webhook's copies wait in Temporal.
         published = [e["event_id"] for e in d.fleet.events()]
-        outbox = client.get_workflow_handle_for(
-            EventOutboxWorkflow.run,
+        outbox = client.get_workflow_handle(
             outbox_workflow_id(SinkTarget(sink=Sink.WEBHOOK), d.fleet.settings.temporal.task_queue),
+            result_type=OutboxView,
         )
 
         async def waiting() -> OutboxView:
