@@ -4,6 +4,7 @@ whether it holds)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -13,6 +14,7 @@ from temporalio.client import Client, WorkflowQueryRejectedError
 from temporalio.common import QueryRejectCondition, WorkflowIDConflictPolicy
 from temporalio.service import RPCError, RPCStatusCode
 
+from activities.models import FleetReports
 from activities.semaphore_start import start_drain_semaphore
 from contract import names
 from contract.breaker import (
@@ -26,6 +28,8 @@ from contract.breaker import (
 from contract.ids import fleet_breaker_workflow_id
 
 QUERY_TIMEOUT = timedelta(seconds=10)
+# Signal-with-starts in flight at once from one batch of fleet reports.
+REPORTS_IN_FLIGHT = 16
 
 
 class BreakerOps:
@@ -36,7 +40,13 @@ class BreakerOps:
 
     def activities(self) -> list[Callable[..., Any]]:
         """The bound activity methods, for `Worker(activities=...)`."""
-        return [self.report_impairment, self.report_to_fleet_breaker, self.fleet_breaker_config, self.fleet_hold]
+        return [
+            self.report_impairment,
+            self.report_to_fleet_breaker,
+            self.report_many_to_fleet_breaker,
+            self.fleet_breaker_config,
+            self.fleet_hold,
+        ]
 
     @activity.defn
     async def report_impairment(self, report: ImpairmentReport) -> None:
@@ -46,6 +56,22 @@ class BreakerOps:
     @activity.defn
     async def report_to_fleet_breaker(self, report: ImpairmentReport) -> None:
         """Pass a group's impairment on to the fleet breaker (starting it if need be)."""
+        await self._to_fleet_breaker(report)
+
+    @activity.defn
+    async def report_many_to_fleet_breaker(self, batch: FleetReports) -> None:
+        """Pass a surge's impairments on together: one activity on the semaphore's history, not one each. Each is
+        still a signal of its own (the fleet breaker's wire is unchanged); a retry sends them all again, and the
+        fleet breaker counts an instance's impairment once."""
+        in_flight = asyncio.Semaphore(REPORTS_IN_FLIGHT)
+
+        async def send(report: ImpairmentReport) -> None:
+            async with in_flight:
+                await self._to_fleet_breaker(report)
+
+        await asyncio.gather(*(send(report) for report in batch.reports))
+
+    async def _to_fleet_breaker(self, report: ImpairmentReport) -> None:
         await self._client.start_workflow(
             names.FLEET_BREAKER_WORKFLOW,
             FleetBreakerInput(),

@@ -8,6 +8,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field, field_validator
 
+from contract.breaker import ImpairmentReport
+
 # The events are the contract's (contract/events.py): re-exported for those that import them from here.
 from contract.event_types import EventType as EventType
 from contract.events import BREAKER_DETAIL_TYPE as BREAKER_DETAIL_TYPE
@@ -257,6 +259,16 @@ class SignalsToSend(BaseModel):
 
     signal: str
     to: list[SignalTo]
+
+
+# A semaphore's impairments passed on to the fleet breaker in one activity: a surge's worth, each a signal.
+FLEET_REPORTS_AT_ONCE = 100
+
+
+class FleetReports(BaseModel):
+    """Impairments a semaphore counted together, for the fleet breaker (BreakerOps.report_many_to_fleet_breaker)."""
+
+    reports: list[ImpairmentReport] = Field(max_length=FLEET_REPORTS_AT_ONCE)
 
 
 class RepairsOfGroup(BaseModel):

@@ -97,6 +97,7 @@ class Example(ExampleOracle):
             self.check_grants()
             self.check_events()
             self.report.fleet_reports = self.stub.fleet_reports
+            self.report.fleet_report_activities = self.stub.fleet_report_activities
         finally:
             await self.clean_up()
             del self.h.stubs.groups[self.group_name]

@@ -54,6 +54,7 @@ class ExampleReport:
     # How often the semaphore had counted the group (describe_group_capacity) after each step.
     counted_after: list[int] = field(default_factory=list)
     fleet_reports: int = 0  # impairments the semaphore passed on to the fleet breaker
+    fleet_report_activities: int = 0  # the activities that carried them
 
 
 class ExampleOracle:

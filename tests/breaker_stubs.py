@@ -15,6 +15,7 @@ from temporalio import activity, workflow
 
 from activities.models import (
     FleetEvent,
+    FleetReports,
     GroupCapacity,
     GroupCapacityRequest,
     GroupConfigRequest,
@@ -146,6 +147,7 @@ class GroupStub:
     overrides: GroupConfigOverrides = field(default_factory=GroupConfigOverrides)
     events: list[FleetEvent] = field(default_factory=list)
     fleet_reports: int = 0
+    fleet_report_activities: int = 0
     counted: int = 0  # describe_group_capacity calls: the semaphore counts the group only when it must
     # Repairs of the group that the test started, by workflow id: their run id (None until the start returned).
     running: dict[str, str | None] = field(default_factory=dict)
@@ -170,6 +172,7 @@ class StubActivities:
             self.publish_event,
             self.fleet_hold,
             self.report_to_fleet_breaker,
+            self.report_many_to_fleet_breaker,
             self.send_signals,
         ]
 
@@ -219,6 +222,13 @@ class StubActivities:
     @activity.defn(name="report_to_fleet_breaker")
     async def report_to_fleet_breaker(self, report: ImpairmentReport) -> None:
         self.groups[report.group].fleet_reports += 1
+        self.groups[report.group].fleet_report_activities += 1
+
+    @activity.defn(name="report_many_to_fleet_breaker")
+    async def report_many_to_fleet_breaker(self, batch: FleetReports) -> None:
+        for report in batch.reports:
+            self.groups[report.group].fleet_reports += 1
+        self.groups[batch.reports[0].group].fleet_report_activities += 1
 
     @activity.defn(name="send_signals")
     async def send_signals(self, order: SignalsToSend) -> WorkflowRuns:

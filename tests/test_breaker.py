@@ -10,9 +10,12 @@ from pathlib import Path
 import pytest
 from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.testing import ActivityEnvironment
 
+from activities.breaker_ops import BreakerOps
+from activities.models import FleetReports
 from contract import names
-from contract.breaker import ImpairmentReport
+from contract.breaker import FleetBreakerConfig, FleetBreakerView, ImpairmentReport
 from contract.health import HealthState
 from contract.ids import fleet_breaker_workflow_id, semaphore_workflow_id
 from contract.repair import RepairPhase
@@ -207,3 +210,29 @@ async def test_the_fleet_breaker_holds_every_group_on_a_surge_across_groups(
             )
         fleet_view = await client.get_workflow_handle(fleet_id).query("fleet_breaker")
         assert fleet_view["held"] is None and fleet_view["last_resume"]["held"]["count"] == 6
+
+
+async def test_impairments_counted_together_reach_the_fleet_breaker_each_once(
+    client: Client, aws_env: str, tmp_path: Path
+) -> None:
+    """The semaphore's batch of a surge's impairments (one activity): each reaches the fleet breaker, started by the
+    first; the activity's retry sends them all again and none counts twice."""
+    group = unique("fleet-c")
+    settings = make_settings(client, aws_env, tmp_path / "events.jsonl", group=group, cluster=group)
+    ops = BreakerOps(client, settings.temporal.task_queue, FleetBreakerConfig(groups=[group]))
+    now = datetime.now(UTC)
+    batch = FleetReports(
+        reports=[ImpairmentReport(instance_id=f"i-{group}-{k}", group=group, at=now, group_size=100) for k in range(5)]
+    )
+    handle = client.get_workflow_handle(fleet_breaker_workflow_id(settings.temporal.task_queue))
+    async with running_worker(settings, client):
+        await ActivityEnvironment().run(ops.report_many_to_fleet_breaker, batch)
+        await ActivityEnvironment().run(ops.report_many_to_fleet_breaker, batch)  # as a retry would
+        view = await eventually(
+            lambda: handle.query(names.QUERY_FLEET_BREAKER, result_type=FleetBreakerView),
+            lambda v: v.impaired_in_window >= 5,
+        )
+        assert view.impaired_in_window == 5 and view.groups == {group: 100}
+        events = [e async for e in handle.fetch_history_events()]
+        signals = [e for e in events if e.HasField("workflow_execution_signaled_event_attributes")]
+        assert len(signals) == 10  # every report went, twice: the breaker, not the wire, takes a repeat as one

@@ -71,6 +71,9 @@ GRANTS_BESIDE = "grants-beside-next-batch"
 # workflow, each grant is a transfer task and two events on this one history, taken one at a time: 200 grants sent
 # at once reached their repairs over 220 s on the dev server (benchmarks/SCALE.md).
 GRANTS_BY_ACTIVITY = "grants-by-activity"
+# A patch id: histories recorded before the impairments counted together went to the fleet breaker by one activity
+# (each by an activity of its own: 200 on this history at 1,000 / 200).
+FLEET_REPORTS_TOGETHER = "fleet-reports-together"
 DETAILS_WAITERS = 20
 # Impairments reported and not yet counted (the loop counts them at its next turn): bounded like all state.
 MAX_REPORTS_PENDING = 10_000
@@ -103,6 +106,7 @@ class DrainSemaphoreWorkflow:
     async def run(self, input: SemaphoreRun) -> None:
         self._fewer_round_trips = self._duties.fewer_round_trips = workflow.patched(FEWER_ROUND_TRIPS)
         self._duties.fleet_reports_beside = workflow.patched(FLEET_REPORTS_BESIDE)
+        self._duties.fleet_reports_together = workflow.patched(FLEET_REPORTS_TOGETHER)
         self._grants_beside = workflow.patched(GRANTS_BESIDE)
         self._grants_by_activity = workflow.patched(GRANTS_BY_ACTIVITY)
         async with self._config_lock:

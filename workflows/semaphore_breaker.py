@@ -28,7 +28,7 @@ from workflows.side_tasks import SideTasks
 with workflow.unsafe.imports_passed_through():
     from activities.breaker_ops import BreakerOps
     from activities.fleet import FleetActivities
-    from activities.models import GroupCapacityRequest
+    from activities.models import FLEET_REPORTS_AT_ONCE, FleetReports, GroupCapacityRequest
 
 
 class SemaphoreBreaker:
@@ -39,6 +39,7 @@ class SemaphoreBreaker:
         # Patches, set by the workflow's run(): see drain_semaphore.py.
         self.fewer_round_trips = False
         self.fleet_reports_beside = False
+        self.fleet_reports_together = False
 
     @staticmethod
     def may_run_now(request: PermitRequest, group: CapacityGroup) -> bool:
@@ -80,7 +81,12 @@ class SemaphoreBreaker:
             if early is not None:
                 await self._faulted_early(early, group)
         await self.trip_if_over(group)
-        if self.fleet_reports_beside:
+        if self.fleet_reports_together and len(counted) > 1:
+            # A surge's reports by one activity: each its own would be 200 activities on this one hot history at
+            # 1,000 / 200, and a workflow task for each that completes.
+            for at in range(0, len(counted), FLEET_REPORTS_AT_ONCE):
+                self._side.start(self._reports_to_fleet(counted[at : at + FLEET_REPORTS_AT_ONCE]))
+        elif self.fleet_reports_beside:
             # Awaiting them would prove only that they arrived, not what the fleet breaker made of them (its hold comes
             # back as a signal either way): the grants need not wait. Many signals to one workflow take a while.
             for report in counted:
@@ -121,6 +127,16 @@ class SemaphoreBreaker:
             BreakerOps.report_to_fleet_breaker,
             report.model_copy(update={"group_size": self.state.group_size}),
             summary=f"tell the fleet breaker {report.instance_id} became IMPAIRED",
+            start_to_close_timeout=CALL_TIMEOUT,
+            retry_policy=CALL_RETRY,
+        )
+
+    async def _reports_to_fleet(self, reports: list[ImpairmentReport]) -> None:
+        sized = [report.model_copy(update={"group_size": self.state.group_size}) for report in reports]
+        await workflow.execute_activity_method(
+            BreakerOps.report_many_to_fleet_breaker,
+            FleetReports(reports=sized),
+            summary=f"tell the fleet breaker {len(sized)} instances became IMPAIRED",
             start_to_close_timeout=CALL_TIMEOUT,
             retry_policy=CALL_RETRY,
         )
