@@ -46,6 +46,12 @@ _SEARCH_ATTRIBUTE_TYPE_NAMES: dict[SearchAttributeIndexedValueType, str] = {
 }
 
 
+# The dev server's SQLite in write-ahead-log mode, committing without an fsync each (SQLite's default journal deletes
+# and syncs files on every commit, and the server commits one transaction at a time). A commit still survives the
+# server being killed; only a power cut could lose the last ones, of a database the demo and the tests throw away.
+SQLITE_PRAGMAS = ("--sqlite-pragma", "journal_mode=wal", "--sqlite-pragma", "synchronous=normal")
+
+
 class ServerError(RuntimeError):
     """A server could not be found, started, or did not become ready."""
 
@@ -240,6 +246,7 @@ class TemporalDevServer(_Subprocess):
             self.host,
             "--log-level",
             "warn",
+            *SQLITE_PRAGMAS,
             *search_attribute_args(),
             *self.extra_args,
         ]
