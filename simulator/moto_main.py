@@ -1,4 +1,4 @@
-"""`moto_server`, with two fixes, and two lookups of its own made once.
+"""`moto_server`, with three fixes, and two lookups of its own made once.
 
 An EC2 resource's tags are read from moto's own per-resource index.
 
@@ -12,6 +12,12 @@ DeregisterContainerInstance of a container instance that is not (or no longer) i
 ClientException, "Container instance not found", as ECS does, not a bare Exception (HTTP 500). ECS lets go of a
 terminated instance by itself, and so does the simulated fleet: a repair that terminated the instance and then
 deregistered it met the 500, botocore's five retries, and a failed activity attempt, in every repair of every demo.
+
+An SSM command sent to InstanceIds, without Targets, is for those instances alone, as in SSM. Moto 5.2 also adds the
+instances its targets' EC2 filter matches, and with no targets that filter is empty and matches every instance: at
+1,000 simulated instances each command of a repair (evidence, GPU reset) held a thousand instance ids and made a
+thousand invocations, and ListCommands of one instance answered every command ever sent, megabytes each; the
+simulated hosts' SSM agents spent a fifth of the simulator's CPU parsing them (py-spy of a 1,000 / 200 run).
 
 Two lookups moto makes on every request are made once: the list of its service packages (a directory walk: an
 `isdir` per service, about 12 % of moto's CPU in `make test` by py-spy) and the action methods of a response class
@@ -34,6 +40,7 @@ from moto.ec2.utils import EC2_PREFIX_TO_RESOURCE, get_prefix
 from moto.ecs.exceptions import EcsClientException
 from moto.ecs.models import EC2ContainerServiceBackend
 from moto.server import main
+from moto.ssm.models import Command
 
 
 def _tags(self: TaggedEC2Resource) -> list[dict[str, str]]:
@@ -57,6 +64,13 @@ def _deregister_known(
     return _deregister(self, cluster_str, container_instance_str, force)
 
 
+_from_targets = Command._get_instance_ids_from_targets
+
+
+def _from_targets_if_any(self: Command) -> list[str]:
+    return _from_targets(self) if self.targets else []
+
+
 _modules = moto.backends.list_of_moto_modules
 
 
@@ -71,4 +85,5 @@ if __name__ == "__main__":
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
     TaggedEC2Resource.get_tags = _tags  # type: ignore[method-assign]
     EC2ContainerServiceBackend.deregister_container_instance = _deregister_known  # type: ignore[method-assign]
+    Command._get_instance_ids_from_targets = _from_targets_if_any  # type: ignore[method-assign]
     main()

@@ -1,6 +1,6 @@
 """simulator/moto_main.py's fixes to moto: an EC2 resource's tags read from moto's own index (the same answer as
-moto's, found without scanning every tag of every resource), and ECS's answer to deregistering a container instance
-that is not there."""
+moto's, found without scanning every tag of every resource), ECS's answer to deregistering a container instance
+that is not there, and an SSM command for the instances it names."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from botocore.exceptions import ClientError
 from moto import mock_aws
 from moto.backends import get_backend
 from moto.ec2.models.core import TaggedEC2Resource
+from moto.ssm.models import Command
 
-from simulator.moto_main import _tags
+from simulator.moto_main import _from_targets, _from_targets_if_any, _tags
 from tests.harness import unique
 
 
@@ -56,3 +57,27 @@ def test_a_container_instance_deregistered_twice_is_not_found_the_second_time(aw
     error = refused.value.response["Error"]
     assert (error["Code"], refused.value.response["ResponseMetadata"]["HTTPStatusCode"]) == ("ClientException", 400)
     assert "not found" in error["Message"].lower()
+
+
+@mock_aws
+def test_a_command_sent_to_instances_is_for_those_alone() -> None:
+    """As in SSM: InstanceIds without Targets are the command's instances; moto alone added every instance."""
+    ec2 = boto3.client("ec2", region_name="us-east-1")
+    ssm = boto3.client("ssm", region_name="us-east-1")
+    ids = [i["InstanceId"] for i in ec2.run_instances(ImageId="ami-12c6146b", MinCount=3, MaxCount=3)["Instances"]]
+    Command._get_instance_ids_from_targets = _from_targets_if_any  # type: ignore[method-assign]
+    try:
+        sent = ssm.send_command(
+            InstanceIds=[ids[0]], DocumentName="AWS-RunShellScript", Parameters={"commands": ["true"]}
+        )["Command"]
+        targeted = ssm.send_command(
+            Targets=[{"Key": "instance-id", "Values": [ids[1]]}],
+            DocumentName="AWS-RunShellScript",
+            Parameters={"commands": ["true"]},
+        )["Command"]
+    finally:
+        Command._get_instance_ids_from_targets = _from_targets  # type: ignore[method-assign]
+    assert sent["InstanceIds"] == [ids[0]]
+    assert [c["CommandId"] for c in ssm.list_commands(InstanceId=ids[0])["Commands"]] == [sent["CommandId"]]
+    assert ssm.list_commands(InstanceId=ids[2])["Commands"] == []
+    assert ids[1] in ssm.list_commands(CommandId=targeted["CommandId"])["Commands"][0]["InstanceIds"]
