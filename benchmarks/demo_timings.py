@@ -176,7 +176,15 @@ async def workflow_task_waits(db: Path) -> tuple[list[tuple[float, float]], int]
     from temporalio.client import Client
 
     copy = db.with_name("analysis.db")
+    # The database and its write-ahead log (the dev server's SQLite is in WAL mode, simulator.servers): what was
+    # committed since the last checkpoint, up to the run's last minutes, is only in the log.
+    copies = [copy, copy.with_name(copy.name + "-wal"), copy.with_name(copy.name + "-shm")]
+    for stale in copies:
+        stale.unlink(missing_ok=True)
     copy.write_bytes(db.read_bytes())
+    wal = db.with_name(db.name + "-wal")
+    if wal.exists():
+        copies[1].write_bytes(wal.read_bytes())
     port = free_port()
     server = subprocess.Popen(
         [find_binary("temporal"), "server", "start-dev", "--headless", "--db-filename", str(copy), "--port", str(port)],
@@ -210,7 +218,8 @@ async def workflow_task_waits(db: Path) -> tuple[list[tuple[float, float]], int]
     finally:
         server.terminate()
         server.wait(timeout=30)
-        copy.unlink(missing_ok=True)
+        for made in copies:
+            made.unlink(missing_ok=True)
 
 
 def spread(values: list[float]) -> str:
