@@ -7,6 +7,7 @@ that tag is the idempotency key of every launch.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -54,7 +55,8 @@ class Ec2:
         """Instances by id. A filter, not InstanceIds=, so an id that no longer exists is skipped."""
         ids = sorted(set(instance_ids))
         found: dict[str, InstanceTypeDef] = {}
-        for chunk in chunks(ids, EC2_FILTER_VALUES_MAX):
+
+        async def describe(chunk: list[str]) -> None:
             token: str | None = None
             while True:
                 kwargs: dict[str, Any] = {"NextToken": token} if token else {}
@@ -70,6 +72,9 @@ class Ec2:
                 token = page.get("NextToken")
                 if not token:
                     break
+
+        # The chunks side by side (AwsCalls bounds each API's calls in flight), each one's pages in turn.
+        await asyncio.gather(*(describe(chunk) for chunk in chunks(ids, EC2_FILTER_VALUES_MAX)))
         return found
 
     async def instance(self, instance_id: str) -> InstanceTypeDef | None:
@@ -108,12 +113,16 @@ class Ec2:
     async def members(self, group: CapacityGroup, instance_ids: Iterable[str]) -> set[str]:
         """The live instances among `instance_ids` in the group (by tag or Auto Scaling membership)."""
         asg_ids: set[str] = set()
-        if group.auto_scaling_group:
-            asg = await self.auto_scaling_group(group)
-            asg_ids = {i["InstanceId"] for i in asg.get("Instances", [])}
+
+        async def asg_members() -> None:
+            if group.auto_scaling_group:
+                asg = await self.auto_scaling_group(group)
+                asg_ids.update(i["InstanceId"] for i in asg.get("Instances", []))
+
+        _, instances = await asyncio.gather(asg_members(), self.instances(instance_ids))
         return {
             iid
-            for iid, inst in (await self.instances(instance_ids)).items()
+            for iid, inst in instances.items()
             if inst.get("State", {}).get("Name") in LIVE_EC2_STATES
             and (tags_of(inst.get("Tags")).get(GROUP_TAG) == group.name or iid in asg_ids)
         }

@@ -192,9 +192,11 @@ class FleetActivities:
         """How many instances the group has in ECS now, and the drain cap that follows from it with the live
         overrides applied."""
         group = request.overrides.apply(self._group(request.group))
-        arns: list[str] = []
-        for status in REGISTERED_STATUSES:
-            arns += await self._ecs.container_instance_arns(group.cluster, status=status)
+        # ACTIVE and DRAINING listed side by side: each is pages in turn.
+        listed = await asyncio.gather(
+            *(self._ecs.container_instance_arns(group.cluster, status=status) for status in REGISTERED_STATUSES)
+        )
+        arns = [arn for arns_of_status in listed for arn in arns_of_status]
         container_instances = await self._ecs.describe_container_instances(group.cluster, arns)
         ec2_ids = {ci["ec2InstanceId"] for ci in container_instances if ci.get("ec2InstanceId")}
         members = await self._ec2.members(group, ec2_ids)

@@ -60,8 +60,9 @@ _PREVIOUS_RUNS_LOOKED_AT = 20
 PREVIOUS_CLOSE_WAIT = timedelta(seconds=20)
 # What the frontend answers for a run that does not exist (or a run id that cannot).
 RUN_GONE = frozenset({RPCStatusCode.NOT_FOUND, RPCStatusCode.INVALID_ARGUMENT})
-# Signals send_signals has in flight at once: a batch of 200 grants goes in a few round trips, not 200 at once.
-SIGNALS_AT_ONCE = 32
+# Calls to the frontend one activity has in flight at once (send_signals' signals, a batch's describes): 200 go in a
+# few round trips, neither one after another nor 200 at once.
+CALLS_AT_ONCE = 32
 
 
 async def live_group_config(
@@ -232,7 +233,7 @@ class WorkflowOps:
         """One signal to each run, side by side, through the frontend (a workflow's own signals reach their
         receivers one at a time through its history); the runs that no longer run come back. A retry sends them all
         again: each receiver takes a repeat as one."""
-        at_once = asyncio.Semaphore(SIGNALS_AT_ONCE)
+        at_once = asyncio.Semaphore(CALLS_AT_ONCE)
 
         async def send(to: SignalTo) -> WorkflowRun | None:
             async with at_once:
@@ -249,17 +250,22 @@ class WorkflowOps:
         return WorkflowRuns(runs=[run for run in gone if run is not None])
 
     async def _describe(self, runs: list[WorkflowRun]) -> list[tuple[WorkflowRun, WorkflowExecutionDescription | None]]:
-        """Each run with its description; None for a run that does not exist (or a run id that cannot)."""
-        described: list[tuple[WorkflowRun, WorkflowExecutionDescription | None]] = []
-        for run in runs:
-            handle = self._client.get_workflow_handle(run.workflow_id, run_id=run.run_id)
-            try:
-                described.append((run, await handle.describe()))
-            except RPCError as err:
-                if err.status not in RUN_GONE:
-                    raise
-                described.append((run, None))
-        return described
+        """Each run with its description; None for a run that does not exist (or a run id that cannot). Side by
+        side: a surge's batch of 200 requesters, described one after another, was that many round trips on the way to
+        their permits."""
+        at_once = asyncio.Semaphore(CALLS_AT_ONCE)
+
+        async def describe(run: WorkflowRun) -> tuple[WorkflowRun, WorkflowExecutionDescription | None]:
+            async with at_once:
+                handle = self._client.get_workflow_handle(run.workflow_id, run_id=run.run_id)
+                try:
+                    return run, await handle.describe()
+                except RPCError as err:
+                    if err.status not in RUN_GONE:
+                        raise
+                    return run, None
+
+        return list(await asyncio.gather(*(describe(run) for run in runs)))
 
     @activity.defn
     async def previous_group_config(self, ref: GroupRef) -> PreviousGroupConfig:

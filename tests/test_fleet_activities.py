@@ -36,6 +36,7 @@ from activities.models import (
 from contract.config import AwsSettings
 from contract.groups import CapacityGroup
 from contract.names import GROUP_TAG
+from simulator.aws_proxy import FlakyAws
 from simulator.fleet_aws import freeze_moto_task_lifecycle
 
 if TYPE_CHECKING:
@@ -147,6 +148,23 @@ async def test_capacity_counts_group_instances_and_caps_draining(fleet: Fleet, c
     result = await run(fleet.acts.describe_group_capacity, GroupCapacityRequest(group=fleet.group.name))
 
     assert (result.group, result.instance_count, result.max_draining) == (fleet.group.name, count, cap)
+
+
+async def test_capacity_of_a_large_group_describes_its_batches_side_by_side(fleet: Fleet, aws_env: str) -> None:
+    """250 container instances are three DescribeContainerInstances batches, and ACTIVE and DRAINING two listings:
+    the count waits for the slowest of each, not their sum (it is on the way to every drain permit of a surge)."""
+    for instance_id in fleet.launch(250):
+        fleet.register(instance_id)
+    with FlakyAws(aws_env) as proxy:
+        proxy.slow("DescribeContainerInstances", 0.5)
+        proxy.slow("ListContainerInstances", 0.5)
+        slow = FleetActivities(
+            AwsClients(AwsSettings(endpoint_url=proxy.url, max_attempts=2)), fleet.groups.__getitem__
+        )
+        result = await run(slow.describe_group_capacity, GroupCapacityRequest(group=fleet.group.name))
+        assert proxy.calls("DescribeContainerInstances") == 3
+        assert proxy.peak_in_flight >= 3  # a batch beside another, and a listing beside another
+    assert (result.instance_count, result.max_draining) == (250, 50)
 
 
 async def test_capacity_counts_draining_and_drops_deregistered(fleet: Fleet) -> None:
