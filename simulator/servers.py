@@ -48,7 +48,8 @@ _SEARCH_ATTRIBUTE_TYPE_NAMES: dict[SearchAttributeIndexedValueType, str] = {
 
 # The dev server's SQLite in write-ahead-log mode, committing without an fsync each (SQLite's default journal deletes
 # and syncs files on every commit, and the server commits one transaction at a time). A commit still survives the
-# server being killed; only a power cut could lose the last ones, of a database the demo and the tests throw away.
+# server being killed (the log is replayed on the next start); only a power cut could lose the last ones, of the local
+# database the demo starts afresh each run.
 SQLITE_PRAGMAS = ("--sqlite-pragma", "journal_mode=wal", "--sqlite-pragma", "synchronous=normal")
 
 
