@@ -15,9 +15,10 @@ deregistered it met the 500, botocore's five retries, and a failed activity atte
 
 An SSM command sent to InstanceIds, without Targets, is for those instances alone, as in SSM. Moto 5.2 also adds the
 instances its targets' EC2 filter matches, and with no targets that filter is empty and matches every instance: at
-1,000 simulated instances each command of a repair (evidence, GPU reset) held a thousand instance ids and made a
-thousand invocations, and ListCommands of one instance answered every command ever sent, megabytes each; the
-simulated hosts' SSM agents spent a fifth of the simulator's CPU parsing them (py-spy of a 1,000 / 200 run).
+1,000 simulated instances each command of a repair (evidence, GPU reset) held a thousand instance ids and
+invocations, and ListCommands of one instance answered every command ever sent, megabytes each; the simulated hosts'
+SSM agents spent a fifth of the simulator's CPU parsing them (py-spy of a 1,000 / 200 run). A command without
+targets now keeps the instances it names.
 
 Two lookups moto makes on every request are made once: the list of its service packages (a directory walk: an
 `isdir` per service, about 12 % of moto's CPU in `make test` by py-spy) and the action methods of a response class
@@ -64,11 +65,18 @@ def _deregister_known(
     return _deregister(self, cluster_str, container_instance_str, force)
 
 
-_from_targets = Command._get_instance_ids_from_targets
+_command_init = Command.__init__
 
 
-def _from_targets_if_any(self: Command) -> list[str]:
-    return _from_targets(self) if self.targets else []
+def _command_for_named(self: Command, *args: Any, **kwargs: Any) -> None:
+    # moto still matches its empty filter against every instance once per command (inside __init__); the command
+    # then keeps its named instances alone, and an invocation for each of them only.
+    named = list(kwargs.get("instance_ids") or [])
+    _command_init(self, *args, **{**kwargs, "instance_ids": list(named)})  # moto extends the list it is given
+    if not self.targets:
+        self.instance_ids = named
+        self.completed_count = self.target_count = len(named)
+        self.invocations = [self.invocation_response(instance_id, "aws:runShellScript") for instance_id in named]
 
 
 _modules = moto.backends.list_of_moto_modules
@@ -85,5 +93,5 @@ if __name__ == "__main__":
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
     TaggedEC2Resource.get_tags = _tags  # type: ignore[method-assign]
     EC2ContainerServiceBackend.deregister_container_instance = _deregister_known  # type: ignore[method-assign]
-    Command._get_instance_ids_from_targets = _from_targets_if_any  # type: ignore[method-assign]
+    Command.__init__ = _command_for_named  # type: ignore[method-assign]
     main()

@@ -15,7 +15,7 @@ from moto.backends import get_backend
 from moto.ec2.models.core import TaggedEC2Resource
 from moto.ssm.models import Command
 
-from simulator.moto_main import _from_targets, _from_targets_if_any, _tags
+from simulator.moto_main import _command_for_named, _command_init, _tags
 from tests.harness import unique
 
 
@@ -65,7 +65,7 @@ def test_a_command_sent_to_instances_is_for_those_alone() -> None:
     ec2 = boto3.client("ec2", region_name="us-east-1")
     ssm = boto3.client("ssm", region_name="us-east-1")
     ids = [i["InstanceId"] for i in ec2.run_instances(ImageId="ami-12c6146b", MinCount=3, MaxCount=3)["Instances"]]
-    Command._get_instance_ids_from_targets = _from_targets_if_any  # type: ignore[method-assign]
+    Command.__init__ = _command_for_named  # type: ignore[method-assign]
     try:
         sent = ssm.send_command(
             InstanceIds=[ids[0]], DocumentName="AWS-RunShellScript", Parameters={"commands": ["true"]}
@@ -76,7 +76,7 @@ def test_a_command_sent_to_instances_is_for_those_alone() -> None:
             Parameters={"commands": ["true"]},
         )["Command"]
     finally:
-        Command._get_instance_ids_from_targets = _from_targets  # type: ignore[method-assign]
+        Command.__init__ = _command_init  # type: ignore[method-assign]
     assert sent["InstanceIds"] == [ids[0]]
     assert [c["CommandId"] for c in ssm.list_commands(InstanceId=ids[0])["Commands"]] == [sent["CommandId"]]
     assert ssm.list_commands(InstanceId=ids[2])["Commands"] == []
