@@ -4,7 +4,6 @@ whether it holds)."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -25,6 +24,7 @@ from contract.breaker import (
     FleetHoldQuery,
     ImpairmentReport,
 )
+from contract.concurrency import gather_at_most
 from contract.ids import fleet_breaker_workflow_id
 
 QUERY_TIMEOUT = timedelta(seconds=10)
@@ -63,13 +63,7 @@ class BreakerOps:
         """Pass a surge's impairments on together: one activity on the semaphore's history, not one each. Each is
         still a signal of its own (the fleet breaker's wire is unchanged); a retry sends them all again, and the
         fleet breaker counts an instance's impairment once."""
-        in_flight = asyncio.Semaphore(REPORTS_IN_FLIGHT)
-
-        async def send(report: ImpairmentReport) -> None:
-            async with in_flight:
-                await self._to_fleet_breaker(report)
-
-        await asyncio.gather(*(send(report) for report in batch.reports))
+        await gather_at_most(REPORTS_IN_FLIGHT, (self._to_fleet_breaker(report) for report in batch.reports))
 
     async def _to_fleet_breaker(self, report: ImpairmentReport) -> None:
         await self._client.start_workflow(

@@ -48,6 +48,7 @@ from activities.models import (
 from activities.semaphore_start import start_drain_semaphore
 from contract import names
 from contract import search_attributes as sa
+from contract.concurrency import gather_at_most
 from contract.groups import GroupConfigState
 from contract.ids import legacy_repair_workflow_id, repair_workflow_id, semaphore_workflow_id
 from contract.instances import RepairWithdrawal, RepairWithdrawalResult
@@ -233,39 +234,35 @@ class WorkflowOps:
         """One signal to each run, side by side, through the frontend (a workflow's own signals reach their
         receivers one at a time through its history); the runs that no longer run come back. A retry sends them all
         again: each receiver takes a repeat as one."""
-        at_once = asyncio.Semaphore(CALLS_AT_ONCE)
 
         async def send(to: SignalTo) -> WorkflowRun | None:
-            async with at_once:
-                handle = self._client.get_workflow_handle(to.workflow_id, run_id=to.run_id)
-                try:
-                    await handle.signal(order.signal, to.payload)
-                except RPCError as err:
-                    if err.status not in RUN_GONE:
-                        raise
-                    return WorkflowRun(workflow_id=to.workflow_id, run_id=to.run_id)
+            handle = self._client.get_workflow_handle(to.workflow_id, run_id=to.run_id)
+            try:
+                await handle.signal(order.signal, to.payload)
+            except RPCError as err:
+                if err.status not in RUN_GONE:
+                    raise
+                return WorkflowRun(workflow_id=to.workflow_id, run_id=to.run_id)
             return None
 
-        gone = await asyncio.gather(*(send(to) for to in order.to))
+        gone = await gather_at_most(CALLS_AT_ONCE, (send(to) for to in order.to))
         return WorkflowRuns(runs=[run for run in gone if run is not None])
 
     async def _describe(self, runs: list[WorkflowRun]) -> list[tuple[WorkflowRun, WorkflowExecutionDescription | None]]:
         """Each run with its description; None for a run that does not exist (or a run id that cannot). Side by
         side: a surge's batch of 200 requesters, described one after another, was that many round trips on the way to
         their permits."""
-        at_once = asyncio.Semaphore(CALLS_AT_ONCE)
 
         async def describe(run: WorkflowRun) -> tuple[WorkflowRun, WorkflowExecutionDescription | None]:
-            async with at_once:
-                handle = self._client.get_workflow_handle(run.workflow_id, run_id=run.run_id)
-                try:
-                    return run, await handle.describe()
-                except RPCError as err:
-                    if err.status not in RUN_GONE:
-                        raise
-                    return run, None
+            handle = self._client.get_workflow_handle(run.workflow_id, run_id=run.run_id)
+            try:
+                return run, await handle.describe()
+            except RPCError as err:
+                if err.status not in RUN_GONE:
+                    raise
+                return run, None
 
-        return list(await asyncio.gather(*(describe(run) for run in runs)))
+        return await gather_at_most(CALLS_AT_ONCE, (describe(run) for run in runs))
 
     @activity.defn
     async def previous_group_config(self, ref: GroupRef) -> PreviousGroupConfig:

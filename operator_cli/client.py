@@ -17,6 +17,7 @@ from temporalio.client import Client, WorkflowExecution, WorkflowUpdateRPCTimeou
 from temporalio.service import RPCError, RPCStatusCode
 
 from contract import formats
+from contract.concurrency import gather_at_most
 from contract.config import TemporalSettings
 from contract.limits import MAX_NAME
 from contract.temporal_client import connect
@@ -113,13 +114,7 @@ def workflow_url(temporal: TemporalSettings, workflow_id: str, run_id: str | Non
 
 async def bounded(calls: Iterable[Awaitable[T]]) -> list[T]:
     """Await all calls, in order, at most CONCURRENCY at a time."""
-    gate = asyncio.Semaphore(CONCURRENCY)
-
-    async def one(call: Awaitable[T]) -> T:
-        async with gate:
-            return await call
-
-    return list(await asyncio.gather(*(one(c) for c in calls)))
+    return await gather_at_most(CONCURRENCY, calls)
 
 
 async def list_workflows(client: Client, query: str, limit: int | None = None) -> list[WorkflowExecution]:
