@@ -56,7 +56,7 @@ from simulator.demo_summary import EventLog, LiveSummary, describe_event, summar
 from simulator.engine_call_log import EngineCallLog
 from simulator.engine_process import EngineProcess
 from simulator.fleet import SimTiming, SimulatedFleet
-from simulator.fleet_aws import EngineCalls, ecs_instance_lookup
+from simulator.fleet_aws import EngineCalls, ecs_instance_lookup, ssm_invocation_lookup
 from simulator.fleet_view import FleetSnapshot, snapshot_from_visibility
 from simulator.host_identity import HOST_ROLE, HostIdentities
 from simulator.probes import via_ingest
@@ -430,6 +430,10 @@ async def demo_stack(
         if ecs_filter:
             lookup = ecs_instance_lookup(fleet.container_instances_of, engine.moto.endpoint_url)
             engine.proxy.answer_with("ListContainerInstances", lookup, service="ecs")
+        if follow_engine:
+            engine.proxy.answer_with(
+                "GetCommandInvocation", ssm_invocation_lookup(fleet.command_not_run), service="ssm"
+            )
         try:
             yield DemoStack(
                 engine.moto,
@@ -485,6 +489,9 @@ async def sim_stack(plan: DemoPlan, console: Console) -> AsyncIterator[SimStack]
             await sim.listening("127.0.0.1", plan.sim_port, within=SIM_START_S)
             lookup = ecs_instance_lookup(world.container_instances_of, engine.moto.endpoint_url)
             engine.proxy.answer_with("ListContainerInstances", lookup, service="ecs")
+            engine.proxy.answer_with(
+                "GetCommandInvocation", ssm_invocation_lookup(world.command_not_run), service="ssm"
+            )
             yield SimStack(engine, sim, world)
         finally:
             await sim.stop()

@@ -42,6 +42,7 @@ class EngineCallLog:
                 "instances": sorted(changes.instances),
                 "container_instances": sorted(changes.container_instances),
                 "commands": sorted(changes.commands),
+                "runs": sorted(changes.runs),
                 "reconcile": changes.reconcile,
             }
         )
@@ -64,6 +65,10 @@ class FollowedCallLog(EngineCalls):
         self._read_new()
         return super().take()
 
+    def not_run(self, instance_id: str, command_id: str) -> bool:
+        self._read_new()  # the engine may ask after a command sent since the fleet's last tick
+        return super().not_run(instance_id, command_id)
+
     def _read_new(self) -> None:
         try:
             with self.path.open("rb") as handle:
@@ -80,6 +85,7 @@ class FollowedCallLog(EngineCalls):
                     instances=set(entry.get("instances", [])),
                     container_instances=set(entry.get("container_instances", [])),
                     commands=set(entry.get("commands", [])),
+                    runs={(str(i), str(c)) for i, c in entry.get("runs", [])},
                     reconcile=bool(entry.get("reconcile", False)),
                 )
                 self.add(str(entry["action"]), changes)

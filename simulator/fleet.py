@@ -367,8 +367,9 @@ class SimulatedFleet:
         await self._see_instances(instances, left=left)
         self._see_reboots(self.aws.reboot_tags)
         draining = {n.instance_id for n in self._live_nodes() if self._draining(n)}
-        # A reset or an evidence command comes only while the repair holds the node DRAINING: look then.
-        self._play_commands(draining | changes.commands)
+        # A reset or an evidence command comes only while the repair holds the node DRAINING: look then, and again
+        # at a command an agent has not run (its last look failed).
+        self._play_commands(draining | changes.commands | self._commands_to_run())
         await self._play_drains()
 
     async def _follow(self) -> None:
@@ -463,6 +464,24 @@ class SimulatedFleet:
         arn = node.container_instance_arn
         return arn is not None and self._container_status.get(arn) == "DRAINING"
 
+    def command_not_run(self, instance_id: str, command_id: str) -> bool:
+        """Whether this fleet's instance has yet to run an SSM command the engine sent it (simulator.fleet_aws's
+        ssm_invocation_lookup: SSM says InProgress until then). Called from the AWS proxy's threads."""
+        node = self.nodes.get(instance_id)
+        if node is None or node.terminated or self.engine_calls is None:
+            return False
+        return self.engine_calls.not_run(instance_id, command_id)
+
+    def _commands_to_run(self) -> set[str]:
+        if self.engine_calls is None:
+            return set()
+        waiting = self.engine_calls.instances_with_commands_to_run()
+        for instance_id in waiting:
+            node = self.nodes.get(instance_id)
+            if node is None or node.terminated:
+                self.engine_calls.forget(instance_id)  # not this fleet's, or gone: no agent here will run it
+        return waiting
+
     def _play_commands(self, instance_ids: set[str]) -> None:
         """Each of these nodes' SSM agent looks at the engine's commands (resets, evidence), in a task of its own."""
         for instance_id in sorted(instance_ids):
@@ -479,9 +498,11 @@ class SimulatedFleet:
         try:
             while node.instance_id in self._commands_due and not node.terminated:
                 self._commands_due.discard(node.instance_id)
-                resets, evidence = await self._aws(self.aws.ssm_commands, node.instance_id)
-                self._play_resets(node, resets)
-                await self._play_evidence(node, evidence)
+                sent = await self._aws(self.aws.ssm_commands, node.instance_id)
+                self._play_resets(node, sent.resets)
+                await self._play_evidence(node, sent.evidence)
+                if self.engine_calls is not None:
+                    self.engine_calls.ran(node.instance_id, sent.ids)
         except Exception as err:  # moto hiccups: the next SendCommand or full look tries again
             log.warning("fleet-sim: %s could not read its SSM commands: %s", node.instance_id, err)
         finally:

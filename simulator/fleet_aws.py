@@ -373,11 +373,15 @@ class FleetAws:
                 statuses[ci["containerInstanceArn"]] = ci["status"]
         return statuses
 
-    def ssm_commands(self, instance_id: str) -> tuple[list[tuple[str, str]], list[tuple[str, list[str]]]]:
-        """The engine's GPU reset and evidence commands sent to the instance (gpu_reset_commands,
+    def ssm_commands(self, instance_id: str) -> HostCommands:
+        """Every command sent to the instance, its GPU resets and evidence commands among them (gpu_reset_commands,
         evidence_commands), from one ListCommands."""
         commands = self._ssm.list_commands(InstanceId=instance_id).get("Commands", [])
-        return _gpu_resets(commands, instance_id), _evidence(commands, instance_id)
+        return HostCommands(
+            ids={str(c["CommandId"]) for c in commands if "CommandId" in c},
+            resets=_gpu_resets(commands, instance_id),
+            evidence=_evidence(commands, instance_id),
+        )
 
     def gpu_reset_commands(self, instance_id: str) -> list[tuple[str, str]]:
         """The engine's GPU reset commands sent to the instance (moto records them and runs nothing): (command id,
@@ -430,6 +434,15 @@ class FleetAws:
         for page in paginator.paginate(cluster=self.cluster, desiredStatus="RUNNING"):
             running += len(page["taskArns"])
         return {"ec2": dict(ec2), "ecs": dict(ecs), "tasks": {"RUNNING": running}}
+
+
+@dataclass
+class HostCommands:
+    """What a host's SSM agent finds sent to it (FleetAws.ssm_commands)."""
+
+    ids: set[str]  # every command, those the fleet plays and those it lets pass (the fix gate's checks)
+    resets: list[tuple[str, str]]  # (command id, GPU PCI address), oldest first
+    evidence: list[tuple[str, list[str]]]  # (command id, the presigned URLs in its script), oldest first
 
 
 def _gpu_resets(commands: Iterable[Any], instance_id: str) -> list[tuple[str, str]]:
@@ -489,6 +502,7 @@ class Changes:
     instances: set[str] = field(default_factory=set)  # EC2 instances to describe again
     container_instances: set[str] = field(default_factory=set)  # container instance ARNs (or ids) to describe again
     commands: set[str] = field(default_factory=set)  # instances an SSM command was sent to
+    runs: set[tuple[str, str]] = field(default_factory=set)  # (instance, SSM command id) each, for its agent to run
     reconcile: bool = False  # something changed that names no instance: look at the whole group
 
     def __bool__(self) -> bool:
@@ -515,7 +529,9 @@ def changes_heard(answered: Answered) -> tuple[str, Changes] | None:
         except ValueError:
             return None
         if action == "SendCommand":
-            return action, Changes(commands={str(i) for i in body.get("InstanceIds", [])})
+            instances = {str(i) for i in body.get("InstanceIds", [])}
+            command_id = _command_id(answered.answer)
+            return action, Changes(commands=instances, runs={(i, command_id) for i in instances if command_id})
         named = body.get("containerInstances") or [body.get("containerInstance")]
         return action, Changes(container_instances={str(arn) for arn in named if arn})
     return None
@@ -532,12 +548,37 @@ class EngineCalls:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._changes = Changes()
+        self._running: dict[str, set[str]] = {}  # instance -> the SSM commands its agent has not yet run
         self.heard: Counter[str] = Counter()  # the changing calls heard, by API
 
     def __call__(self, answered: Answered) -> None:
         heard = changes_heard(answered)
         if heard is not None:
             self.add(*heard)
+
+    def ran(self, instance_id: str, command_ids: Collection[str]) -> None:
+        """The instance's SSM agent ran these commands (those the fleet plays, to the end): SSM says how they ended."""
+        with self._lock:
+            left = self._running.get(instance_id, set()) - set(command_ids)
+            if left:
+                self._running[instance_id] = left
+            else:
+                self._running.pop(instance_id, None)
+
+    def forget(self, instance_id: str) -> None:
+        """The instance is gone: its agent runs nothing more (SSM's own answer stands)."""
+        with self._lock:
+            self._running.pop(instance_id, None)
+
+    def instances_with_commands_to_run(self) -> set[str]:
+        """The instances with a command their agent has not run (one that failed to read them tries again)."""
+        with self._lock:
+            return set(self._running)
+
+    def not_run(self, instance_id: str, command_id: str) -> bool:
+        """Whether the instance's agent has yet to run the command (`ssm_invocation_lookup`'s question)."""
+        with self._lock:
+            return command_id in self._running.get(instance_id, ())
 
     def add(self, action: str, changes: Changes) -> None:
         """What one call of `action` changed, added to what the next take() returns."""
@@ -546,6 +587,9 @@ class EngineCalls:
             self._changes.instances.update(changes.instances)
             self._changes.container_instances.update(changes.container_instances)
             self._changes.commands.update(changes.commands)
+            # Heard before the SendCommand's answer leaves: the engine never asks after a command not yet known here.
+            for instance_id, command_id in changes.runs:
+                self._running.setdefault(instance_id, set()).add(command_id)
             self._changes.reconcile |= changes.reconcile
 
     def take(self) -> Changes:
@@ -553,6 +597,46 @@ class EngineCalls:
         with self._lock:
             taken, self._changes = self._changes, Changes()
         return taken
+
+
+def _command_id(answer: bytes) -> str:
+    try:
+        sent = json.loads(answer or b"{}")
+    except ValueError:
+        return ""
+    command = sent.get("Command") if isinstance(sent, dict) else None
+    return str(command.get("CommandId") or "") if isinstance(command, dict) else ""
+
+
+def ssm_invocation_lookup(not_run: Callable[[str, str], bool]) -> Callable[[AwsRequest], dict[str, object] | None]:
+    """A FlakyAws answerer of GetCommandInvocation (`proxy.answer_with("GetCommandInvocation", ...)`): InProgress
+    while `not_run(instance, command)`, as SSM says while the host's script runs; moto's own answer after. Moto says
+    Success the moment a command is sent: the engine, reading the host's evidence uploads after that Success, found
+    them missing when the simulated host had not made them yet (a failure in make test)."""
+
+    def answer(request: AwsRequest) -> dict[str, object] | None:
+        try:
+            asked = json.loads(request.body or b"{}")
+        except ValueError:
+            return None
+        if not isinstance(asked, dict):
+            return None
+        command_id, instance_id = str(asked.get("CommandId", "")), str(asked.get("InstanceId", ""))
+        if not not_run(instance_id, command_id):
+            return None
+        return {
+            "CommandId": command_id,
+            "InstanceId": instance_id,
+            "DocumentName": "AWS-RunShellScript",
+            "PluginName": "aws:runShellScript",
+            "ResponseCode": -1,
+            "Status": "InProgress",
+            "StatusDetails": "InProgress",
+            "StandardOutputContent": "",
+            "StandardErrorContent": "",
+        }
+
+    return answer
 
 
 _EC2_INSTANCE_QUERY = re.compile(r"\s*ec2InstanceId\s*==\s*(i-[0-9a-f]{8,17})\s*")

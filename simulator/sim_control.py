@@ -5,6 +5,7 @@ Plain JSON over HTTP on loopback, so what the demo does to the fleet is what any
     GET  /healthz                                 {"instances": N, "probes": "real" | "stand-in"}
     GET  /world                                   AWS's counts and the fleet's lists (simulator.fleet_view.FleetWorld)
     GET  /instances/{id}/container-instances      {"arns": [...]}: what its ECS agent registered
+    GET  /instances/{id}/commands/{command}       {"not_run": bool}: whether its SSM agent has yet to run it
     POST /scenario                                the scenario of the sim's flags, once: {"faulted": {id: line}, ...}
     POST /instances/{id}/fault     {"xid": 79}    a critical Xid in its kernel log (the Xid drawn when left out)
     POST /instances/{id}/noise     {"xid": 13}    an application Xid: counted, never a repair
@@ -111,6 +112,10 @@ def control_app(fleet: SimulatedFleet, scenario: Scenario) -> Any:
     async def container_instances(request: web.Request) -> web.Response:
         return answer({"arns": sorted(fleet.container_instances_of(request.match_info["instance"]))})
 
+    async def command(request: web.Request) -> web.Response:
+        info = request.match_info
+        return answer({"not_run": fleet.command_not_run(info["instance"], info["command"])})
+
     async def scenario_(_: web.Request) -> web.Response:
         if played:
             return answer({"error": "the scenario was played already", "played": played[0].model_dump()}, 409)
@@ -148,6 +153,7 @@ def control_app(fleet: SimulatedFleet, scenario: Scenario) -> Any:
             web.get("/healthz", healthz),
             web.get("/world", world),
             web.get("/instances/{instance}/container-instances", container_instances),
+            web.get("/instances/{instance}/commands/{command}", command),
             web.post("/scenario", scenario_),
             web.post("/instances/{instance}/fault", fault),
             web.post("/instances/{instance}/noise", noise),
@@ -182,6 +188,15 @@ class SimClient:
 
     def inject_fault(self, instance_id: str, xid: int | None = None) -> str:
         return str(self._call("POST", f"/instances/{instance_id}/fault", {} if xid is None else {"xid": xid})["line"])
+
+    def command_not_run(self, instance_id: str, command_id: str) -> bool:
+        """Whether the sim's host has yet to run the SSM command; False when the sim does not answer (moto's answer
+        stands)."""
+        try:
+            found = self._call("GET", f"/instances/{instance_id}/commands/{command_id}", timeout_s=2.0)
+        except (OSError, ValueError, urllib.error.URLError):
+            return False
+        return found.get("not_run") is True
 
     def container_instances_of(self, instance_id: str) -> set[str] | None:
         """What the sim's ECS agent registered for the instance; None when the sim does not answer (killed, being

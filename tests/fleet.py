@@ -24,7 +24,7 @@ from contract.ids import semaphore_workflow_id
 from simulator.aws_proxy import FlakyAws
 from simulator.events import group_events, repaired_instances
 from simulator.fleet import SimTiming, SimulatedFleet
-from simulator.fleet_aws import EngineCalls
+from simulator.fleet_aws import EngineCalls, ssm_invocation_lookup
 from simulator.probes import ProbeRunner
 from tests.harness import eventually, make_settings, running_worker, unique
 from worker.settings import Settings
@@ -168,6 +168,7 @@ async def simulated_fleet(
         )
         if in_process_worker:
             await stack.enter_async_context(running_worker(settings, client))
+        engine_proxy.answer_with("GetCommandInvocation", ssm_invocation_lookup(sim.command_not_run), service="ssm")
         await sim.setup()
         stack.push_async_callback(sim.close)
         yield Fleet(sim=sim, settings=settings, events_path=events_path, client=client, moto_endpoint=moto_endpoint)

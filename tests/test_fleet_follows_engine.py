@@ -24,7 +24,7 @@ from botocore.exceptions import ClientError
 from contract.names import REBOOT_TAG
 from simulator.aws_proxy import Answered, FlakyAws
 from simulator.fleet import SimTiming, SimulatedFleet
-from simulator.fleet_aws import EngineCalls, SimWorkload, ecs_instance_lookup
+from simulator.fleet_aws import EngineCalls, SimWorkload, ecs_instance_lookup, ssm_invocation_lookup
 from simulator.nodes import SimNode
 from simulator.probes import ProbeFleet
 
@@ -70,7 +70,9 @@ async def following(
     fleets: list[SimulatedFleet] = []
     stops: list[Callable[[], None]] = []
 
-    async def make(instances: int = 3, timing: SimTiming = FOLLOWING, **kwargs: Any) -> SimulatedFleet:
+    async def make(
+        instances: int = 3, timing: SimTiming = FOLLOWING, world: str | None = None, **kwargs: Any
+    ) -> SimulatedFleet:
         group = f"g-{uuid.uuid4().hex[:8]}"
         calls = EngineCalls()
         stops.append(proxy.listen(calls))
@@ -79,7 +81,7 @@ async def following(
             cluster=f"{group}-cluster",
             state_dir=tmp_path / group,
             instances=instances,
-            endpoint_url=aws_env,  # the world talks to moto directly, as in the demo
+            endpoint_url=world or aws_env,  # the world talks to moto directly, as in the demo
             timing=timing,
             probe_runner=_FakeProbe(),
             engine_calls=calls,
@@ -274,3 +276,37 @@ async def test_the_proxy_narrows_a_listing_to_one_instance_as_ecs_does(
     # Any other query is moto's answer, unchanged.
     other = ecs.list_container_instances(cluster=fleet.cluster, filter="attribute:ecs.os-type == linux")
     assert set(other["containerInstanceArns"]) == every
+
+
+async def test_an_ssm_command_is_in_progress_until_the_host_has_run_it(
+    following: Callable[..., Awaitable[SimulatedFleet]], proxy: FlakyAws, aws_env: str
+) -> None:
+    """moto says Success the moment a command is sent; the proxy says InProgress until the simulated host's SSM agent
+    has run it (its evidence uploaded), as SSM does while the script runs. Held here by a slow ListCommands of the
+    agent's: its look at the commands takes two seconds."""
+    world = FlakyAws(aws_env).start()
+    world.slow("ListCommands", 2.0, service="ssm")
+    try:
+        fleet = await following(instances=2, world=world.url)
+        proxy.answer_with("GetCommandInvocation", ssm_invocation_lookup(fleet.command_not_run), service="ssm")
+        ssm = _engine(proxy, "ssm")
+        instance_id = sorted(fleet.live_instances())[0]
+        sent = ssm.send_command(
+            InstanceIds=[instance_id], DocumentName="AWS-RunShellScript", Parameters={"commands": ["true"]}
+        )
+        command_id = sent["Command"]["CommandId"]
+
+        def status() -> str:
+            return str(ssm.get_command_invocation(CommandId=command_id, InstanceId=instance_id)["Status"])
+
+        assert status() == "InProgress"
+        await _until(lambda: status() == "Success", "the host's agent to run the command")
+        assert world.calls("ListCommands") >= 1
+        # A command to an instance that is not the fleet's is moto's to answer.
+        other = ssm.send_command(
+            InstanceIds=["i-0123456789abcdef0"], DocumentName="AWS-RunShellScript", Parameters={"commands": ["true"]}
+        )
+        answered = ssm.get_command_invocation(CommandId=other["Command"]["CommandId"], InstanceId="i-0123456789abcdef0")
+        assert answered["Status"] == "Success"
+    finally:
+        world.close()

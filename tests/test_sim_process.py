@@ -88,6 +88,9 @@ async def test_sim_killed_and_started_again_adopts_its_fleet_from_moto(aws_env: 
         # What the sim's ECS agents registered, as the demo's proxy asks it.
         arns = await asyncio.to_thread(_get, f"{control}/instances/{launched}/container-instances")
         assert len(arns["arns"]) == 1
+        # And whether its SSM agent has yet to run a command: this sim follows no engine, so moto's word stands.
+        asked = await asyncio.to_thread(_get, f"{control}/instances/{launched}/commands/4f0c6a4e")
+        assert asked == {"not_run": False}
     finally:
         await sim.stop()
     assert sim.starts == 2
@@ -118,3 +121,19 @@ def test_the_engines_calls_reach_a_sim_in_another_process_through_the_call_log(t
         handle.write('ances", "instances": ["i-0bbbbbbbbbbbbbbbb"], "container_instances": [], "commands": []}\n')
     assert follower.take().instances == {"i-0bbbbbbbbbbbbbbbb"}
     assert not follower.take()
+
+
+def test_a_command_the_engine_sent_is_not_run_in_the_other_process_until_its_agent_ran_it(tmp_path: Path) -> None:
+    """The engine asks after an SSM command as soon as SendCommand answers, maybe before the sim's next tick: the
+    sim's reader looks at the log again for the question, and the command is not run until its agent says so."""
+    path = tmp_path / "engine-calls.jsonl"
+    log, follower = EngineCallLog(path), FollowedCallLog(path)
+    instance_id, command_id = "i-0123456789abcdef0", "4f0c6a4e-3f5b-4b8e-9d59-2c1b0e7d6a11"
+    body = json.dumps({"InstanceIds": [instance_id], "DocumentName": "AWS-RunShellScript"}).encode()
+    request = AwsRequest(service="ssm", action="SendCommand", protocol="json", attempt=1, invocation="x", body=body)
+    log(Answered(request, 200, json.dumps({"Command": {"CommandId": command_id}}).encode(), 0.01))
+    assert follower.not_run(instance_id, command_id)  # no take() in between
+    assert not follower.not_run("i-0fedcba9876543210", command_id) and not follower.not_run(instance_id, "other")
+    assert follower.take().commands == {instance_id}  # the tick still hears of it, once
+    follower.ran(instance_id, [command_id])
+    assert not follower.not_run(instance_id, command_id) and not follower.instances_with_commands_to_run()
