@@ -117,12 +117,15 @@ WFT_TIMER = "TimerActiveTaskWorkflowTaskTimeout"  # the history service's timer 
 ACT_TIMER, ACT_TIMEOUTS = "TimerActiveTaskActivityTimeout", ("start_to_close_timeout", "schedule_to_close_timeout")
 RESPOND = "RespondWorkflowTaskCompleted"
 Labels = dict[str, str | tuple[str, ...]]
+WFT_FAILED = "temporal_workflow_task_execution_failed_total"
+FAILURE_LABELS = ("failure_reason", "workflow_type")
+FAILURES_BY_LABEL = "workflow_task_failures_by_label_whole_run"
 # What each sample reads: (name, endpoint, metric families summed, the labels a sample must have: a tuple, any of
 # these). The worker's are the Temporal SDK core's (durations in ms, counters with _total); "temporal" is the dev
 # server's page, read for the benchmark's namespace only. All are counters but the two gauges.
 COUNTERS: list[tuple[str, str, tuple[str, ...], Labels]] = [
     ("workflow_tasks", "worker", ("temporal_workflow_task_execution_latency_count",), {}),
-    ("workflow_task_failures", "worker", ("temporal_workflow_task_execution_failed_total",), {}),
+    ("workflow_task_failures", "worker", (WFT_FAILED,), {}),
     ("wft_schedule_to_start_ms_sum", "worker", ("temporal_workflow_task_schedule_to_start_latency_sum",), {}),
     ("wft_schedule_to_start_count", "worker", ("temporal_workflow_task_schedule_to_start_latency_count",), {}),
     ("activities", "worker", ("temporal_activity_execution_latency_count",), {}),
@@ -370,6 +373,9 @@ class Sampler:
         self.fleet = fleet
         self.series: list[dict[str, Any]] = []
         self.errors: Counter[str] = Counter()
+        # The worker's failed workflow tasks by the SDK's labels (its failure_reason, the workflow type), as last read:
+        # a failed task that the server never records (a query's, or one not reported again) is only seen here.
+        self.task_failures_by: dict[str, float] = {}
         self.phase = "warm-up"
         self.began = time.monotonic()
         self._last: Reading | None = None
@@ -384,6 +390,11 @@ class Sampler:
             except Exception as err:  # an endpoint not up yet or gone: that sample goes without it
                 self.errors[f"{endpoint} metrics: {type(err).__name__}"] += 1
                 continue
+            if endpoint == "worker":
+                self.task_failures_by = {
+                    ", ".join(f"{k}={v}" for k, v in sorted(have.items()) if k in FAILURE_LABELS): value
+                    for have, value in metrics.get(WFT_FAILED, [])
+                }
             for name, _, families, labels in rows:
                 if endpoint == "temporal":
                     labels = labels | {"namespace": self.client.namespace}
@@ -711,6 +722,7 @@ async def phases(args: argparse.Namespace, fleet: Fleet, sampler: Sampler, detec
         out["events_by_type"] = dict(detection.log.counts)
         out["goals"] = goals(out["window"], out["faults"])
         out["sampling_errors"] = dict(sampler.errors)
+        out["window"][FAILURES_BY_LABEL] = sampler.task_failures_by
         out["series"] = sampler.series
     finally:
         for task in background:
@@ -755,7 +767,7 @@ def print_summary(results: dict[str, Any]) -> None:
         f"backlog max {w['backlog_max']}, first third {w['backlog_mean_first_third']}, last third "
         f"{w['backlog_mean_last_third']}; timeouts: workflow task {w['workflow_task_timeouts']}, sticky "
         f"{w['sticky_schedule_to_start_timeouts']}, activity {w['activity_timeouts']}; workflow task failures "
-        f"{w['workflow_task_failures']}\n"
+        f"{w['workflow_task_failures']} (whole run, by label: {window.get(FAILURES_BY_LABEL)})\n"
         f"finding -> IMPAIRED event: p50 {decided['p50_ms']} ms, p99 {decided['p99_ms']} ms, max {decided['max_ms']} "
         f"ms; seen in file p50 {seen['p50_ms']} ms, p99 {seen['p99_ms']} ms; {faults['impaired']}/{faults['injected']} "
         f"impaired, {len(faults['impaired_without_fault'])} without a fault\ngoals: {json.dumps(results['goals'])}",
