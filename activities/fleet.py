@@ -55,10 +55,10 @@ from activities.models import (
     TasksWait,
     TerminateResult,
 )
-from activities.workflow_ops import live_group_config
+from activities.workflow_ops import committed_group_config
 from contract import names
 from contract.evidence import QUARANTINE_TAG
-from contract.groups import CapacityGroup, GroupConfigOverrides, GroupConfigState
+from contract.groups import CapacityGroup, GroupConfigOverrides
 from contract.ids import semaphore_workflow_id
 from contract.semaphore import ReplacementClaim, ReplacementClaimed
 
@@ -113,9 +113,8 @@ class FleetActivities:
         self._groups = groups
         # Reads the live overrides an operator set on the group's drain semaphore; None: settings only.
         self._client = client
-        # A surge of workflows asking at once shares one query (the server buffers few per workflow), never older
-        # than the asking.
-        self._live_config = FreshRead(partial(_live_state, client)) if client is not None else None
+        # A surge of workflows asking at once shares one describe of the semaphore, never older than the asking.
+        self._live_config = FreshRead(partial(committed_group_config, client)) if client is not None else None
         self._poll_seconds = poll_interval.total_seconds()
         # Task definition revisions are immutable, so their stop timeouts never go stale; bounded (LRU)
         # because a long-running worker sees every revision ever deployed.
@@ -620,8 +619,3 @@ class FleetActivities:
         while len(self._stop_timeouts) > self._cache_size:
             self._stop_timeouts.popitem(last=False)
         return timeout
-
-
-async def _live_state(client: Client, group: str) -> GroupConfigState | None:
-    state, _ = await live_group_config(client, group)
-    return state

@@ -81,12 +81,28 @@ async def live_group_config(
         )
         return state, True
     except WorkflowQueryRejectedError:
-        description = await handle.describe(rpc_timeout=rpc_timeout)
-        return await description.memo_value(names.GROUP_CONFIG_MEMO, None, type_hint=GroupConfigState), False
+        return await committed_group_config(client, group, rpc_timeout), False
     except RPCError as err:
         if err.status == RPCStatusCode.NOT_FOUND:
             return None, False
         raise
+
+
+async def committed_group_config(
+    client: Client, group: str, rpc_timeout: timedelta = timedelta(seconds=10)
+) -> GroupConfigState | None:
+    """The group's live configuration as its drain semaphore last committed it: the memo it upserts with every change
+    and carries across continue-as-new; None when none ever ran or nothing was ever changed. Read by describe, which
+    the server answers alone, not by a query: a query of a semaphore busy with a surge's signals waits behind its
+    workflow task, and Core drops one that expires there as a failed workflow task (benchmarks/SCALE.md, part 2)."""
+    handle = client.get_workflow_handle(semaphore_workflow_id(group))
+    try:
+        description = await handle.describe(rpc_timeout=rpc_timeout)
+    except RPCError as err:
+        if err.status == RPCStatusCode.NOT_FOUND:
+            return None
+        raise
+    return await description.memo_value(names.GROUP_CONFIG_MEMO, None, type_hint=GroupConfigState)
 
 
 class WorkflowOps:
