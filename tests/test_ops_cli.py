@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.testing import ActivityEnvironment
 
@@ -315,6 +315,27 @@ async def test_live_overrides_survive_a_terminated_semaphore_and_reset_drops_the
         reset_then_more = await cli_json(settings, "group", "update", "--name", group, "--max-draining-percent", "30")
         assert reset_then_more["overrides"] == {"max_draining_percent": 30} and reset_then_more["revision"] == 4
         await semaphore.terminate("test over")
+
+
+async def test_workflows_read_the_live_overrides_without_the_semaphores_worker(
+    client: Client, aws_env: str, tmp_path: Path
+) -> None:
+    """What repairs and health checks apply is the semaphore's committed configuration (its memo), which the server
+    answers alone: a query would wait for a worker, and one that waited behind a busy semaphore's workflow task was
+    dropped by Core (benchmarks/SCALE.md, part 2)."""
+    group = unique("g")
+    settings = make_settings(client, aws_env, tmp_path / "events.jsonl", group=group, cluster=group)
+    fleet_activities = FleetActivities(AwsClients(settings.aws), settings.group, client=client)
+    semaphore = client.get_workflow_handle(semaphore_workflow_id(group))
+    async with running_worker(settings, client):
+        await cli_json(settings, "group", "update", "--name", group, "--auto-repair", "DISABLED")
+    # No worker polls now; the semaphore still runs.
+    seen = await asyncio.wait_for(
+        ActivityEnvironment().run(fleet_activities.get_group_config, GroupConfigRequest(group=group)), timeout=5
+    )
+    assert seen.auto_repair is AutoRepair.DISABLED
+    assert (await semaphore.describe()).status == WorkflowExecutionStatus.RUNNING
+    await semaphore.terminate("test over")
 
 
 async def test_unreachable_temporal_and_bad_arguments_give_one_line(tmp_path: Path) -> None:
