@@ -374,24 +374,14 @@ class FleetAws:
         return statuses
 
     def ssm_commands(self, instance_id: str) -> HostCommands:
-        """Every command sent to the instance, its GPU resets and evidence commands among them (gpu_reset_commands,
-        evidence_commands), from one ListCommands."""
+        """Every command sent to the instance, its GPU resets and evidence commands among them, from one ListCommands
+        (moto records them and runs nothing: the SSM agent's part is the fleet's to play)."""
         commands = self._ssm.list_commands(InstanceId=instance_id).get("Commands", [])
         return HostCommands(
             ids={str(c["CommandId"]) for c in commands if "CommandId" in c},
             resets=_gpu_resets(commands, instance_id),
             evidence=_evidence(commands, instance_id),
         )
-
-    def gpu_reset_commands(self, instance_id: str) -> list[tuple[str, str]]:
-        """The engine's GPU reset commands sent to the instance (moto records them and runs nothing): (command id,
-        the GPU's PCI address) each, oldest first. The SSM agent's part of the reset is the fleet's to play."""
-        return _gpu_resets(self._ssm.list_commands(InstanceId=instance_id).get("Commands", []), instance_id)
-
-    def evidence_commands(self, instance_id: str) -> list[tuple[str, list[str]]]:
-        """The engine's evidence commands sent to the instance: (command id, the presigned URLs in its script, in
-        the script's order: kernel log, bug report) each, oldest first."""
-        return _evidence(self._ssm.list_commands(InstanceId=instance_id).get("Commands", []), instance_id)
 
     def upload(self, url: str, body: bytes) -> None:
         """PUT to a presigned URL, as the host's curl does: no credentials, only the URL."""
@@ -442,7 +432,8 @@ class HostCommands:
 
     ids: set[str]  # every command, those the fleet plays and those it lets pass (the fix gate's checks)
     resets: list[tuple[str, str]]  # (command id, GPU PCI address), oldest first
-    evidence: list[tuple[str, list[str]]]  # (command id, the presigned URLs in its script), oldest first
+    # (command id, the presigned URLs in its script, in its order: kernel log, bug report), oldest first
+    evidence: list[tuple[str, list[str]]]
 
 
 def _gpu_resets(commands: Iterable[Any], instance_id: str) -> list[tuple[str, str]]:
