@@ -26,6 +26,12 @@ Role = Literal["worker", "ingest", "sim"]
 def engine_environment(settings: Settings) -> dict[str, str]:
     """The settings, as the environment an operator gives `autorepair worker` or `autorepair ingest`."""
     env = dict(os.environ)
+    # Temporal's workflow sandbox imports the workflow modules afresh for every workflow the worker creates. Without a
+    # bytecode cache (PYTHONDONTWRITEBYTECODE, as on the machine these were measured on: an editable install has none)
+    # each import compiles from source: half of creating a workflow, a tenth of the worker's CPU in the 200 / 40
+    # demo's surge (py-spy). The children keep Python's own cache (__pycache__, ignored by git), as an installed
+    # image does (deploy/docker: UV_COMPILE_BYTECODE).
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     env.update(
         AUTOREPAIR_TEMPORAL__ADDRESS=settings.temporal.address,
         AUTOREPAIR_TEMPORAL__NAMESPACE=settings.temporal.namespace,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import sys
 import urllib.request
 from collections import Counter
 from pathlib import Path
@@ -19,7 +20,7 @@ from contract.config import AwsSettings
 from contract.names import GROUP_TAG
 from simulator.aws_proxy import Answered, AwsRequest
 from simulator.engine_call_log import EngineCallLog, FollowedCallLog
-from simulator.engine_process import EngineProcess
+from simulator.engine_process import EngineProcess, engine_environment
 from simulator.servers import free_port
 from tests.harness import eventually, unique
 from worker.settings import Settings
@@ -137,3 +138,22 @@ def test_a_command_the_engine_sent_is_not_run_in_the_other_process_until_its_age
     assert follower.take().commands == {instance_id}  # the tick still hears of it, once
     follower.ran(instance_id, [command_id])
     assert not follower.not_run(instance_id, command_id) and not follower.instances_with_commands_to_run()
+
+
+async def test_the_engine_processes_keep_a_bytecode_cache(tmp_path: Path, monkeypatch: Any) -> None:
+    """The worker's sandbox imports the workflow modules for every workflow it creates: its children write and read
+    Python's bytecode cache even where the parent's environment turns it off (PYTHONDONTWRITEBYTECODE)."""
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    module = tmp_path / "cached_here.py"
+    module.write_text("VALUE = 1\n")
+    env = engine_environment(Settings()) | {"PYTHONPATH": str(tmp_path)}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        "import sys, cached_here; print(sys.dont_write_bytecode)",
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), timeout=60)
+    assert out.decode().strip() == "False"
+    assert [p.name for p in (tmp_path / "__pycache__").iterdir()] == [f"cached_here.{sys.implementation.cache_tag}.pyc"]
