@@ -1,4 +1,4 @@
-"""`moto_server`, with three fixes, and two lookups of its own made once.
+"""`moto_server`, with three fixes, and three lookups of its own made once.
 
 An EC2 resource's tags are read from moto's own per-resource index.
 
@@ -25,6 +25,12 @@ Two lookups moto makes on every request are made once: the list of its service p
 (`inspect.getmembers`, about 4 %). Neither changes while the server runs. The request log (werkzeug's, a line per
 call) is off: the tests and the demo send it to /dev/null, after formatting it.
 
+The third: where its response serializer looks for each field of an answer on moto's object. For every field of
+every object it answers with, moto asks six alias rules for the attribute names that field may have, from the field's
+shape and the object's class alone, and the answer is the same each time: a quarter of the time moto took to answer
+DescribeInstances of 200 instances (0.52 s; 0.41-0.44 s with the names worked out once per picker, class, field and
+shape), which the simulated fleet's counts, the engine's lookups and the drain semaphore's count of a group all ask.
+
     python -m simulator.moto_main -H 127.0.0.1 -p 5000     (moto_server's own flags)
 """
 
@@ -32,10 +38,12 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import moto.backends
 import moto.core.responses
+from moto.core.serialize import AttributePicker, AttributePickerContext, XFormedAttributePicker
 from moto.ec2.models.core import TaggedEC2Resource
 from moto.ec2.utils import EC2_PREFIX_TO_RESOURCE, get_prefix
 from moto.ecs.exceptions import EcsClientException
@@ -79,6 +87,29 @@ def _command_for_named(self: Command, *args: Any, **kwargs: Any) -> None:
         self.invocations = [self.invocation_response(instance_id, "aws:runShellScript") for instance_id in named]
 
 
+# Keyed by the shape objects themselves (botocore keeps one per field of its loaded model), so an entry never outlives
+# the shape it names; bounded all the same.
+_keys_of: dict[tuple[Any, ...], tuple[str, ...]] = {}
+_KEYS_MAX = 100_000
+PossibleKeys = Callable[[Any, AttributePickerContext], Iterable[str]]
+
+
+def _once(possible_keys: PossibleKeys) -> PossibleKeys:
+    def cached(self: AttributePicker, context: AttributePickerContext) -> tuple[str, ...]:
+        shape = context.shape
+        # What the alias rules read: the object's class (and its Meta), the field, its shape and the shape's parent.
+        key = (possible_keys, type(context.obj), context.key, shape, getattr(shape, "parent", None))
+        found = _keys_of.get(key)
+        if found is None:
+            found = tuple(possible_keys(self, context))
+            if len(_keys_of) >= _KEYS_MAX:
+                _keys_of.clear()
+            _keys_of[key] = found
+        return found
+
+    return cached
+
+
 _modules = moto.backends.list_of_moto_modules
 
 
@@ -94,4 +125,6 @@ if __name__ == "__main__":
     TaggedEC2Resource.get_tags = _tags  # type: ignore[method-assign]
     EC2ContainerServiceBackend.deregister_container_instance = _deregister_known  # type: ignore[method-assign]
     Command.__init__ = _command_for_named  # type: ignore[method-assign]
+    for picker in (AttributePicker, XFormedAttributePicker):
+        picker.get_possible_keys = _once(picker.get_possible_keys)  # type: ignore[method-assign,assignment]
     main()

@@ -1,10 +1,12 @@
 """simulator/moto_main.py's fixes to moto: an EC2 resource's tags read from moto's own index (the same answer as
 moto's, found without scanning every tag of every resource), ECS's answer to deregistering a container instance
-that is not there, and an SSM command for the instances it names."""
+that is not there, an SSM command for the instances it names, and its serializer's field names worked out once (the
+same answers)."""
 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import boto3
 import pytest
@@ -12,10 +14,11 @@ from botocore.config import Config
 from botocore.exceptions import ClientError
 from moto import mock_aws
 from moto.backends import get_backend
+from moto.core.serialize import AttributePicker, XFormedAttributePicker
 from moto.ec2.models.core import TaggedEC2Resource
 from moto.ssm.models import Command
 
-from simulator.moto_main import _command_for_named, _command_init, _tags
+from simulator.moto_main import _command_for_named, _command_init, _once, _tags
 from tests.harness import unique
 
 
@@ -81,3 +84,47 @@ def test_a_command_sent_to_instances_is_for_those_alone() -> None:
     assert [c["CommandId"] for c in ssm.list_commands(InstanceId=ids[0])["Commands"]] == [sent["CommandId"]]
     assert ssm.list_commands(InstanceId=ids[2])["Commands"] == []
     assert ids[1] in ssm.list_commands(CommandId=targeted["CommandId"])["Commands"][0]["InstanceIds"]
+
+
+@mock_aws
+def test_the_serializer_s_names_worked_out_once_give_moto_s_own_answers() -> None:
+    """Each answer the same as moto's own, field for field, however often it is asked."""
+    ec2 = boto3.client("ec2", region_name="us-east-1")
+    ecs = boto3.client("ecs", region_name="us-east-1")
+    ids = [
+        i["InstanceId"]
+        for i in ec2.run_instances(
+            ImageId="ami-12c6146b",
+            MinCount=3,
+            MaxCount=3,
+            TagSpecifications=[{"ResourceType": "instance", "Tags": [{"Key": "g", "Value": "a"}]}],
+        )["Instances"]
+    ]
+    ecs.create_cluster(clusterName="c")
+    document = json.dumps({"instanceId": ids[0], "availabilityZone": "us-east-1a"})
+    arn = ecs.register_container_instance(cluster="c", instanceIdentityDocument=document)["containerInstance"][
+        "containerInstanceArn"
+    ]
+
+    def answers() -> list[Any]:
+        found = [
+            ec2.describe_instances(InstanceIds=ids),
+            ec2.describe_instance_status(InstanceIds=ids, IncludeAllInstances=True),
+            ecs.describe_container_instances(cluster="c", containerInstances=[arn]),
+            ecs.describe_clusters(clusters=["c"]),
+        ]
+        for answer in found:
+            answer.pop("ResponseMetadata")
+        return found
+
+    moto_s = answers()
+    pickers = {picker: picker.get_possible_keys for picker in (AttributePicker, XFormedAttributePicker)}
+    for picker, possible_keys in pickers.items():
+        picker.get_possible_keys = _once(possible_keys)  # type: ignore[method-assign,assignment]
+    try:
+        once, twice = answers(), answers()
+    finally:
+        for picker, possible_keys in pickers.items():
+            picker.get_possible_keys = possible_keys  # type: ignore[method-assign]
+    assert once == moto_s and twice == moto_s
+    assert moto_s[0]["Reservations"][0]["Instances"][0]["Tags"] == [{"Key": "g", "Value": "a"}]
