@@ -653,7 +653,8 @@ class SimulatedFleet:
 
     async def world(self) -> FleetWorld:
         """AWS's counts (one look at the whole group) and the fleet's own lists of its nodes."""
-        counts = await self._aws(self.aws.count)
+        # Buried nodes (terminated, or out of the group) are none of the group's live instances: not asked.
+        counts = await self._aws(self.aws.count, [i for i, node in self.nodes.items() if not node.terminated])
         live = self._live_nodes()
         return FleetWorld(
             ec2_states=counts["ec2"],

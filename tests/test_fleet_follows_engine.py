@@ -310,3 +310,21 @@ async def test_an_ssm_command_is_in_progress_until_the_host_has_run_it(
         assert answered["Status"] == "Success"
     finally:
         world.close()
+
+
+async def test_the_world_counts_the_group_s_instances_by_their_status(
+    following: Callable[..., Awaitable[SimulatedFleet]], proxy: FlakyAws, aws_env: str
+) -> None:
+    """What the demo's summary and judge read: running and booting instances counted by DescribeInstanceStatus, a
+    buried one not at all, and never DescribeInstances of the whole group (moto renders every instance for it)."""
+    fleet = await following(instances=3)
+    gone = sorted(fleet.live_instances())[0]
+    _engine(proxy, "ec2").terminate_instances(InstanceIds=[gone])
+    await _until(lambda: fleet.node(gone).terminated, "the termination to be seen")
+    before = fleet.aws.calls_made()
+    world = await fleet.world()
+    after = fleet.aws.calls_made()
+    assert world.ec2_states == {"running": 2}
+    assert world.container_active == 2 and sorted(world.live) == sorted(set(fleet.live_instances()))
+    assert after["DescribeInstances"] == before["DescribeInstances"]
+    assert after["DescribeInstanceStatus"] == before["DescribeInstanceStatus"] + 1
