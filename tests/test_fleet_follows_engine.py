@@ -325,6 +325,7 @@ async def test_the_world_counts_the_group_s_instances_by_their_status(
     world = await fleet.world()
     after = fleet.aws.calls_made()
     assert world.ec2_states == {"running": 2}
-    assert world.container_active == 2 and sorted(world.live) == sorted(set(fleet.live_instances()))
+    # (Its container instance leaves the cluster a moment later, when the fleet plays ECS letting go of it.)
+    assert sorted(world.live) == sorted(set(fleet.live_instances())) and gone in world.terminated
     assert after["DescribeInstances"] == before["DescribeInstances"]
     assert after["DescribeInstanceStatus"] == before["DescribeInstanceStatus"] + 1
