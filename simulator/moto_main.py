@@ -87,24 +87,25 @@ def _command_for_named(self: Command, *args: Any, **kwargs: Any) -> None:
         self.invocations = [self.invocation_response(instance_id, "aws:runShellScript") for instance_id in named]
 
 
-# Keyed by the shape objects themselves (botocore keeps one per field of its loaded model), so an entry never outlives
-# the shape it names; bounded all the same.
-_keys_of: dict[tuple[Any, ...], tuple[str, ...]] = {}
-_KEYS_MAX = 100_000
 PossibleKeys = Callable[[Any, AttributePickerContext], Iterable[str]]
+_KEYS_MAX = 100_000
 
 
 def _once(possible_keys: PossibleKeys) -> PossibleKeys:
+    # Keyed by the shape objects themselves (botocore keeps one per field of its loaded model), so an entry never
+    # outlives the shape it names; bounded all the same.
+    keys_of: dict[tuple[Any, ...], tuple[str, ...]] = {}
+
     def cached(self: AttributePicker, context: AttributePickerContext) -> tuple[str, ...]:
         shape = context.shape
         # What the alias rules read: the object's class (and its Meta), the field, its shape and the shape's parent.
-        key = (possible_keys, type(context.obj), context.key, shape, getattr(shape, "parent", None))
-        found = _keys_of.get(key)
+        key = (type(self), type(context.obj), context.key, shape, getattr(shape, "parent", None))
+        found = keys_of.get(key)
         if found is None:
             found = tuple(possible_keys(self, context))
-            if len(_keys_of) >= _KEYS_MAX:
-                _keys_of.clear()
-            _keys_of[key] = found
+            if len(keys_of) >= _KEYS_MAX:
+                keys_of.clear()
+            keys_of[key] = found
         return found
 
     return cached
