@@ -106,15 +106,15 @@ def test_the_serializer_s_names_worked_out_once_give_moto_s_own_answers() -> Non
         "containerInstanceArn"
     ]
 
-    def answers() -> list[Any]:
-        found = [
-            ec2.describe_instances(InstanceIds=ids),
-            ec2.describe_instance_status(InstanceIds=ids, IncludeAllInstances=True),
-            ecs.describe_container_instances(cluster="c", containerInstances=[arn]),
-            ecs.describe_clusters(clusters=["c"]),
+    def answers() -> list[dict[str, Any]]:
+        found: list[dict[str, Any]] = [
+            dict(ec2.describe_instances(InstanceIds=ids)),
+            dict(ec2.describe_instance_status(InstanceIds=ids, IncludeAllInstances=True)),
+            dict(ecs.describe_container_instances(cluster="c", containerInstances=[arn])),
+            dict(ecs.describe_clusters(clusters=["c"])),
         ]
         for answer in found:
-            answer.pop("ResponseMetadata")
+            answer.pop("ResponseMetadata")  # its request id differs every time
         return found
 
     moto_s = answers()
