@@ -9,8 +9,9 @@ events file and log are read by this checkout's code (simulator/demo_summary.py)
 printed fewer figures, is measured the same way: fault written -> IMPAIRED, permit wait, a repair's own steps
 (drain + launch + terminate) and the whole repair, p50/p90/max per run and over all runs of a commit. Beside them,
 what the machine was doing: the CPU each process of the run used (the demo's: probes, fleet, ingest, and the worker
-where it runs there; moto; Temporal; the worker where it has a process of its own), and how long workflow tasks
-waited for a worker (scheduled -> started, from the run's Temporal database).
+where it runs there; moto; Temporal; the worker where it has a process of its own), how long workflow tasks
+waited for a worker (scheduled -> started, from the run's Temporal database), and how many of the repairs' own steps
+finished while another task of their workflow was in flight, and waited it out before theirs was even scheduled.
 
 `--also-niced ROLES` runs each commit a second time in every round with those processes of the demo (for example
 `sim`, the simulated world) at the lowest CPU priority: on a machine too small for both, what the engine's measures
@@ -30,13 +31,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from benchmarks.sim_cost import cpu_seconds, rss_mb
 from simulator.demo_summary import EventLog, percentile, timings
 from simulator.servers import find_binary, free_port
+
+if TYPE_CHECKING:
+    from temporalio.api.history.v1 import HistoryEvent
 
 REPO = Path(__file__).resolve().parents[1]
 # simulator/fleet.py logs each fault it writes; the demo's log has the time of day it was written, or, since the
@@ -56,6 +62,10 @@ ROLES = (
 
 
 CPU_ROLES = ("demo", "sim", "worker", "moto", "temporal")
+# A repair's own steps (drain, launch, terminate): a completion whose workflow task is scheduled more than HELD_S
+# after it waited for another task of its workflow (its news: an event published, a progress signal delivered).
+STEP_ACTIVITIES = frozenset({"set_draining", "launch_replacement", "terminate_instance"})
+HELD_S = 0.005
 CPU_EVERY = 10.0  # seconds between two readings of the CPU timeline
 
 
@@ -87,6 +97,8 @@ class Run:
     task_waits: list[float] = field(default_factory=list)  # every workflow task of the run
     surge_task_waits: list[float] = field(default_factory=list)  # those scheduled after the first fault was written
     task_timeouts: int = 0
+    # Per completed step of a repair (STEP_ACTIVITIES): how long its workflow task waited to be scheduled at all.
+    step_holdups: list[float] = field(default_factory=list)
     # Every CPU_EVERY s: (epoch seconds, each role's CPU seconds so far), to see who had the cores in the surge.
     cpu_timeline: list[tuple[float, dict[str, float]]] = field(default_factory=list)
 
@@ -162,16 +174,16 @@ def run_demo(
     used = {name: round(sum(by_pid.values()), 1) for name, by_pid in sorted(cpu.items())}
     peak = {name: round(sum(by_pid.values()), 1) for name, by_pid in sorted(rss.items())}
     run = Run(label or commit, demo.returncode, round(took, 1), measured, used, peak, cpu_timeline=timeline)
-    waits, run.task_timeouts = asyncio.run(workflow_task_waits(state / "temporal.db"))
+    waits, run.task_timeouts, run.step_holdups = asyncio.run(workflow_task_waits(state / "temporal.db"))
     first_fault = min(written.values(), default=datetime.max.replace(tzinfo=UTC)).timestamp()
     run.task_waits = [wait for _, wait in waits]
     run.surge_task_waits = [wait for at, wait in waits if at >= first_fault]
     return run
 
 
-async def workflow_task_waits(db: Path) -> tuple[list[tuple[float, float]], int]:
-    """Every workflow task's (time scheduled, wait from scheduled to started), and how many timed out, from a run's
-    Temporal database (a dev server started on a copy of it)."""
+async def workflow_task_waits(db: Path) -> tuple[list[tuple[float, float]], int, list[float]]:
+    """Every workflow task's (time scheduled, wait from scheduled to started), how many timed out, and each repair
+    step's hold-up (step_holdups), from a run's Temporal database (a dev server started on a copy of it)."""
     from temporalio.api.enums.v1 import EventType
     from temporalio.client import Client
 
@@ -199,11 +211,13 @@ async def workflow_task_waits(db: Path) -> tuple[list[tuple[float, float]], int]
                 break
             await asyncio.sleep(0.5)
         if client is None:
-            return [], 0
+            return [], 0, []
         waits: list[tuple[float, float]] = []
         timeouts = 0
+        holdups: list[float] = []
         async for execution in client.list_workflows(""):
             history = await client.get_workflow_handle(execution.id, run_id=execution.run_id).fetch_history()
+            holdups += step_holdups(history.events)
             scheduled: float | None = None
             for event in history.events:
                 at = event.event_time.ToDatetime().timestamp()
@@ -214,12 +228,42 @@ async def workflow_task_waits(db: Path) -> tuple[list[tuple[float, float]], int]
                     scheduled = None
                 elif event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_TIMED_OUT:
                     timeouts += 1
-        return waits, timeouts
+        return waits, timeouts, holdups
     finally:
         server.terminate()
         server.wait(timeout=30)
         for made in copies:
             made.unlink(missing_ok=True)
+
+
+def step_holdups(events: Sequence[HistoryEvent]) -> list[float]:
+    """Seconds from each repair step's completion (STEP_ACTIVITIES) to the workflow task that takes it being scheduled:
+    0 unless another task of the same workflow was in flight (a workflow runs one at a time), which the completion
+    then waits out (the server schedules the next task once that one is done)."""
+    from temporalio.api.enums.v1 import EventType
+
+    names: dict[int, str] = {}
+    held: list[float] = []
+    for index, event in enumerate(events):
+        if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
+            names[event.event_id] = event.activity_task_scheduled_event_attributes.activity_type.name
+        elif event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED and (
+            names.get(event.activity_task_completed_event_attributes.scheduled_event_id) in STEP_ACTIVITIES
+        ):
+            task = next(
+                (e for e in events[index + 1 :] if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_SCHEDULED), None
+            )
+            if task is not None:
+                seconds = task.event_time.ToDatetime().timestamp() - event.event_time.ToDatetime().timestamp()
+                held.append(round(max(seconds, 0.0), 3))
+    return held
+
+
+def holdups_cell(holdups: list[float]) -> str:
+    held = [seconds for seconds in holdups if seconds > HELD_S]
+    if not held:
+        return f"0 of {len(holdups)}"
+    return f"{len(held)} of {len(holdups)}: {percentile(held, 50):.2f} / {max(held):.2f}"
 
 
 def spread(values: list[float]) -> str:
@@ -240,6 +284,7 @@ def table(runs: list[Run], instances: int, faults: int) -> str:
         "commit, run",
         *measures,
         "workflow task wait p50 / p90 / p99: after the faults (whole run)",
+        "repair steps held behind another task: held of all, p50 / max s",
         "CPU s: demo / sim / worker / moto / temporal",
     ]
     lines = [
@@ -254,11 +299,15 @@ def table(runs: list[Run], instances: int, faults: int) -> str:
                 wait += f", {run.task_timeouts} timed out"
             cpu = " / ".join(f"{run.cpu_seconds.get(name, 0):.0f}" for name in CPU_ROLES)
             cells = [spread(run.timings[m]) for m in measures]
+            held = holdups_cell(run.step_holdups)
             lines.append(
-                f"| {commit} {index + 1} | " + " | ".join([*cells, wait, cpu]) + f" | {run.exit}, {run.seconds} s |"
+                f"| {commit} {index + 1} | "
+                + " | ".join([*cells, wait, held, cpu])
+                + f" | {run.exit}, {run.seconds} s |"
             )
         pooled = [spread([s for run in mine for s in run.timings[m]]) for m in measures]
-        lines.append(f"| **{commit}, all runs** | " + " | ".join(pooled) + " | | | |")
+        held = holdups_cell([h for run in mine for h in run.step_holdups])
+        lines.append(f"| **{commit}, all runs** | " + " | ".join(pooled) + f" | | {held} | | |")
     return "\n".join(lines)
 
 

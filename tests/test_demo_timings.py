@@ -9,7 +9,15 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from benchmarks.demo_timings import faults_written
+from temporalio.api.common.v1 import ActivityType
+from temporalio.api.enums.v1 import EventType
+from temporalio.api.history.v1 import (
+    ActivityTaskCompletedEventAttributes,
+    ActivityTaskScheduledEventAttributes,
+    HistoryEvent,
+)
+
+from benchmarks.demo_timings import faults_written, step_holdups
 from contract import event_types as ev
 from contract.events import Event
 from contract.health import HealthState
@@ -92,3 +100,51 @@ def test_the_benchmark_reads_when_each_fault_was_written_from_the_demo_log(tmp_p
         "2026-12-05 05:33:10,000 INFO simulator.fleet: fleet-sim: injected Xid 79 on i-32377617956102b20 (0000:86:00)\n"
     )
     assert faults_written(log) == {"i-32377617956102b20": datetime(2026, 12, 5, 5, 32, 58, 910000, tzinfo=UTC)}
+
+
+def _event(event_id: int, kind: EventType.ValueType, seconds: float, **attributes: Any) -> HistoryEvent:
+    event = HistoryEvent(event_id=event_id, event_type=kind, **attributes)
+    event.event_time.FromDatetime(T0 + timedelta(seconds=seconds))
+    return event
+
+
+def test_a_step_completed_while_a_news_task_ran_is_held_until_that_one_is_done() -> None:
+    """The benchmark's hold-up measure, on a history shaped as a repair's: a drain that completes while the task of
+    its event's publish is in flight gets its own task only after that one; a launch that completes with none in
+    flight gets its task at once; a news activity's completion is not a step."""
+
+    def scheduled(event_id: int, seconds: float, name: str) -> HistoryEvent:
+        attributes = ActivityTaskScheduledEventAttributes(activity_type=ActivityType(name=name))
+        return _event(
+            event_id,
+            EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED,
+            seconds,
+            activity_task_scheduled_event_attributes=attributes,
+        )
+
+    def completed(event_id: int, seconds: float, of: int) -> HistoryEvent:
+        attributes = ActivityTaskCompletedEventAttributes(scheduled_event_id=of)
+        return _event(
+            event_id,
+            EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED,
+            seconds,
+            activity_task_completed_event_attributes=attributes,
+        )
+
+    def task(event_id: int, seconds: float) -> HistoryEvent:
+        return _event(event_id, EventType.EVENT_TYPE_WORKFLOW_TASK_SCHEDULED, seconds)
+
+    events = [
+        scheduled(1, 0.0, "set_draining"),
+        scheduled(2, 0.0, "publish_event"),
+        completed(3, 0.2, of=2),  # the event published: a task for it...
+        task(4, 0.2),
+        _event(5, EventType.EVENT_TYPE_WORKFLOW_TASK_STARTED, 0.3),
+        _event(6, EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED, 0.9),
+        completed(7, 0.5, of=1),  # ...in flight when the drain completed: written after it, its task after that
+        task(8, 0.9),
+        scheduled(9, 1.0, "launch_replacement"),
+        completed(10, 1.3, of=9),
+        task(11, 1.3),
+    ]
+    assert step_holdups(events) == [0.4, 0.0]
