@@ -62,11 +62,11 @@ ROLES = (
 
 
 CPU_ROLES = ("demo", "sim", "worker", "moto", "temporal")
+CPU_EVERY = 10.0  # seconds between two readings of the CPU timeline
 # A repair's own steps (drain, launch, terminate): a completion whose workflow task is scheduled more than HELD_S
 # after it waited for another task of its workflow (its news: an event published, a progress signal delivered).
 STEP_ACTIVITIES = frozenset({"set_draining", "launch_replacement", "terminate_instance"})
 HELD_S = 0.005
-CPU_EVERY = 10.0  # seconds between two readings of the CPU timeline
 
 
 def faults_written(log: Path) -> dict[str, datetime]:

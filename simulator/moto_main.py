@@ -98,8 +98,10 @@ def _once(possible_keys: PossibleKeys) -> PossibleKeys:
 
     def cached(self: AttributePicker, context: AttributePickerContext) -> tuple[str, ...]:
         shape = context.shape
-        # What the alias rules read: the object's class (and its Meta), the field, its shape and the shape's parent.
-        key = (type(self), type(context.obj), context.key, shape, getattr(shape, "parent", None))
+        # What the names depend on: the picker's alias rules (an attribute of each picker, not of its class), the
+        # object's class (and its Meta), the field, its shape and the shape's parent.
+        rules = tuple(self.alias_providers)
+        key = (type(self), rules, type(context.obj), context.key, shape, getattr(shape, "parent", None))
         found = keys_of.get(key)
         if found is None:
             found = tuple(possible_keys(self, context))
