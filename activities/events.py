@@ -8,6 +8,9 @@ through `dead_letter_events`. Nothing waits on the worker's disk: any worker rep
 carries on. A deleted bus, a throttling storm or an unwritable file costs a repair step a second or two at most, and
 the activity fails only when the event can be neither delivered nor handed to Temporal.
 
+A repair's news (`publish_news`) is its progress for the instance's health workflow, signalled through the client, and
+the events its steps made since its last batch, each published as `publish_event` publishes one.
+
 Delivery is at least once: a retried activity, or a try that timed out but got through, may publish an event twice.
 Every event carries a deterministic `event_id`, so consumers drop the duplicates.
 """
@@ -26,6 +29,8 @@ from typing import Any
 
 from pydantic import ValidationError
 from temporalio import activity
+from temporalio.api.common.v1 import Payloads, WorkflowExecution
+from temporalio.api.workflowservice.v1 import SignalWorkflowExecutionRequest
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.common import MetricMeter
 from temporalio.exceptions import ApplicationError
@@ -34,7 +39,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from activities.aws import AwsClients
 from activities.event_sinks import SinkTries
 from activities.metrics import EventMetrics, OutboxMetrics
-from activities.models import FleetEvent
+from activities.models import FleetEvent, RepairNews
 from contract import names
 from contract.config import EventSettings
 from contract.event_outbox import (
@@ -52,6 +57,7 @@ from contract.event_outbox import (
 )
 from contract.events import Event
 from contract.formats import iso, workflow_url
+from contract.repair import RepairProgress
 
 log = logging.getLogger(__name__)
 # How long an outbox found RUNNING is taken as a backlog without asking Temporal again (Outboxes.backlogged).
@@ -217,12 +223,13 @@ class EventActivities:
         ui_url: str | None = None,
     ) -> None:
         self._ui_url = ui_url
+        self._client = client
         self._sinks = SinkTries(aws.settings, settings, aws.calls)
         self._outboxes = Outboxes(client, task_queue, settings)
 
     def activities(self) -> list[Callable[..., Any]]:
         """The bound activity methods, for `Worker(activities=...)`."""
-        return [self.publish_event, self.deliver_outboxed_events, self.dead_letter_events]
+        return [self.publish_event, self.publish_news, self.deliver_outboxed_events, self.dead_letter_events]
 
     def _workflow_url(self, event: FleetEvent) -> str | None:
         if self._ui_url is None or not event.workflow_id:
@@ -231,6 +238,38 @@ class EventActivities:
 
     @activity.defn(name="publish_event")
     async def publish_event(self, event: FleetEvent) -> None:
+        await self._publish_event(event)
+
+    @activity.defn(name="publish_news")
+    async def publish_news(self, news: RepairNews) -> None:
+        """A repair's news since its last batch: the health workflow's progress first (what a repair's correctness
+        rests on), then its events in the order they were made. One activity, so one workflow task after it, where a
+        signal and an activity per step each woke the repair for a task of its own and held up its next step."""
+        if news.progress is not None:
+            await self._tell_health(news.health_workflow_id, news.progress, news.signal_request_id)
+        for event in news.events:
+            await self._publish_event(event)
+
+    async def _tell_health(self, workflow_id: str, progress: RepairProgress, request_id: str) -> None:
+        # The request id is the workflow's: a retry of this activity signals with the same one, and the server drops
+        # a signal whose id it already took (as it does for a workflow's own signal to another).
+        request = SignalWorkflowExecutionRequest(
+            namespace=self._client.namespace,
+            workflow_execution=WorkflowExecution(workflow_id=workflow_id),
+            signal_name=names.SIGNAL_REPAIR_PROGRESS,
+            input=Payloads(payloads=await self._client.data_converter.encode([progress])),
+            identity=self._client.identity,
+            request_id=request_id,
+        )
+        try:
+            await self._client.workflow_service.signal_workflow_execution(request, retry=True)
+        except RPCError as err:
+            if err.status != RPCStatusCode.NOT_FOUND:
+                raise
+            # Closed or never started: nobody is waiting for this repair's progress.
+            log.info("%s not told of %s: %s", workflow_id, progress.phase.value, err.message)
+
+    async def _publish_event(self, event: FleetEvent) -> None:
         body = event_body(event, self._workflow_url(event))
         text = json.dumps(body, default=_json_default)
         meter = _meter()

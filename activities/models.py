@@ -20,10 +20,26 @@ from contract.events import REPAIR_DETAIL_TYPE as REPAIR_DETAIL_TYPE
 from contract.events import Event
 from contract.groups import GroupConfigOverrides, GroupConfigState
 from contract.probe import GpuFinding, ProbeSourceHealth
-from contract.repair import MAX_VERDICTS_KEPT, GpuVerdict, RepairInput
+from contract.repair import MAX_VERDICTS_KEPT, GpuVerdict, RepairInput, RepairProgress
 
 # The publish activity's input: an event as its workflow built it.
 FleetEvent = Event
+
+# A repair's news goes out in batches of at most this many events (workflows/repair_context.py): what one
+# `publish_news` publishes one after another within its timeout.
+MAX_NEWS_EVENTS = 16
+
+
+class RepairNews(BaseModel):
+    """What a repair made known since its last batch went out: its events, in the order its steps made them, and its
+    latest progress for the instance's health workflow (each progress carries the whole state, so the latest is all
+    the health workflow needs)."""
+
+    events: list[Event] = Field(default_factory=list, max_length=MAX_NEWS_EVENTS)
+    progress: RepairProgress | None = None
+    health_workflow_id: str = ""
+    # Made by the workflow, so a retried activity signals with the same id and Temporal drops the second signal.
+    signal_request_id: str = ""
 
 
 class GroupRef(BaseModel):

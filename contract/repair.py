@@ -7,7 +7,7 @@ from enum import StrEnum
 from pydantic import BaseModel, Field
 
 from contract.groups import CapacityGroup
-from contract.limits import Id, Name, Text, Timestamp, Token
+from contract.limits import Id, Name, OptionalId, Text, Timestamp, Token
 from contract.probe import GpuFinding
 
 
@@ -114,3 +114,16 @@ class RepairInput(BaseModel):
     # before starting it: the repair works with it and does not read it again. None from a health workflow that
     # started repairs before it was passed: the repair reads it.
     group_config: CapacityGroup | None = None
+
+
+class RepairProgress(BaseModel):
+    """The repair workflow keeps the instance's health workflow told of where it is (signal `repair_progress`)."""
+
+    workflow_id: Id
+    phase: RepairPhase
+    replacement_instance_id: OptionalId | None = None
+    error: Text | None = None
+    finished: bool = False
+    token: Token = ""  # the repair's RepairInput.progress_token: only the health workflow that started it knows it
+    # With the last progress of a repair that cleared its fault in place (reset or reboot): the instance stays.
+    in_place_fix: InPlaceFix | None = None

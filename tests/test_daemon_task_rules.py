@@ -14,7 +14,7 @@ from contract.groups import CapacityGroup
 from contract.health import CheckType, HealthState
 from contract.instances import ClearedFinding
 from contract.probe import KIND_DAEMON, GpuRef
-from contract.repair import InPlaceFix, RepairAction, RepairPhase
+from contract.repair import InPlaceFix, RepairAction, RepairPhase, RepairProgress
 from tests.test_instance_health import (
     GROUP,
     INSTANCE,
@@ -31,7 +31,7 @@ from worker.settings import Settings
 from workflows import health_aws_rules as aws_rules
 from workflows import health_checks as checks
 from workflows.instance_health import InstanceHealth
-from workflows.models import HealthCarry, RepairProgress
+from workflows.models import HealthCarry
 
 GRACE = timedelta(minutes=5)
 GROUP_SETTINGS = CapacityGroup(name=GROUP, cluster="c", daemon_services=["gpu-exporter", "log-shipper"])

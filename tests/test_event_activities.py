@@ -12,15 +12,18 @@ from typing import Any
 
 import boto3
 import pytest
+from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 from temporalio.testing import ActivityEnvironment
 
 from activities.aws import AwsClients
 from activities.events import EventActivities
-from activities.models import HEALTH_DETAIL_TYPE, REPAIR_DETAIL_TYPE, FleetEvent
+from activities.models import HEALTH_DETAIL_TYPE, REPAIR_DETAIL_TYPE, FleetEvent, RepairNews
 from contract import event_types as ev
+from contract import names
 from contract.config import AwsSettings, EventSettings
 from contract.health import CheckType, HealthState
+from contract.repair import RepairPhase, RepairProgress
 from tests.event_schema_check import problems
 
 ENVELOPE = ["schema_version", "type", "event_id", "time", "group", "instance_id", "workflow_id", "detail"]
@@ -189,3 +192,56 @@ async def test_the_sinks_run_on_the_workers_call_threads_not_the_default_executo
         loop.set_default_executor(ThreadPoolExecutor())
     [envelope] = received(sqs, queue_url)
     assert envelope["detail"] == json.loads(path.read_text())
+
+
+async def signals_to(client: Client, workflow_id: str) -> list[RepairProgress]:
+    return [
+        RepairProgress.model_validate_json(event.workflow_execution_signaled_event_attributes.input.payloads[0].data)
+        async for event in client.get_workflow_handle(workflow_id).fetch_history_events()
+        if event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED
+        and event.workflow_execution_signaled_event_attributes.signal_name == names.SIGNAL_REPAIR_PROGRESS
+    ]
+
+
+async def test_news_tells_the_health_workflow_once_then_publishes_its_events_in_order(
+    client: Client, aws: AwsClients, tmp_path: Path
+) -> None:
+    path = tmp_path / "events.jsonl"
+    acts = EventActivities(aws, EventSettings(eventbridge=False, jsonl_path=path), client)
+    # A workflow no worker runs still takes signals into its history.
+    health = await client.start_workflow("NobodyRunsThis", id=unique("health/i"), task_queue=unique("nobody"))
+    progress = RepairProgress(workflow_id="repair/i-0123456789abcdef0/1", phase=RepairPhase.DRAINING, token="secret")
+    news = RepairNews(
+        events=[repair_event(ev.DrainPermitGranted()), repair_event(ev.Draining())],
+        progress=progress,
+        health_workflow_id=health.id,
+        signal_request_id=str(uuid.uuid4()),
+    )
+
+    # Twice, as a retry after a try that got through: the server drops the second signal by its request id.
+    for _ in range(2):
+        await ActivityEnvironment().run(acts.publish_news, news)
+
+    assert await signals_to(client, health.id) == [progress]
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    # Events go again on a retry (at least once): a consumer drops a duplicate by its id.
+    assert [(line["type"], line["event_id"]) for line in lines] == [(e.type.value, e.event_id) for e in news.events] * 2
+    await health.terminate()
+
+
+async def test_news_of_a_health_workflow_gone_still_publishes_its_events(
+    client: Client, aws: AwsClients, tmp_path: Path
+) -> None:
+    path = tmp_path / "events.jsonl"
+    acts = EventActivities(aws, EventSettings(eventbridge=False, jsonl_path=path), client)
+    progress = RepairProgress(workflow_id="repair/i-0123456789abcdef0/1", phase=RepairPhase.COMPLETED, token="secret")
+    news = RepairNews(
+        events=[repair_event(ev.Terminated())],
+        progress=progress,
+        health_workflow_id=unique("health/never-started"),
+        signal_request_id=str(uuid.uuid4()),
+    )
+
+    await ActivityEnvironment().run(acts.publish_news, news)
+
+    assert [json.loads(line)["event_id"] for line in path.read_text().splitlines()] == [news.events[0].event_id]

@@ -18,14 +18,14 @@ from temporalio.common import SearchAttributePair, TypedSearchAttributes, Workfl
 from contract import names
 from contract import search_attributes as sa
 from contract.ids import repair_workflow_id, semaphore_workflow_id
-from contract.repair import RepairInput, RepairPhase
+from contract.repair import RepairInput, RepairPhase, RepairProgress
 from contract.semaphore import PermitRequest, SemaphoreInput
 from tests.harness import eventually, make_settings, running_worker, unique
 from tests.test_health_signals import finding, health_of, monitor_only, start_health
 from worker.settings import Settings
 from workflows.drain_semaphore import MAX_WAITERS
 from workflows.instance_health import MAX_WARNING_KINDS
-from workflows.models import PermitGrant, PermitRelease, RepairProgress, RepairStatus, SemaphoreView
+from workflows.models import PermitGrant, PermitRelease, RepairStatus, SemaphoreView
 
 
 @asynccontextmanager

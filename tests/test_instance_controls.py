@@ -20,7 +20,7 @@ from contract import names
 from contract.health import HealthState
 from contract.ids import health_workflow_id, repair_workflow_id, semaphore_workflow_id
 from contract.instances import InstanceExclude, RepairWithdrawal
-from contract.repair import RepairInput, RepairPhase
+from contract.repair import RepairInput, RepairPhase, RepairProgress
 from simulator.events import group_events
 from tests.fleet import assert_start_before_stop, simulated_fleet
 from tests.harness import eventually, unique
@@ -28,7 +28,7 @@ from tests.test_forged_signals import group_worker, hold_the_one_permit, semapho
 from tests.test_health_signals import finding, health_of, start_health
 from tests.test_ops_cli import assert_one_clear_line, autorepair, cli_env, cli_json, describe, described_instances
 from worker.settings import Settings
-from workflows.models import InstanceHealthView, RepairProgress
+from workflows.models import InstanceHealthView
 
 # Not steps of a repair: what operators did, from the instance's health workflow.
 CONTROL_EVENTS = ("InstanceExcluded", "InstanceIncluded", "RepairRequested", "FindingCleared")

@@ -28,11 +28,11 @@ from contract.probe import (
     GpuRef,
     Heartbeat,
 )
-from contract.repair import RepairPhase
+from contract.repair import RepairPhase, RepairProgress
 from workflows import health_aws_rules as aws_rules
 from workflows import health_checks as checks
 from workflows.instance_health import MAX_WARNING_KINDS, REPAIR_RETRIES, SHOWN_AS_CARRIED, InstanceHealth
-from workflows.models import RepairProgress, RepairStance, RepairView
+from workflows.models import RepairStance, RepairView
 
 START = datetime(2026, 12, 5, 12, 0, tzinfo=UTC)
 INSTANCE, GROUP = "i-0abc", "g"

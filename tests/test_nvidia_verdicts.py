@@ -24,9 +24,9 @@ from contract.probe import (
     GpuRef,
     Heartbeat,
 )
-from contract.repair import MAX_VERDICTS_KEPT, GpuVerdict, InPlaceFix, RepairAction, RepairInput
+from contract.repair import MAX_VERDICTS_KEPT, GpuVerdict, InPlaceFix, RepairAction, RepairInput, RepairProgress
 from workflows import health_ladder
-from workflows.models import HealthCarry, RepairProgress
+from workflows.models import HealthCarry
 from workflows.repair_ladder import RUNGS, Ladder, nvidia_says
 
 NOW = datetime(2026, 12, 5, 12, 0, tzinfo=UTC)

@@ -27,7 +27,7 @@ from activities.aws import AwsClients
 from activities.events import BACKLOG_RECHECK, EventActivities, Outboxes, event_body
 from contract import names
 from contract.config import AwsSettings, EventSettings
-from contract.event_outbox import OutboxEntries, OutboxEntry, Sink, SinkTarget, outbox_workflow_id
+from contract.event_outbox import OutboxEntries, OutboxEntry, OutboxView, Sink, SinkTarget, outbox_workflow_id
 from tests.harness import unique
 from tests.outbox_harness import events
 from worker.main import SANDBOX
@@ -145,6 +145,6 @@ async def test_events_handed_over_while_one_hand_over_is_in_flight_go_together_o
         activities=activities.activities(),
         workflow_runner=SANDBOX,
     ):
-        view = await counting.get_workflow_handle_for(EventOutboxWorkflow.run, handle.id).result()
+        view = await counting.get_workflow_handle(handle.id, result_type=OutboxView).result()
     assert view.delivered == len(burst) and view.dead_letters == [] and view.rejected_signals == 0
     assert [json.loads(line)["event_id"] for line in path.read_text().splitlines()] == [e.event_id for e in burst]

@@ -16,6 +16,7 @@ from typing import Any
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowExecutionStatus
 
+from contract import names
 from contract.groups import AutoRepair
 from contract.health import HealthState
 from contract.ids import health_workflow_id, repair_workflow_id
@@ -50,6 +51,19 @@ async def patch_markers(client: Client, workflow_id: str) -> list[str]:
     return ids
 
 
+async def news_sent(client: Client, workflow_id: str) -> tuple[list[str], list[str]]:
+    """The activities a run scheduled for its news, and the signals it sent other workflows itself."""
+    activities, signals = [], []
+    async for event in client.get_workflow_handle(workflow_id).fetch_history_events():
+        if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
+            name = event.activity_task_scheduled_event_attributes.activity_type.name
+            if name.startswith("publish_"):
+                activities.append(name)
+        elif event.event_type == EventType.EVENT_TYPE_SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED:
+            signals.append(event.signal_external_workflow_execution_initiated_event_attributes.signal_name)
+    return activities, signals
+
+
 async def test_six_instances_drain_one_at_a_time(client: Client, aws_env: str, tmp_path: Path) -> None:
     async with simulated_fleet(client, aws_env, tmp_path, instances=6) as fleet:
         await fleet.all_healthy(6)
@@ -66,6 +80,12 @@ async def test_six_instances_drain_one_at_a_time(client: Client, aws_env: str, t
         completed = fleet.events("RepairCompleted")[0]
         # One patch marker for every patch a repair asks (each is a billed marker and a TemporalChangeVersion upsert).
         assert await patch_markers(client, completed["workflow_id"]) == [repair_patches.CURRENT]
+        # Its news went in batches, each one activity (fewer than its events), and only its last progress went as a
+        # signal of its own; the release of its permit is the other.
+        activities, signals = await news_sent(client, completed["workflow_id"])
+        published = [e for e in fleet.events() if e.get("workflow_id") == completed["workflow_id"]]
+        assert set(activities) == {"publish_news"} and 0 < len(activities) < len(published)
+        assert sorted(signals) == sorted([names.SIGNAL_REPAIR_PROGRESS, names.SIGNAL_RELEASE])
         assert completed["workflow_url"] == (
             f"{fleet.settings.temporal.ui_url}/namespaces/default/workflows/repair%2F{completed['instance_id']}%2F1"
         )

@@ -38,6 +38,7 @@ from contract.ids import liveness_workflow_id
 from contract.instances import FindingsClear, InstanceControlResult, InstanceExclude, InstanceInclude, InstanceRepairNow
 from contract.liveness import IgnoreHeartbeats, LivenessChange, shard_of
 from contract.probe import GpuFinding, Heartbeat
+from contract.repair import RepairProgress
 from workflows import health_aws_checks as aws_checks
 from workflows import health_aws_rules as aws_rules
 from workflows import health_breaker as breaker
@@ -49,7 +50,7 @@ from workflows.group_events import publish
 from workflows.in_order import InOrder
 from workflows.instance_health import InstanceHealth
 from workflows.model_log import Log
-from workflows.models import HealthRun, InstanceHealthView, RepairProgress
+from workflows.models import HealthRun, InstanceHealthView
 from workflows.options import CALL_TIMEOUT
 from workflows.signal_input import Rejected, decode
 

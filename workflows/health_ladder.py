@@ -19,8 +19,8 @@ from datetime import datetime
 
 from contract.health import CheckType, HealthState
 from contract.probe import ACTION_NONE, ACTION_REPLACE, NVIDIA_VERDICTS, STATE_TRANSITION_KINDS, GpuFinding, Heartbeat
-from contract.repair import MAX_FIXES_KEPT, MAX_VERDICTS_KEPT, GpuVerdict
-from workflows.models import HealthCarry, HealthCheckResult, RepairProgress
+from contract.repair import MAX_FIXES_KEPT, MAX_VERDICTS_KEPT, GpuVerdict, RepairProgress
+from workflows.models import HealthCarry, HealthCheckResult
 
 # Checks a fix in place clears: the GPU fault it dealt with, and the agent silence the reboot itself caused (the
 # repair saw the new boot's heartbeat and ECS's agent connected before it finished).

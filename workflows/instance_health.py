@@ -21,7 +21,7 @@ from contract.ids import health_workflow_id
 from contract.instances import ClearedFinding, Exclusion
 from contract.liveness import IgnoreHeartbeats, LivenessChange
 from contract.probe import GpuFinding, Heartbeat
-from contract.repair import FINISHED, RepairPhase
+from contract.repair import FINISHED, RepairPhase, RepairProgress
 from workflows import health_aws_rules as aws_rules
 from workflows import health_checks as checks
 from workflows import health_ladder as ladder
@@ -35,7 +35,6 @@ from workflows.models import (
     InstanceHealthView,
     RepairClaim,
     RepairDecision,
-    RepairProgress,
     RepairRetry,
     RepairStance,
 )

@@ -25,20 +25,6 @@ from contract.repair import GpuVerdict, InPlaceFix, PhaseStep, RepairAction, Rep
 from contract.semaphore import PermitRequest, SemaphoreInput
 from workflows.breaker import BreakerBook
 
-
-class RepairProgress(BaseModel):
-    """The repair workflow keeps the instance's health workflow told of where it is."""
-
-    workflow_id: Id
-    phase: RepairPhase
-    replacement_instance_id: OptionalId | None = None
-    error: Text | None = None
-    finished: bool = False
-    token: Token = ""  # the repair's RepairInput.progress_token: only the health workflow that started it knows it
-    # With the last progress of a repair that cleared its fault in place (reset or reboot): the instance stays.
-    in_place_fix: InPlaceFix | None = None
-
-
 # --- Health workflow -------------------------------------------------------------------------------------------
 
 

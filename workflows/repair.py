@@ -40,7 +40,7 @@ from workflows.activity_errors import describe_error
 from workflows.group_config import read_group_config
 from workflows.models import PermitGrant, PermitRelease, RepairResult, RepairStatus
 from workflows.options import CALL_RETRY, CALL_TIMEOUT
-from workflows.repair_context import RepairContext
+from workflows.repair_context import NewsWay, RepairContext
 from workflows.repair_record import RepairRecord
 from workflows.repair_replacement import ReplacementsExhausted, replace
 from workflows.repair_tasks import let_tasks_stop
@@ -54,6 +54,14 @@ with workflow.unsafe.imports_passed_through():
 # Re-ask for the permit now and then: a semaphore that was reset by an operator forgets its waiters.
 PERMIT_REQUEST_REFRESH = timedelta(minutes=5)
 RUNBOOK = repair_runbook.RUNBOOK
+
+
+def news_way() -> NewsWay:
+    if repair_patches.patched(repair_patches.NEWS_TOGETHER):
+        return NewsWay.TOGETHER
+    if repair_patches.patched(repair_patches.NEWS_BESIDE_STEPS):
+        return NewsWay.BESIDE
+    return NewsWay.IN_LINE
 
 
 @workflow.defn(name=names.REPAIR_WORKFLOW)
@@ -74,7 +82,7 @@ class InstanceRepairWorkflow:
     @workflow.run
     async def run(self, input: RepairInput) -> RepairResult:
         repair, record = self._repair, self._record
-        repair.news_beside_steps = repair_patches.patched(repair_patches.NEWS_BESIDE_STEPS)
+        repair.news_way = news_way()
         try:
             # Inside the try: a cancellation or a failure while the group is read is told to the health workflow like
             # any other, which would otherwise wait for this repair's progress for ever.
@@ -87,13 +95,14 @@ class InstanceRepairWorkflow:
             await repair.event(ev.DrainPermitGranted())
 
             await repair.enter(RepairPhase.DRAINING)
-            drained: DrainResult = await workflow.execute_activity_method(
-                FleetActivities.set_draining,
-                repair.instance,
-                summary=f"set {input.instance_id} DRAINING in cluster {group.cluster}",
-                start_to_close_timeout=CALL_TIMEOUT,
-                retry_policy=CALL_RETRY,
-            )
+            with repair.quick_step():
+                drained: DrainResult = await workflow.execute_activity_method(
+                    FleetActivities.set_draining,
+                    repair.instance,
+                    summary=f"set {input.instance_id} DRAINING in cluster {group.cluster}",
+                    start_to_close_timeout=CALL_TIMEOUT,
+                    retry_policy=CALL_RETRY,
+                )
             record.container_instance_arn = drained.container_instance_arn
             record.notes[RepairPhase.DRAINING] = drained.container_instance_arn.rsplit("/", 1)[-1]
             await repair.event(ev.Draining())
@@ -109,13 +118,14 @@ class InstanceRepairWorkflow:
                 await evidence.quarantine(repair)
             else:
                 await repair.enter(RepairPhase.TERMINATING)
-                await workflow.execute_activity_method(
-                    FleetActivities.terminate_instance,
-                    repair.known_instance(),
-                    summary=f"terminate impaired instance {input.instance_id}",
-                    start_to_close_timeout=CALL_TIMEOUT,
-                    retry_policy=CALL_RETRY,
-                )
+                with repair.quick_step():
+                    await workflow.execute_activity_method(
+                        FleetActivities.terminate_instance,
+                        repair.known_instance(),
+                        summary=f"terminate impaired instance {input.instance_id}",
+                        start_to_close_timeout=CALL_TIMEOUT,
+                        retry_policy=CALL_RETRY,
+                    )
                 await repair.event(ev.Terminated(evidence=record.evidence))
 
             return await self._completed(stopped, forced)

@@ -7,7 +7,8 @@ one marker, CURRENT, which stands for every patch in COVERED. A history recorded
 marker, so on its replay CURRENT reads False and each patch is asked as it was then; the SDK keeps a patch's first
 answer for the rest of the run, so a run in flight at an upgrade goes on patch by patch, as it would have.
 
-A new patch is asked on its own (not in COVERED) until the next CURRENT, a new id that covers it too.
+A new patch is asked on its own (not in COVERED) until the next CURRENT, a new id that covers it too; the CURRENT it
+replaces goes to EARLIER, so the histories that recorded it replay as they ran.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ VERIFY_REPLACEMENT = "verify-replacement"  # a replacement had to pass the gate 
 VERIFY_REPLACEMENT_ON_HOST = "verify-replacement-on-host"  # a replacement could be gated on the host
 DRAIN_WAIT_IN_ACTIVITY = "drain-wait-in-activity"  # the tasks' stop was waited for in one activity
 VERIFY_FIX = "verify-fix"  # a fix in place had to pass the gate before work returned
+NEWS_TOGETHER = "news-together"  # a step's event and progress went in a batch, one activity for all made meanwhile
 
-CURRENT = "repair-patches-2026-12-07"
+CURRENT = "repair-patches-2026-12-08"
 COVERED = frozenset(
     {
         NEWS_BESIDE_STEPS,
@@ -31,12 +33,18 @@ COVERED = frozenset(
         VERIFY_REPLACEMENT_ON_HOST,
         DRAIN_WAIT_IN_ACTIVITY,
         VERIFY_FIX,
+        NEWS_TOGETHER,
     }
 )
+# Each earlier CURRENT and what it covered: a history that recorded it still reads every patch it stood for as True.
+EARLIER = (("repair-patches-2026-12-07", COVERED - {NEWS_TOGETHER}),)
 
 
 def patched(patch_id: str) -> bool:
     """`workflow.patched(patch_id)`, answered by CURRENT's one marker in a repair started by this code."""
-    if patch_id in COVERED and workflow.patched(CURRENT):
-        return True
+    # In a new run CURRENT is asked first and records the run's one marker; an earlier marker is asked only on the
+    # replay of a history without CURRENT's, where it reads as that history recorded it.
+    for marker, covered in ((CURRENT, COVERED), *EARLIER):
+        if patch_id in covered and workflow.patched(marker):
+            return True
     return workflow.patched(patch_id)

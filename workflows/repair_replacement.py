@@ -159,17 +159,18 @@ async def _launch(repair: RepairContext, group: CapacityGroup, drained: DrainRes
         if attempt > 1:
             summary += f", replacement {attempt} of {limit}"
         try:
-            launched = await workflow.execute_activity_method(
-                FleetActivities.launch_replacement,
-                request,
-                summary=summary + (f" (attempt {tries})" if tries > 1 else ""),
-                start_to_close_timeout=timedelta(seconds=60),
-                retry_policy=RetryPolicy(
-                    initial_interval=timedelta(seconds=2),
-                    maximum_interval=timedelta(seconds=30),
-                    maximum_attempts=3,
-                ),
-            )
+            with repair.quick_step():
+                launched = await workflow.execute_activity_method(
+                    FleetActivities.launch_replacement,
+                    request,
+                    summary=summary + (f" (attempt {tries})" if tries > 1 else ""),
+                    start_to_close_timeout=timedelta(seconds=60),
+                    retry_policy=RetryPolicy(
+                        initial_interval=timedelta(seconds=2),
+                        maximum_interval=timedelta(seconds=30),
+                        maximum_attempts=3,
+                    ),
+                )
             if reported and (tries > 1 or zones.here.availability_zone in record.avoid_azs):
                 await repair_zones.tell_semaphore(record, zones.here.availability_zone, capacity_error=False)
             return launched.replacement_instance_id
